@@ -1,0 +1,99 @@
+"""L_p quantization Q_p of Lion Cub (Eq. 1).
+
+    Q_p(x)_i = clamp(round(L / (2 M_p(x)) * x_i), L),     L = 2**(bits-1) - 1
+    M_p(x)   = (mean_j |x_j|**p) ** (1/p)
+
+Normalizing by the L_p mean instead of the maximum (p = inf, the usual quantizer) makes
+the codes robust to the outliers of Lion's heavy-tailed update vectors (Sec. 4.1): with
+p = 1 most entries keep a non-zero code, and the few huge ones saturate at ±L.
+
+Supported p: 0, 1, 2 and inf.
+
+* p = 0 is the limit p -> 0, the geometric mean exp(mean log|x_j|). That limit is 0 as
+  soon as one entry is exactly zero, which would saturate every other code; we take the
+  geometric mean over the *non-zero* entries instead (documented deviation).
+* Zero input is safe: when M_p(x) = 0 (all entries zero) every code is 0.
+* ``round`` is round-half-to-even (``torch.round``), a deterministic tie rule.
+
+Codes are int8 for bits <= 8 and int16 for bits <= 16. Quantization is scale invariant:
+Q_p(c·x) = Q_p(x) for any c > 0 (exactly so for powers of two).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_P = (0.0, 1.0, 2.0, math.inf)
+
+
+def levels_for_bits(bits: int) -> int:
+    """The largest code magnitude L = 2**(bits-1) - 1 of a signed ``bits``-bit code."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+        raise ValueError(f"bits must be an int in [2, 16] (L = 2**(bits-1) - 1 >= 1), got {bits!r}")
+    return 2 ** (bits - 1) - 1
+
+
+def _check_p(p: float) -> float:
+    try:
+        pf = float(p)
+    except (TypeError, ValueError):
+        raise ValueError(f"p must be one of 0, 1, 2, inf, got {p!r}") from None
+    if pf not in SUPPORTED_P:
+        raise ValueError(f"p must be one of 0, 1, 2, inf, got {p!r}")
+    return pf
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"lp_quantize needs a floating-point tensor, got dtype {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError("lp_quantize got an empty tensor")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("lp_quantize: input contains NaN or Inf; refusing to quantize it")
+
+
+def lp_norm_mean(x: torch.Tensor, p: float = 1.0) -> torch.Tensor:
+    """M_p(x), the power mean of |x| (0-dim float64 tensor); see the module docstring.
+
+    Accumulated in float64: Lion's update entries reach 1e-12 and below (Lion Cub
+    Sec. 4.1), whose squares underflow float32.
+    """
+    p = _check_p(p)
+    if p == math.inf:
+        return x.detach().abs().max().double()
+    a = x.detach().abs().double().reshape(-1)
+    if p == 1.0:
+        return a.mean()
+    if p == 2.0:
+        return a.square().mean().sqrt()
+    nonzero = a[a > 0]
+    if nonzero.numel() == 0:
+        return a.new_zeros(())
+    return nonzero.log().mean().exp()
+
+
+def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0) -> torch.Tensor:
+    """Q_p with an explicit code range [-levels, levels] (Eq. 1 with L = ``levels``).
+
+    The summed allreduce picks ``levels`` from the world size and lane width, which need
+    not be of the form 2**(bits-1) - 1.
+    """
+    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 2**15 - 1:
+        raise ValueError(f"levels must be an int in [1, 32767], got {levels!r}")
+    _check_input(x)
+    m = lp_norm_mean(x, p)
+    out_dtype = torch.int8 if levels <= 127 else torch.int16
+    if float(m) == 0.0:
+        return torch.zeros_like(x, dtype=out_dtype)
+    scale = levels / (2.0 * m)
+    codes = torch.round(x.float() * scale).clamp_(-levels, levels)
+    return codes.to(out_dtype)
+
+
+def lp_quantize(x: torch.Tensor, bits: int, p: float = 1.0) -> torch.Tensor:
+    """Q_p(x) with ``bits``-bit signed codes in [-L, L], L = 2**(bits-1) - 1 (Lion Cub Eq. 1).
+
+    Returns int8 codes for bits <= 8, int16 for bits <= 16, of ``x``'s shape.
+    """
+    return lp_quantize_levels(x, levels_for_bits(bits), p)
