@@ -1,0 +1,25 @@
+"""Compressed collectives on flat 1-D buffers over any ProcessGroup.
+
+Each function takes a tensor and a ``group`` (default: the default process group), reads
+the world size from that group, runs its torch.distributed calls and records the bytes
+this rank sent and received (:mod:`.wire`). They know nothing of optimizers.
+"""
+from lowbit_strategy.collectives.cost_model import Estimate, cheapest, estimate
+from lowbit_strategy.collectives.majority import majority_vote
+from lowbit_strategy.collectives.reference import full_allreduce
+from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce
+from lowbit_strategy.collectives.wire import TrafficLog, TrafficRecord, recording
+
+__all__ = [
+    "majority_vote",
+    "summed_allreduce",
+    "full_allreduce",
+    "lane_for",
+    "max_levels",
+    "estimate",
+    "cheapest",
+    "Estimate",
+    "TrafficLog",
+    "TrafficRecord",
+    "recording",
+]

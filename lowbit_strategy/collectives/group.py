@@ -1,0 +1,94 @@
+"""Thin, version-tolerant wrappers over the torch.distributed primitives we use.
+
+They read the world size from the process group (never from the environment), skip the
+network entirely when the group has one rank, record traffic (:mod:`.wire`), and hide
+the torch 2.13 renames (``all_gather_single`` replaces the deprecated
+``all_gather_into_tensor``; the fallback keeps torch >= 2.4 working).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy.collectives import wire
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (the default group when None)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group "
+            "(or let Lightning/Accelerate do it) before using a collective"
+        )
+    return dist.get_world_size(group)
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank inside ``group``."""
+    world_size(group)
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> None:
+    """Equal-split all-to-all of 1-D ``inp`` into ``out`` (chunk i goes to rank i)."""
+    p = world_size(group)
+    with wire.timed() as t:
+        if p == 1:
+            out.copy_(inp)
+        else:
+            dist.all_to_all_single(out, inp, group=group)
+    chunk = _nbytes(inp) // p
+    n = wire.all_to_all_bytes(chunk, p)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> None:
+    """Gather every rank's 1-D ``inp`` into ``out`` (rank order). Reads ``out`` itself:
+    on gloo a gather's future resolves to per-rank chunks, not to the output buffer."""
+    p = world_size(group)
+    with wire.timed() as t:
+        if p == 1:
+            out.copy_(inp)
+        else:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(out, inp, group=group)
+    n = wire.all_gather_bytes(_nbytes(inp), p)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+
+
+def all_reduce_sum(buf: torch.Tensor, group, op: str, log=None) -> None:
+    """In-place SUM allreduce of ``buf``."""
+    p = world_size(group)
+    with wire.timed() as t:
+        if p > 1:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    n = wire.allreduce_bytes(_nbytes(buf), p)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+
+
+def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = None, log=None) -> None:
+    """Debug check run with ``check=True``: every rank learns whether any rank passed a
+    different length or had invalid input (``problem``), and all of them raise together.
+
+    Without it, a rank whose input is rejected raises alone while its peers wait in the
+    collective until the process group's timeout. Costs one small all-gather.
+    """
+    p = world_size(group)
+    mine = torch.tensor([x.numel(), problem is not None], dtype=torch.int64, device=x.device)
+    every = torch.empty(2 * p, dtype=torch.int64, device=x.device)
+    all_gather(every, mine, group, f"{what}.check", log)
+    lengths, bad = every.view(p, 2).t().tolist()
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
+    if any(bad):
+        ranks = [r for r, b in enumerate(bad) if b]
+        raise ValueError(f"{what}: invalid input on rank(s) {ranks}; see the error raised there")
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            f"{what}: ranks passed tensors of different lengths {lengths} (index = rank); "
+            "every rank must synchronize the same number of elements"
+        )

@@ -1,0 +1,106 @@
+"""p-bit direct allreduce of packed lanes (Lion Cub Sec. 3 and App. F.1).
+
+Every rank holds integer codes in a declared range; the result is their exact sum over
+ranks. Codes are shifted to be non-negative, packed into lanes wide enough that the sum
+over P ranks cannot carry into the neighbouring lane, and summed with *one* ordinary
+integer SUM allreduce: the packed words add lane by lane.
+
+* signed codes in [-L, L] are shifted by +L, so a lane must hold 2·L·P;
+* unsigned codes in [0, L] (e.g. Lion Cub's 0/1 votes, "{-1, 1} -> {0, 1}") need L·P.
+
+The lane is the narrowest of :data:`lowbit_strategy.codecs.bits.LANE_BITS` that holds the
+sum, unless ``lane_bits`` fixes it; a range that no lane can hold raises
+``OverflowError`` naming the limit and what to change. (The reference implementation of
+the paper silently wraps around past 15 workers at 4 bits; this one never does.)
+
+Bandwidth per rank: 2(P-1)/P · N · lane_bits bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit_strategy.codecs import bits as lanes
+from lowbit_strategy.collectives import group as g
+
+
+def _check_levels(levels: int) -> None:
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels must be a positive int (codes lie in [-levels, levels]), got {levels!r}")
+
+
+def lane_for(world_size: int, levels: int, *, signed: bool = True, lane_bits: int | None = None) -> lanes.Lane:
+    """The lane that holds the sum over ``world_size`` ranks of codes with ``levels``.
+
+    Raises ``OverflowError`` if the fixed ``lane_bits`` (or every supported lane) is too
+    narrow, with the largest ``levels`` that would fit.
+    """
+    _check_levels(levels)
+    span = 2 * levels if signed else levels
+    need = span * world_size
+    rng = f"[-{levels}, {levels}]" if signed else f"[0, {levels}]"
+    if lane_bits is None:
+        try:
+            return lanes.narrowest_lane(need)
+        except OverflowError:
+            raise OverflowError(
+                f"the sum over {world_size} ranks of codes in {rng} reaches {need}, more than any "
+                f"supported lane holds ({lanes.lane(32).capacity}); lower levels to at most "
+                f"{max_levels(world_size, 32, signed=signed)}"
+            ) from None
+    spec = lanes.lane(lane_bits)
+    if spec.capacity < need:
+        fit = max_levels(world_size, lane_bits, signed=signed)
+        fix = f"lower levels to at most {fit}" if fit >= 1 else "no level count fits this lane at this world size"
+        raise OverflowError(
+            f"the sum over {world_size} ranks of codes in {rng} reaches {need}, but a "
+            f"{lane_bits}-bit lane holds at most {spec.capacity}; {fix}, or use a wider lane"
+        )
+    return spec
+
+
+def max_levels(world_size: int, lane_bits: int, *, signed: bool = True) -> int:
+    """The largest ``levels`` whose sum over ``world_size`` ranks fits a ``lane_bits`` lane (0 if none)."""
+    cap = lanes.lane(lane_bits).capacity
+    return cap // ((2 if signed else 1) * world_size)
+
+
+def summed_allreduce(
+    codes: torch.Tensor,
+    levels: int,
+    group=None,
+    *,
+    signed: bool = True,
+    lane_bits: int | None = None,
+    validate: bool = True,
+    check: bool = False,
+    log=None,
+) -> torch.Tensor:
+    """Exact integer sum over ranks of ``codes`` in [-levels, levels] (or [0, levels]).
+
+    Returns int32 sums of ``codes``' shape. ``validate`` (default) raises ``ValueError`` on
+    codes outside the declared range; ``check=True`` adds one small collective verifying
+    that every rank passed the same number of elements.
+    """
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(f"summed_allreduce needs integer codes, got dtype {codes.dtype}")
+    n = codes.numel()
+    if n == 0:
+        raise ValueError("summed_allreduce got an empty tensor")
+    p = g.world_size(group)
+    spec = lane_for(p, levels, signed=signed, lane_bits=lane_bits)
+    low = -levels if signed else 0
+    problem = None
+    if validate:
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < low or hi > levels:
+            problem = f"codes must lie in [{low}, {levels}], got values in [{lo}, {hi}]"
+    if check:
+        g.check_consistent(codes, group, "summed_allreduce", problem, log)
+    if problem:
+        raise ValueError(f"summed_allreduce: {problem}")
+
+    shifted = codes.reshape(-1).to(torch.int32) - low
+    words = lanes.pack(shifted, spec.bits, validate=False)
+    g.all_reduce_sum(words, group, f"summed.allreduce.{spec.bits}bit", log)
+    sums = lanes.unpack(words, spec.bits, n).to(torch.int32) + low * p
+    return sums.view(codes.shape)
