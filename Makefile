@@ -1,0 +1,36 @@
+# Targets create/refresh the virtual environment they need. The CPU build of torch is
+# pinned through constraints/cpu.txt here and in CI only; the package itself asks for
+# a range (torch>=2.4).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
+
+.PHONY: venv test demo bench bench-quick bench-codecs clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/gpt_lion.py --devices 2 --max-minutes 3
+
+bench-codecs: $(STAMP)
+	$(PY) -m benchmarks.codecs
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.collectives --quick
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.codecs
+	$(PY) -m benchmarks.collectives
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
