@@ -20,6 +20,9 @@ ALGORITHMS = ("lion", "bitdp", "onebit_adam", "onebit_lamb", "turboquant_adam")
 LION_MODES = ("auto", "1bit", "sign", "lp", "fp32", "bf16")
 WIRE_LANES = (2, 4, 8, 16, 32)
 LAYER_KEYWORDS = ("auto", "all", "none")
+#: Lion with ``bits`` but no ``mode``: the paper's names ("1-bit", "4-bit" sign votes,
+#: "8-bit" L1 codes, "16/32-bit" uncompressed).
+BITS_TO_LION_MODE = {1: "1bit", 2: "sign", 4: "sign", 8: "lp", 16: "bf16", 32: "fp32"}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -93,8 +96,9 @@ class LowBitConfig:
         world size, the bucket size and the link below). Lion only.
     bits: bits on the wire. Lion ``sign``/``lp``: the lane width (2, 4, 8, 16, 32; None
         means the narrowest lane that holds P votes for ``sign`` and 8 for ``lp``);
-        ``1bit``: 1; ``fp32``: 32; ``bf16``: 16. BitDP: 1 or 2 (default 2). 1-bit Adam/LAMB:
-        1. TurboQuant-Adam: 4.
+        ``1bit``: 1; ``fp32``: 32; ``bf16``: 16. With ``mode="auto"``, giving ``bits`` picks the
+        mode the paper means by that width (:data:`BITS_TO_LION_MODE`: 4 -> sign, 8 -> lp).
+        BitDP: 1 or 2 (default 2). 1-bit Adam/LAMB: 1. TurboQuant-Adam: 4.
     p: the norm of L_p quantization (Lion Cub Eq. 1): 0, 1, 2 or inf.
     bucket_size_mb: size of the flat buckets synchronized with one collective each.
     momentum_sync_every: average the momentum across ranks every k steps (Lion Cub
@@ -131,6 +135,11 @@ class LowBitConfig:
         set_("link_bandwidth_gbps", _as_float("link_bandwidth_gbps", self.link_bandwidth_gbps, positive=True))
         set_("link_latency_us", _as_float("link_latency_us", self.link_latency_us, positive=False))
         set_("debug", _as_bool("debug", self.debug))
+        if self.algorithm == "lion" and self.mode == "auto" and self.bits not in (None, "", "none"):
+            bits = _as_int("bits", self.bits, 1)
+            if bits not in BITS_TO_LION_MODE:
+                raise ConfigError("bits", self.bits, f"with mode='auto' allowed: None, {', '.join(map(str, BITS_TO_LION_MODE))}")
+            set_("mode", BITS_TO_LION_MODE[bits])
         set_("bits", self._checked_bits(self.bits))
 
     @staticmethod

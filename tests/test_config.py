@@ -51,7 +51,7 @@ def test_every_invalid_value_names_field_value_and_allowed(field, value, allowed
         ({"mode": "lp", "bits": 1}, False),
         ({"mode": "fp32", "bits": 32}, True),
         ({"mode": "bf16", "bits": 32}, False),
-        ({"mode": "auto", "bits": 8}, False),
+        ({"mode": "auto", "bits": 3}, False),
         ({"algorithm": "bitdp", "bits": 2}, True),
         ({"algorithm": "bitdp", "bits": 4}, False),
         ({"algorithm": "bitdp", "mode": "lp"}, False),
@@ -65,6 +65,11 @@ def test_bits_must_match_algorithm_and_mode(kwargs, ok):
     else:
         with pytest.raises(ConfigError, match=r"LowBitConfig\.(bits|mode)"):
             LowBitConfig(**kwargs)
+
+
+def test_bits_alone_pick_the_papers_mode():
+    assert [LowBitConfig(bits=b).mode for b in (1, 4, 8, 32)] == ["1bit", "sign", "lp", "fp32"]
+    assert LowBitConfig(bits="8").bits == 8
 
 
 def test_strings_are_converted():

@@ -1,0 +1,60 @@
+"""CommStats: bytes on the wire per optimizer step, ratio against fp32, comm seconds.
+
+Reads the traffic the strategy's communicators recorded (every collective records the
+bytes this rank sent, :mod:`lowbit_strategy.collectives.wire`) and compares it with what
+DDP's fp32 ring allreduce of every trainable gradient would send. Shown in the progress
+bar (``comm_MB``, ``comm_x``) and logged (``comm/bytes_per_step``, ``comm/ratio_vs_fp32``,
+``comm/seconds_per_step``).
+"""
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lowbit_strategy.collectives import wire
+
+
+class CommStats(pl.Callback):
+    """Per-step communication telemetry of a :class:`~lowbit_strategy.LowBitStrategy` run."""
+
+    def __init__(self, prog_bar: bool = True):
+        self.prog_bar = prog_bar
+        self.total_bytes_sent = 0
+        self.total_seconds = 0.0
+        self.steps = 0
+        self.fp32_bytes_per_step = 0
+        self._seen: dict[int, int] = {}
+        self._last_step = -1
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self.fp32_bytes_per_step = wire.allreduce_bytes(4 * numel, trainer.world_size)
+        self._seen = {id(lg): len(lg.records) for lg in self._logs(trainer)}
+
+    @staticmethod
+    def _logs(trainer) -> list[wire.TrafficLog]:
+        getter = getattr(trainer.strategy, "traffic_logs", None)
+        return getter() if getter is not None else []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: no optimizer step in this batch
+        self._last_step = trainer.global_step
+        sent, seconds = 0, 0.0
+        for lg in self._logs(trainer):
+            new = lg.records[self._seen.get(id(lg), 0):]
+            self._seen[id(lg)] = len(lg.records)
+            sent += sum(r.bytes_sent for r in new)
+            seconds += sum(r.seconds for r in new)
+        self.total_bytes_sent += sent
+        self.total_seconds += seconds
+        self.steps += 1
+        ratio = self.fp32_bytes_per_step / sent if sent else 0.0
+        pl_module.log("comm_MB", sent / 2**20, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        pl_module.log("comm_x", ratio, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        pl_module.log("comm/bytes_per_step", float(sent), on_step=True, on_epoch=False)
+        pl_module.log("comm/ratio_vs_fp32", ratio, on_step=True, on_epoch=False)
+        pl_module.log("comm/seconds_per_step", seconds, on_step=True, on_epoch=False)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.total_bytes_sent / self.steps if self.steps else 0.0

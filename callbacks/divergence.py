@@ -1,0 +1,78 @@
+"""DivergenceMonitor: how far the ranks' momenta drift apart, and how well the compressed
+update agrees with the full-precision one.
+
+* ``divergence/<param>``: the maximum over elements of the standard deviation across ranks
+  of the momentum (Lion Cub Fig. 6), from one fp32 allreduce of [m, m²];
+  ``divergence/max`` over all parameters.
+* with ``sign_agreement=True``: ``sign/match`` and ``sign/flip``, the fractions of elements
+  whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
+  costs one extra fp32 allreduce of the update vector on monitored steps.
+
+Values are aggregated with torchmetrics between logs (max for divergence, mean for rates).
+"""
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics.aggregation import MaxMetric, MeanMetric
+
+from lowbit_strategy import Lion
+from lowbit_strategy.collectives import full_allreduce
+from lowbit_strategy.layers import param_names
+
+
+class DivergenceMonitor(pl.Callback):
+    def __init__(self, every: int = 50, sign_agreement: bool = False):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"DivergenceMonitor: every must be an int >= 1, got {every!r}")
+        self.every = every
+        self.sign_agreement = sign_agreement
+        self.divergence: dict[str, MaxMetric] = {}
+        self.match, self.flip = MeanMetric(), MeanMetric()
+        self.last: dict[str, float] = {}
+
+    def _lions(self, trainer):
+        return [o for o in trainer.optimizers if isinstance(o, Lion) and o.communicator is not None]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.sign_agreement and (trainer.global_step + 1) % self.every == 0:
+            for opt in self._lions(trainer):
+                opt.audit_next_step = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 0 or trainer.global_step % self.every:
+            return
+        names = param_names(pl_module)
+        values: dict[str, float] = {}
+        for opt in self._lions(trainer):
+            values.update(self._momentum_std(opt, names))
+            audit = opt.communicator.last_audit
+            if self.sign_agreement and audit is not None:
+                self.match.update(audit["sign_match"])
+                self.flip.update(audit["sign_flip"])
+                values["sign/match"] = float(self.match.compute())
+                values["sign/flip"] = float(self.flip.compute())
+                opt.communicator.last_audit = None
+        for name, value in values.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False)
+        self.last = values
+
+    def _momentum_std(self, opt: Lion, names: dict[int, str]) -> dict[str, float]:
+        params = [p for grp in opt.param_groups for p in grp["params"] if "exp_avg" in opt.state[p]]
+        if not params:
+            return {}
+        moms = [opt.state[p]["exp_avg"].float().reshape(-1) for p in params]
+        flat = torch.cat(moms)
+        both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group, log=opt.communicator.log)
+        world = opt.communicator.world_size
+        mean, mean_sq = (both / world).split(flat.numel())
+        std = (mean_sq - mean * mean).clamp_min(0).sqrt()
+        out = {}
+        for p, s in zip(params, std.split([m.numel() for m in moms])):
+            key = f"divergence/{names.get(id(p), 'param')}"
+            metric = self.divergence.setdefault(key, MaxMetric())
+            metric.update(s.max())
+            out[key] = float(metric.compute())
+            metric.reset()
+        out["divergence/max"] = max(out.values())
+        return out

@@ -1,0 +1,144 @@
+"""Lion, and with a communicator attached, distributed Lion Cub.
+
+Lion (Chen et al. 2023; the rule in Lion Cub Sec. 2, decoupled weight decay):
+
+    c = β1·m + (1-β1)·g
+    θ ← θ·(1 - lr·λ) - lr·sign(c)
+    m ← β2·m + (1-β2)·g
+
+Without a communicator this is plain single-process Lion, correct on any device and under
+any strategy. With one (attached by ``LowBitStrategy``), gradients stay local and the step
+is Lion Cub Algorithm 1: each rank forms c_i from its *own* gradient and momentum, the
+communicator returns sign(Σ_i Q(c_i)) through a compressed collective, every rank applies
+that same direction, and each rank's momentum m_i follows its own gradient (so momenta
+differ across ranks: rank-local state, see :mod:`lowbit_strategy.checkpoint`).
+
+Safety: a step whose gradients contain NaN/Inf (on any rank, when distributed) is skipped
+entirely, weights and momenta untouched, with a warning; :attr:`Lion.skipped_steps` counts
+them. Parameters without a gradient on every rank are skipped consistently on all ranks; a
+parameter with a gradient on some ranks only counts as a zero gradient on the others.
+``group["lr"]`` is read at every step, so LR schedulers work.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from lowbit_strategy.optim.communicator import LionCommunicator
+
+
+def _check(name: str, value: float, low: float, high: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or value < low or (high is not None and value >= high):
+        span = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"Lion: {name} must be a number in {span}, got {value!r}")
+
+
+class Lion(Optimizer):
+    """Lion optimizer; distributed Lion Cub once a :class:`LionCommunicator` is attached.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (Lion wants ~3-10x smaller than AdamW).
+        betas: (β1, β2) of the update interpolation and the momentum.
+        weight_decay: decoupled weight decay λ (Lion wants ~3-10x larger than AdamW).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ):
+        _check("lr", lr, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Lion: betas must be a pair (beta1, beta2), got {betas!r}")
+        _check("betas[0]", betas[0], 0.0, 1.0)
+        _check("betas[1]", betas[1], 0.0, 1.0)
+        _check("weight_decay", weight_decay, 0.0)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        self.communicator: LionCommunicator | None = None
+        self.skipped_steps = 0
+        self.audit_next_step = False
+        self._momentum_sync: tuple[int, list[torch.Tensor]] | None = None
+
+    def attach_communicator(self, communicator: LionCommunicator | None) -> None:
+        """Make this optimizer distributed Lion Cub (or plain Lion again with None)."""
+        self.communicator = communicator
+
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """The momentum buffer of ``p`` (created as zeros on first use)."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        comm = self.communicator
+        distributed = comm is not None and comm.world_size > 1
+        for group in self.param_groups:
+            params = group["params"]
+            has_grad = [p.grad is not None for p in params]
+            for p, h in zip(params, has_grad):
+                if h and p.grad.is_sparse:
+                    raise RuntimeError("Lion does not support sparse gradients; use dense embeddings")
+            nonfinite = any(not bool(torch.isfinite(p.grad).all()) for p, h in zip(params, has_grad) if h)
+            if distributed:
+                has_grad, nonfinite = comm.agree(has_grad, nonfinite)
+            if nonfinite:
+                self.skipped_steps += 1
+                warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped, "
+                              "weights and momentum unchanged", RuntimeWarning, stacklevel=2)
+                continue
+            active = [p for p, h in zip(params, has_grad) if h]
+            if not active:
+                continue
+            group["lion_step"] = group.get("lion_step", 0) + 1
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in active]
+            self._update(group, active, grads, comm if distributed else None)
+        self.audit_next_step = False
+        if self._momentum_sync is not None and distributed:
+            every, selected = self._momentum_sync
+            if self.param_groups[0].get("lion_step", 0) % every == 0:
+                self.sync_momentum(selected)
+        return loss
+
+    def set_momentum_sync(self, every: int, params: Iterable[torch.Tensor]) -> None:
+        """Average the momentum of ``params`` across ranks after every ``every``-th step
+        (Lion Cub Sec. 5); ``every=0`` turns it off."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"Lion.set_momentum_sync: every must be an int >= 0, got {every!r}")
+        self._momentum_sync = (every, list(params)) if every else None
+
+    def _update(self, group: dict, params: list, grads: list, comm: LionCommunicator | None) -> None:
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        moms = [self.momentum(p) for p in params]
+        updates = torch._foreach_mul(moms, beta1)
+        torch._foreach_add_(updates, grads, alpha=1 - beta1)
+        if comm is None:
+            directions = torch._foreach_sign(updates)
+        else:
+            directions = comm.directions(updates, group["lion_step"], audit=self.audit_next_step)
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_add_(params, directions, alpha=-lr)
+        torch._foreach_mul_(moms, beta2)
+        torch._foreach_add_(moms, grads, alpha=1 - beta2)
+
+    def sync_momentum(self, params: Iterable[torch.Tensor]) -> int:
+        """Average the momentum of ``params`` across ranks (Lion Cub Sec. 5). Returns how
+        many momenta were averaged; a no-op without a distributed communicator."""
+        selected = {id(p) for p in params}
+        tensors = [self.momentum(p) for grp in self.param_groups for p in grp["params"] if id(p) in selected]
+        if self.communicator is not None:
+            self.communicator.average_(tensors)
+        return len(tensors)
