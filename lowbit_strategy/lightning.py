@@ -40,8 +40,12 @@ from lowbit_strategy.optim import Lion, LionCommunicator
 log = logging.getLogger(__name__)
 
 
-def keep_local_gradients(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future:
-    """DDP communication hook that sends nothing: each rank keeps its own gradient."""
+def keep_local_gradients(state, bucket):
+    """DDP communication hook that sends nothing: each rank keeps its own gradient.
+
+    (Unannotated on purpose: DDP checks a hook's annotations against the real classes, and
+    this module's postponed annotations would be strings.)
+    """
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -1,0 +1,149 @@
+"""A tiny language model and a `Trainer.fit` driver for the strategy tests.
+
+Run as ``python -m tests.lightning_app --strategy NAME [...] --out result.json``; the
+global-zero process writes a JSON summary. Each strategy test runs it in a fresh
+interpreter, because the ``popen`` launchers re-execute the command line and forking
+from inside pytest is not safe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lowbit_strategy
+from callbacks import CommStats, DivergenceMonitor, MomentumSync
+
+VOCAB, SEQ = 32, 8
+
+
+class TinyLM(pl.LightningModule):
+    """Embedding -> MLP -> head tied to the embedding; an optional branch used only on odd
+    ranks' batches exercises unused parameters."""
+
+    def __init__(self, optimizer: str = "lion", lr: float = 1e-2, unused: bool = False):
+        super().__init__()
+        self.save_hyperparameters()
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+        self.extra = nn.Linear(16, 16) if unused else None
+
+    def forward(self, x):
+        h = self.wte(x)
+        h = h + self.mlp(h)
+        if self.extra is not None and self.global_rank % 2 == 1:
+            h = h + self.extra(h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return lowbit_strategy.Lion(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+def loader(n: int = 64, batch: int = 8) -> DataLoader:
+    """Next-token task y = (x + 1) mod V on fixed random tokens: learnable, deterministic."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+    return DataLoader(TensorDataset(x, (x + 1) % VOCAB), batch_size=batch, shuffle=False)
+
+
+def trainer(strategy, devices: int, max_epochs: int, **kw) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        deterministic=True, **{"enable_checkpointing": False, **kw},
+    )
+
+
+def fit_once(args) -> dict:
+    pl.seed_everything(0, verbose=False)
+    model = TinyLM(optimizer=args.optimizer, unused=args.unused)
+    stats = CommStats(prog_bar=False)
+    cbs = [stats, MomentumSync(every=2), DivergenceMonitor(every=2, sign_agreement=True)]
+    extra = {}
+    if args.accumulate > 1:
+        extra["accumulate_grad_batches"] = args.accumulate
+    if args.clip:
+        extra["gradient_clip_val"] = args.clip
+    strategy = args.strategy
+    if args.unused:
+        strategy = lowbit_strategy.LowBitStrategy(mode="1bit", find_unused_parameters=True,
+                                                  start_method="spawn" if "spawn" in args.strategy else "popen")
+    tr = trainer(strategy, args.devices, args.epochs, callbacks=cbs, precision=args.precision, **extra)
+    first = float(nn.functional.cross_entropy(model(loader().dataset.tensors[0]).reshape(-1, VOCAB),
+                                              loader().dataset.tensors[1].reshape(-1)))
+    tr.fit(model, loader())
+    metrics = {k: float(v) for k, v in tr.callback_metrics.items()}
+    return {"first_loss": first, "metrics": metrics, "world_size": tr.world_size,
+            "global_step": tr.global_step, "is_global_zero": tr.is_global_zero}
+
+
+def resume_check(strategy: str, devices: int, workdir: str) -> dict:
+    """Two epochs straight vs one epoch, checkpoint, resume for the second: bit-exact?"""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(epochs: int, ckpt: str | None = None, devices: int = devices, save: bool = False):
+        pl.seed_everything(0, verbose=False)
+        model = TinyLM()
+        cbs = [ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)] if save else []
+        tr = trainer(strategy, devices, epochs, callbacks=cbs, enable_checkpointing=save)
+        tr.fit(model, loader(), ckpt_path=ckpt)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    straight = run(2)
+    run(1, save=True)
+    ckpt = os.path.join(workdir, "epoch0.ckpt") if os.path.exists(os.path.join(workdir, "epoch0.ckpt")) else \
+        os.path.join(workdir, sorted(os.listdir(workdir))[0])
+    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["lowbit_rank_states"]
+    moms = [next(iter(st.values()))["exp_avg"] for st in saved["states"]]
+    resumed = run(2, ckpt=ckpt)
+    other_world = run(2, ckpt=ckpt, devices=devices + 1)
+    return {
+        "bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
+        "saved_world_size": saved["world_size"],
+        "rank_momenta_differ": not torch.equal(moms[0], moms[1]),
+        "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
+        "is_global_zero": True,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--optimizer", default="lion")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--unused", action="store_true")
+    parser.add_argument("--resume-check", default="")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        result = resume_check(args.strategy, args.devices, args.resume_check) if args.resume_check else fit_once(args)
+    except Exception as exc:  # reported to the test, which asserts on the message
+        result = {"error": f"{type(exc).__name__}: {exc}", "is_global_zero": int(os.environ.get("LOCAL_RANK", 0)) == 0}
+    if result.get("is_global_zero", True):
+        with open(args.out, "w") as fh:
+            json.dump(result, fh)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

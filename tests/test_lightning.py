@@ -1,0 +1,103 @@
+"""Trainer runs with every registered strategy name, each in a fresh interpreter."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lowbit_strategy
+from lowbit_strategy import LowBitConfig, LowBitStrategy
+from lowbit_strategy.lightning import LION_NAMES, VARIANTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fit(tmp_path, *args, timeout=240) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.lightning_app", "--out", str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+ALL_NAMES = [base + suffix for base in LION_NAMES for suffix in VARIANTS]
+
+
+def test_every_name_is_registered_on_import():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert set(ALL_NAMES) <= set(StrategyRegistry) and set(ALL_NAMES) == set(lowbit_strategy.STRATEGY_NAMES)
+    strategy = StrategyRegistry.get("lowbit_lion_8bit_notebook")
+    assert isinstance(strategy, LowBitStrategy)
+    assert (strategy.lowbit_config.mode, strategy.lowbit_config.bits, strategy._start_method) == ("lp", 8, "fork")
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_trainer_runs_with_each_registered_name(tmp_path, name):
+    devices = 3 if name.endswith("_notebook") else 2
+    r = _fit(tmp_path, "--strategy", name, "--devices", str(devices))
+    assert "error" not in r, r.get("error")
+    m = r["metrics"]
+    assert m["train_loss"] < r["first_loss"], "loss must fall"
+    assert m["comm/bytes_per_step"] > 0
+    if name.startswith("lowbit_lion_fp32"):
+        assert 0.9 < m["comm/ratio_vs_fp32"] <= 1.0
+    else:
+        assert m["comm/ratio_vs_fp32"] > 3.5, m
+    assert 0.0 <= m["sign/flip"] <= m["sign/match"] <= 1.0
+
+
+def test_wrong_optimizer_is_a_clear_error(tmp_path):
+    r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--optimizer", "adamw")
+    assert "drives lowbit_strategy.Lion" in r["error"] and "torch.optim.adamw.AdamW" in r["error"]
+    assert "'lowbit_lion_spawn'" in r["error"]
+
+
+def test_16_mixed_is_refused_with_the_fix():
+    # On CPU Lightning itself turns 16-mixed into bf16-mixed; on CUDA the plugin keeps a
+    # GradScaler whose per-rank found-inf decision could hang the ranks, so setup refuses.
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = LowBitStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(lowbit_strategy.LowBitSetupError, match="precision='bf16-mixed'"):
+        strategy.setup(SimpleNamespace())
+
+
+def test_bf16_mixed_with_accumulation_and_clipping(tmp_path):
+    r = _fit(tmp_path, "--strategy", "lowbit_lion_8bit_spawn", "--precision", "bf16-mixed",
+             "--accumulate", "2", "--clip", "0.5", "--epochs", "3")
+    assert "error" not in r, r.get("error")
+    assert r["metrics"]["train_loss"] < r["first_loss"]
+
+
+def test_unused_parameters_on_some_ranks(tmp_path):
+    r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--unused")
+    assert "error" not in r, r.get("error")
+    assert r["metrics"]["comm/bytes_per_step"] > 0
+
+
+def test_resume_is_bit_exact_and_keeps_every_ranks_momentum(tmp_path):
+    work = tmp_path / "ckpt"
+    work.mkdir()
+    r = _fit(tmp_path, "--strategy", "lowbit_lion_1bit_spawn", "--resume-check", str(work), timeout=400)
+    assert "error" not in r, r.get("error")
+    assert r == {"bit_exact": True, "saved_world_size": 2, "rank_momenta_differ": True,
+                 "other_world_finite": True, "is_global_zero": True}
+
+
+def test_direct_construction():
+    assert LowBitStrategy(config=LowBitConfig(mode="lp", bits=8)).lowbit_config.mode == "lp"
+    s = LowBitStrategy(algorithm="lion", bits=4, bucket_size_mb=2)
+    assert (s.lowbit_config.mode, s.lowbit_config.bits, s.lowbit_config.bucket_size_mb) == ("sign", 4, 2.0)
+    with pytest.raises(lowbit_strategy.LowBitSetupError, match="algorithm='bitdp' is not available"):
+        LowBitStrategy(algorithm="bitdp")
+    with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.bits"):
+        LowBitStrategy(mode="1bit", bits=8)
