@@ -8,13 +8,13 @@ update agrees with the full-precision one.
   whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
   costs one extra fp32 allreduce of the update vector on monitored steps.
 
-Values are aggregated with torchmetrics between logs (max for divergence, mean for rates).
+Sign rates are running means over the monitored steps (torchmetrics ``MeanMetric``).
 """
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics.aggregation import MaxMetric, MeanMetric
+from torchmetrics.aggregation import MeanMetric
 
 from lowbit_strategy import Lion
 from lowbit_strategy.collectives import full_allreduce
@@ -27,7 +27,6 @@ class DivergenceMonitor(pl.Callback):
             raise ValueError(f"DivergenceMonitor: every must be an int >= 1, got {every!r}")
         self.every = every
         self.sign_agreement = sign_agreement
-        self.divergence: dict[str, MaxMetric] = {}
         self.match, self.flip = MeanMetric(), MeanMetric()
         self.last: dict[str, float] = {}
 
@@ -67,12 +66,7 @@ class DivergenceMonitor(pl.Callback):
         world = opt.communicator.world_size
         mean, mean_sq = (both / world).split(flat.numel())
         std = (mean_sq - mean * mean).clamp_min(0).sqrt()
-        out = {}
-        for p, s in zip(params, std.split([m.numel() for m in moms])):
-            key = f"divergence/{names.get(id(p), 'param')}"
-            metric = self.divergence.setdefault(key, MaxMetric())
-            metric.update(s.max())
-            out[key] = float(metric.compute())
-            metric.reset()
+        out = {f"divergence/{names.get(id(p), 'param')}": float(s.max())
+               for p, s in zip(params, std.split([m.numel() for m in moms]))}
         out["divergence/max"] = max(out.values())
         return out

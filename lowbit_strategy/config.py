@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import fnmatch
 from typing import Sequence
 
-import torch
 from torch import nn
 
 
@@ -66,6 +65,3 @@ def param_names(model: nn.Module) -> dict[int, str]:
         names.setdefault(id(p), n)
     return names
 
-
-def is_parameter_of(p: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
-    return any(p is q for q in params)

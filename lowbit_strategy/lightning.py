@@ -28,7 +28,6 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.types import STEP_OUTPUT  # noqa: F401  (re-exported type for users)
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 
 from lowbit_strategy import checkpoint

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels

@@ -191,13 +191,17 @@ def test_bad_hyperparameters(kwargs, match):
         Lion(_model().parameters(), **kwargs)
 
 
-def test_auto_mode_plan_follows_the_link():
+def test_auto_mode_keeps_quality_and_follows_the_link():
     slow = LowBitConfig(link_bandwidth_gbps=0.1, link_latency_us=50)
     fast = LowBitConfig(link_bandwidth_gbps=100, link_latency_us=500)
-    assert resolve_mode(slow, 4, 10**7).mode == "1bit"
-    plan = resolve_mode(fast, 4, 10**5)
+    # without momentum sync only L1 codes are eligible: the lane holding >= 7 levels per rank
+    plan = resolve_mode(slow, 4, 10**7)
     assert (plan.mode, plan.bits, plan.levels) == ("lp", 8, 31)
     assert resolve_mode(fast, 64, 10**5).bits == 16  # 8-bit lanes leave < 7 levels at P=64
+    # with momentum sync the cost model may trade down: 1-bit when bandwidth-bound ...
+    assert resolve_mode(slow.replace(momentum_sync_every=10), 4, 10**7).mode == "1bit"
+    # ... and the lane allreduce's log P rounds when latency-bound at scale
+    assert resolve_mode(fast.replace(momentum_sync_every=10), 64, 10**3).mode == "sign"
     assert resolve_mode(LowBitConfig(mode="sign"), 16, 10).bits == 8
     with pytest.raises(OverflowError, match="wider lane"):
         resolve_mode(LowBitConfig(mode="lp", bits=8), 200, 10)

@@ -34,13 +34,11 @@ from lowbit_strategy import buckets
 from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import cost_model, full_allreduce, majority_vote, summed_allreduce, wire
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.summed import max_levels
+from lowbit_strategy.collectives.summed import lane_for, max_levels
 from lowbit_strategy.config import LowBitConfig
 
 log = logging.getLogger(__name__)
 
-#: ``auto`` keeps L1 quantization unless 1-bit is predicted this many times faster.
-AUTO_ONEBIT_SPEEDUP = 2.0
 #: ``auto``/``lp`` want at least this many levels per rank (codes in [-7, 7]).
 AUTO_MIN_LEVELS = 7
 
@@ -57,26 +55,30 @@ class Plan:
 def resolve_mode(config: LowBitConfig, world_size: int, numel: int) -> Plan:
     """Turn the configured mode into a concrete :class:`Plan` for this world size.
 
-    ``auto``: L1 quantization (p from the config) at the narrowest lane giving at least
-    :data:`AUTO_MIN_LEVELS` levels per rank, unless the α–β cost model predicts the 1-bit
-    majority vote at least :data:`AUTO_ONEBIT_SPEEDUP` times faster on the configured link
-    for a bucket of ``numel`` elements. The quality order is lp > sign > 1bit (Lion Cub
-    Table 2, Sec. 6.2), so a lossier mode must buy a real speed-up.
+    ``auto`` minimizes the α–β cost model's predicted time for a bucket of ``numel``
+    elements on the configured link, over the modes that keep convergence:
+
+    * always eligible: L_p codes (p from the config) at the narrowest lane that still
+      gives every rank :data:`AUTO_MIN_LEVELS` levels: Lion Cub's L1 quantization, which
+      converges like 32-bit Lion without momentum sync (Table 2, Sec. 5.2, Fig. 8);
+    * eligible only when momentum sync is configured (``momentum_sync_every > 0``): the
+      ``sign`` votes and the ``1bit`` majority vote, which the paper pairs with periodic
+      momentum sync to converge (Sec. 5.2, 6.2, Fig. 5, 8).
+
+    Ties go to the lp codes (better quality at equal cost).
     """
     mode, bits = config.mode, config.bits
     if mode == "auto":
         lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
+        candidates = (f"lp{lane}",) + (("sign", "1bit") if config.momentum_sync_every else ())
         link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
-        lp_s = cost_model.estimate(f"lp{lane}", world_size, numel, *link).seconds
-        one_s = cost_model.estimate("1bit", world_size, numel, *link).seconds
-        if one_s * AUTO_ONEBIT_SPEEDUP <= lp_s:
+        best = cost_model.cheapest(world_size, numel, *link, candidates=candidates)
+        if best.algorithm == "1bit":
             return Plan("1bit", 1)
-        mode, bits = "lp", lane
+        mode, bits = ("lp", lane) if best.algorithm.startswith("lp") else ("sign", None)
     if mode == "1bit":
         return Plan("1bit", 1)
     if mode == "sign":
-        from lowbit_strategy.collectives.summed import lane_for
-
         return Plan("sign", lane_for(world_size, 1, signed=False, lane_bits=bits).bits, 1)
     if mode == "lp":
         bits = bits or 8
