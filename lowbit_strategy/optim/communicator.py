@@ -157,13 +157,18 @@ class LionCommunicator:
         return match, flip, exact.numel()
 
     # ---- agreement and momentum --------------------------------------------------------
-    def agree(self, has_grad: Sequence[bool], nonfinite: bool) -> tuple[list[bool], bool]:
+    def agree(self, has_grad: Sequence[bool], nonfinite: torch.Tensor | bool | None,
+              device: torch.device | str = "cpu") -> tuple[list[bool], bool]:
         """Which parameters have a gradient on *any* rank, and whether any rank saw NaN/Inf.
 
         Gradients are local in optimizer mode, so both can differ across ranks; acting on
         a local view would make ranks enter different collectives (a hang) or diverge.
+        ``device`` must be one the backend can reduce on (the parameters' device; NCCL
+        needs CUDA).
         """
-        flags = torch.tensor(list(has_grad) + [nonfinite], dtype=torch.int32)
+        flags = torch.tensor(list(has_grad) + [0], dtype=torch.int32, device=device)
+        if nonfinite is not None:
+            flags[-1] = torch.as_tensor(nonfinite, device=device).to(torch.int32)
         g.all_reduce_sum(flags, self.group, "lion.agree", self.log)
         flags = flags.tolist()
         return [f > 0 for f in flags[:-1]], flags[-1] > 0

@@ -90,9 +90,13 @@ class Lion(Optimizer):
             for p, h in zip(params, has_grad):
                 if h and p.grad.is_sparse:
                     raise RuntimeError("Lion does not support sparse gradients; use dense embeddings")
-            nonfinite = any(not bool(torch.isfinite(p.grad).all()) for p, h in zip(params, has_grad) if h)
+            present = [p.grad for p, h in zip(params, has_grad) if h]
+            # one device-side flag, read once (one host sync per step, not per parameter)
+            bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
             if distributed:
-                has_grad, nonfinite = comm.agree(has_grad, nonfinite)
+                has_grad, nonfinite = comm.agree(has_grad, bad, params[0].device)
+            else:
+                nonfinite = bool(bad) if bad is not None else False
             if nonfinite:
                 self.skipped_steps += 1
                 warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped, "
