@@ -44,3 +44,14 @@ def test_bad_inputs():
         sign_bits(torch.ones(2), True)
     with pytest.raises(TypeError, match="step must be an int"):
         sign_bits(torch.ones(2), 1.0)
+
+
+@given(st.lists(st.integers(0, 255), max_size=40), st.data())
+def test_signs_from_bits_matches_unpack(byte_values, data):
+    from lowbit_strategy.codecs import bits, signs_from_bits
+
+    words = torch.tensor(byte_values, dtype=torch.uint8)
+    n = data.draw(st.integers(0, 8 * len(byte_values)))
+    expected = bits.unpack(words, 1, n).float() * 2 - 1
+    assert torch.equal(signs_from_bits(words, n), expected)
+    assert signs_from_bits(words, n, torch.bfloat16).dtype == torch.bfloat16

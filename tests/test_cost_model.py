@@ -8,9 +8,13 @@ from lowbit_strategy.collectives import cheapest, estimate
 def test_table1_formulas():
     P, N, a, bw = 8, 10**6, 1e-5, 1e9
     beta = 1 / bw
-    e = estimate("1bit", P, N, a, bw)
+    e = estimate("onebit_table1", P, N, a, bw)
     assert e.latency_s == pytest.approx((P - 1 + 3) * a)
     assert e.bandwidth_s == pytest.approx((1 + (P - 1) / P) * N * beta)
+    # what majority.py really sends: (P-1)/P·N bits in the all-to-all and again in the all-gather
+    e = estimate("1bit", P, N, a, bw)
+    assert e.latency_s == pytest.approx((P - 1 + 3) * a)
+    assert e.bandwidth_s == pytest.approx(2 * (P - 1) / P * N * beta)
     e = estimate("direct", P, N, a, bw)
     assert e.seconds == pytest.approx(2 * 3 * a + 2 * (P - 1) / P * N * (math.log2(P) + 1) * beta)
     e = estimate("param_server_naive", P, N, a, bw)

@@ -6,7 +6,7 @@ importing it touches no CUDA and compiles nothing, so it is safe before a fork.
 from lowbit_strategy.codecs.bits import LANE_BITS, Lane, lane, narrowest_lane, pack, unpack
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.codecs.lp import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels
-from lowbit_strategy.codecs.signs import sign_alternating, sign_bits, tie_is_positive
+from lowbit_strategy.codecs.signs import sign_alternating, sign_bits, signs_from_bits, tie_is_positive
 
 __all__ = [
     "LANE_BITS",
@@ -17,6 +17,7 @@ __all__ = [
     "unpack",
     "sign_bits",
     "sign_alternating",
+    "signs_from_bits",
     "tie_is_positive",
     "levels_for_bits",
     "lp_norm_mean",

@@ -56,15 +56,16 @@ def _check_input(x: torch.Tensor) -> None:
 def lp_norm_mean(x: torch.Tensor, p: float = 1.0) -> torch.Tensor:
     """M_p(x), the power mean of |x| (0-dim float64 tensor); see the module docstring.
 
-    Accumulated in float64: Lion's update entries reach 1e-12 and below (Lion Cub
+    p = 1 and p = inf are exact enough in float32 (a mean and a max); p = 2 and p = 0 are
+    accumulated in float64, since Lion's update entries reach 1e-12 and below (Lion Cub
     Sec. 4.1), whose squares underflow float32.
     """
     p = _check_p(p)
     if p == math.inf:
         return x.detach().abs().max().double()
-    a = x.detach().abs().double().reshape(-1)
     if p == 1.0:
-        return a.mean()
+        return x.detach().abs().float().mean().double()
+    a = x.detach().abs().double().reshape(-1)
     if p == 2.0:
         return a.square().mean().sqrt()
     nonzero = a[a > 0]
@@ -87,8 +88,8 @@ def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0) -> torch.Te
     if float(m) == 0.0:
         return torch.zeros_like(x, dtype=out_dtype)
     scale = levels / (2.0 * m)
-    codes = torch.round(x.float() * scale).clamp_(-levels, levels)
-    return codes.to(out_dtype)
+    codes = x.float() * scale
+    return codes.round_().clamp_(-levels, levels).to(out_dtype)
 
 
 def lp_quantize(x: torch.Tensor, bits: int, p: float = 1.0) -> torch.Tensor:

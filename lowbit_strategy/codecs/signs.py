@@ -27,17 +27,40 @@ def _check_no_nan(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: input contains NaN; its sign is undefined")
 
 
-def sign_bits(x: torch.Tensor, step: int) -> torch.Tensor:
+def sign_bits(x: torch.Tensor, step: int, *, check_nan: bool = True) -> torch.Tensor:
     """1-bit sign codes of ``x``: uint8 1 for positive, 0 for negative.
 
-    Exact zeros follow the alternating rule of :func:`tie_is_positive`. ``+inf`` and
-    ``-inf`` are ordinary signs; NaN raises ``ValueError``.
+    Exact zeros (+0 and -0) follow the alternating rule of :func:`tie_is_positive`.
+    ``+inf`` and ``-inf`` are ordinary signs; NaN raises ``ValueError`` (``check_nan=False``
+    skips that scan for callers that excluded non-finite input already).
     """
-    _check_no_nan(x, "sign_bits")
-    positive = x > 0
-    if tie_is_positive(step):
-        positive |= x == 0
-    return positive.to(torch.uint8)
+    if check_nan:
+        _check_no_nan(x, "sign_bits")
+    positive = x >= 0 if tie_is_positive(step) else x > 0
+    return positive.view(torch.uint8)
+
+
+_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def signs_from_bits(words: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """±1 of ``dtype`` for the first ``n`` bits of packed 1-bit ``words`` (bit 1 -> +1).
+
+    Decodes through a 256 x 8 lookup table (one gather per byte instead of unpacking,
+    casting and rescaling every bit); same little-endian layout as
+    :func:`lowbit_strategy.codecs.bits.pack`.
+    """
+    if words.dtype != torch.uint8 or words.dim() != 1:
+        raise TypeError(f"signs_from_bits needs 1-D uint8 words, got {words.dtype} of shape {tuple(words.shape)}")
+    if not 0 <= n <= 8 * words.numel():
+        raise ValueError(f"cannot decode n={n} signs from {words.numel()} bytes")
+    key = (dtype, words.device)
+    table = _SIGN_TABLES.get(key)
+    if table is None:
+        byte = torch.arange(256, device=words.device).unsqueeze(1)
+        bits = (byte >> torch.arange(8, device=words.device)) & 1
+        table = _SIGN_TABLES[key] = (bits * 2 - 1).to(dtype)
+    return table[words.long()].reshape(-1)[:n]
 
 
 def sign_alternating(x: torch.Tensor, step: int) -> torch.Tensor:

@@ -23,3 +23,22 @@ __all__ = [
     "TrafficRecord",
     "recording",
 ]
+
+# BitDP low-bit all-gather + scales (Sec. 3.2); appended, see gathered.py.
+from lowbit_strategy.collectives.gathered import (  # noqa: E402
+    Layout,
+    all_gather_async,
+    all_reduce_sum_async,
+    decode_reduce,
+    gathered_mean,
+    gathered_mean_async,
+)
+
+__all__ += [
+    "Layout",
+    "gathered_mean",
+    "gathered_mean_async",
+    "decode_reduce",
+    "all_gather_async",
+    "all_reduce_sum_async",
+]

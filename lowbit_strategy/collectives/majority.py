@@ -10,8 +10,9 @@ every sign taken to one bit:
    alternating rule of :mod:`lowbit_strategy.codecs.signs`;
 4. the chunk of majority bits is re-packed and all-gathered.
 
-Bandwidth per rank: (P-1)/P·N bits out in the all-to-all and (P-1)/P·N bits in the
-all-gather (Table 1's "1-bit compressed allreduce"), versus 2(P-1)/P·32N for fp32.
+Bandwidth per rank: (P-1)/P·N bits in the all-to-all and (P-1)/P·N bits in the
+all-gather, versus 2(P-1)/P·32N for fp32. (Table 1 charges the all-to-all a full N bits;
+see :mod:`.cost_model`.)
 
 Layout: the N bits are zero-padded to P chunks of ``c`` whole bytes each,
 ``c = ceil(N / (8P))``; padding votes are discarded.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_strategy.codecs import bits as lanes
-from lowbit_strategy.codecs.signs import sign_bits, tie_is_positive
+from lowbit_strategy.codecs.signs import sign_bits, signs_from_bits, tie_is_positive
 from lowbit_strategy.collectives import group as g
 
 
@@ -36,13 +37,15 @@ def majority_vote(
     group=None,
     *,
     check: bool = False,
+    validate: bool = True,
     log=None,
 ) -> torch.Tensor:
     """The elementwise majority of the ranks' signs of ``x``, as ±1 in ``x``'s dtype/shape.
 
     ``step`` is the optimizer step (from 1) that drives the alternating tie rule, for the
     local zeros and for tied votes alike. With ``check=True`` one extra small collective
-    verifies that every rank passed the same number of elements.
+    verifies that every rank passed the same number of elements. ``validate=False`` skips
+    the NaN scan, for callers that have excluded non-finite input already.
     """
     if not x.dtype.is_floating_point:
         raise TypeError(f"majority_vote needs a floating-point tensor, got dtype {x.dtype}")
@@ -58,7 +61,7 @@ def majority_vote(
     c = chunk_bytes(n, p)
     padded_n = 8 * c * p
     votes = torch.zeros(padded_n, dtype=torch.uint8, device=x.device)
-    votes[:n] = sign_bits(x.reshape(-1), step)
+    votes[:n] = sign_bits(x.reshape(-1), step, check_nan=validate)
     packed = lanes.pack(votes, 1, validate=False)
 
     received = torch.empty_like(packed)
@@ -74,5 +77,4 @@ def majority_vote(
     gathered = torch.empty(c * p, dtype=torch.uint8, device=x.device)
     g.all_gather(gathered, mine, group, "majority.all_gather", log)
 
-    result = lanes.unpack(gathered, 1, n)
-    return (result.to(x.dtype) * 2 - 1).view(x.shape)
+    return signs_from_bits(gathered, n, x.dtype).view(x.shape)

@@ -99,7 +99,13 @@ def summed_allreduce(
     if problem:
         raise ValueError(f"summed_allreduce: {problem}")
 
-    shifted = codes.reshape(-1).to(torch.int32) - low
+    flat = codes.reshape(-1)
+    if spec.word_dtype == torch.uint8:
+        # codes + levels lies in [0, 255]: uint8 arithmetic (which wraps modulo 256 on the
+        # conversion of negative codes and on the add) gives it exactly, without widening
+        shifted = flat.to(torch.uint8).add_(-low % 256)
+    else:
+        shifted = flat.to(torch.int32) - low
     words = lanes.pack(shifted, spec.bits, validate=False)
     g.all_reduce_sum(words, group, f"summed.allreduce.{spec.bits}bit", log)
     sums = lanes.unpack(words, spec.bits, n).to(torch.int32) + low * p

@@ -134,17 +134,16 @@ class LionCommunicator:
         plan, check = self.plan, self.config.debug
         flat = buckets.flatten(chunk)
         if plan.mode == "1bit":
-            return majority_vote(flat, step, self.group, check=check, log=self.log)
+            return majority_vote(flat, step, self.group, check=check, validate=False, log=self.log)
         if plan.mode in ("fp32", "bf16"):
             dtype = torch.float32 if plan.mode == "fp32" else torch.bfloat16
             return torch.sign(full_allreduce(flat, self.group, wire_dtype=dtype, check=check, log=self.log))
         if plan.mode == "sign":
-            codes = sign_bits(flat, step)
+            codes = sign_bits(flat, step, check_nan=False)
             votes = summed_allreduce(codes, 1, self.group, signed=False, lane_bits=plan.bits,
                                      validate=False, check=check, log=self.log)
             return torch.sign(2 * votes - self.world_size).to(flat.dtype)
-        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.p).to(torch.int16)
-                           for c in chunk])
+        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.p) for c in chunk])
         sums = summed_allreduce(codes, plan.levels, self.group, lane_bits=plan.bits,
                                 validate=False, check=check, log=self.log)
         return torch.sign(sums).to(flat.dtype)
