@@ -1,0 +1,282 @@
+"""BitDP as a DDP communication hook, usable from plain PyTorch DDP (BitDP Algorithm 1).
+
+::
+
+    state = BitDPState(bits=2).attach(model)          # learns which parameters to quantize
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(state, bitdp_hook)
+
+For each DDP bucket the hook returns the mean gradient over ranks, in the bucket's dtype:
+
+* weight matrices of linear layers (selection rule of Sec. 3.1.1, :mod:`.selection`) are
+  channel-quantized to 1 or 2 bits (Sec. 3.1.2, Eq. 5-9) and synchronized by the low-bit
+  all-gather of :mod:`.collectives.gathered` (Sec. 3.2);
+* every other gradient in the bucket (biases, norms, embeddings, ...) is averaged by one
+  full-precision allreduce, launched at the same time — Algorithm 1's "AllReduce(g)/P".
+
+**Splitting a bucket.** DDP flattens a bucket's gradients into one buffer, contiguously in
+the order of ``bucket.parameters()``; ``bucket.gradients()`` are views into it (there is no
+``offsets()`` in the GradBucket API of torch 2.13). Offsets are the running sum of the
+parameters' sizes, cross-checked against the views' storage offsets. Each parameter is
+looked up by identity (``id``) in the map :meth:`BitDPState.attach` built from the model's
+modules — a Parameter object is what DDP hands us, so module types and names must be
+learned beforehand. The resulting split (quantized matrices, merged full-precision runs) is
+cached per bucket under ``(bucket.index(), bucket size)`` and re-derived whenever the
+bucket's parameter list differs from the cached one (DDP rebuilds its buckets after
+iteration 0, in gradient-ready order, so an index and size may come back with other contents).
+
+**Warm-up.** The first ``start_iter`` (>= 2) iterations are a plain mean allreduce,
+bit-identical to DDP without a hook: iteration 0 runs on DDP's provisional buckets, rebuilt
+after it (PowerSGD's reason for its ``start_powerSGD_iter > 1``), and the first steps are
+the most sensitive to gradient error, so compression starts on the final buckets.
+
+**Non-finite gradients.** A bucket holding NaN/Inf on *any* rank is averaged at full
+precision on every rank, so AMP's GradScaler sees the Inf/NaN and skips the step (the
+channel codec refuses non-finite input). Ranks agree through one 4-byte allreduce of a
+flag per compressed bucket — a rank deciding alone would pair an allreduce with its peers'
+all-gathers and hang. This costs one small-message latency per bucket and step.
+
+**Error feedback** (off by default; BitDP does not use it): each rank keeps, per quantized
+parameter, the residual ``e = (g + e) - s ⊙ q`` of its own last encoding and adds it to the
+next gradient before quantizing. Rank-local state; not touched by warm-up or non-finite
+steps.
+"""
+# No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
+# annotations and accepts only the real objects dist.GradBucket / Future[Tensor], not strings.
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy.codecs.channel import channel_decode, channel_encode
+from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.gathered import (
+    DEFAULT_CHUNK_ROWS,
+    REDUCTIONS,
+    Layout,
+    all_reduce_sum_async,
+    gathered_mean_async,
+    matrix_shape,
+    pack_payload,
+)
+from lowbit_strategy.selection import ParamInfo, classify, patterns
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BitDPState", "bitdp_hook"]
+
+
+def _bad(field: str, value, fix: str) -> ValueError:
+    return ValueError(f"BitDPState.{field}: got {value!r}; {fix}")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one bucket splits: quantized matrices ``(offset, shape, param id)`` and runs of
+    consecutive full-precision gradients ``(offset, numel)``."""
+
+    quantized: tuple[tuple[int, tuple[int, ...], int], ...]
+    full: tuple[tuple[int, int], ...]
+    param_ids: tuple[int, ...]  # the bucket's parameters, in order: validates a cached plan
+
+
+class BitDPState:
+    """Configuration and state of :func:`bitdp_hook`, validated on construction.
+
+    Args:
+        bits: 1 (binary codes, Eq. 5-6) or 2 (ternary codes, Eq. 7-9).
+        process_group: the data-parallel group (None: the default group).
+        quantize: fnmatch patterns over parameter names replacing the default selection rule
+            (linear weights, not embeddings); see :mod:`lowbit_strategy.selection`.
+        exclude: patterns of parameters always sent at full precision (wins over quantize).
+        start_iter: iterations of plain mean allreduce before compression starts (>= 2).
+        reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
+        chunk_rows: rows decoded at a time (bounds decode memory); None: whole matrices.
+        error_feedback: keep a rank-local residual per quantized parameter (off in BitDP).
+        model: optional; the same as calling :meth:`attach` with it.
+        log: a :class:`~lowbit_strategy.collectives.TrafficLog` receiving every transfer.
+    """
+
+    __slots__ = (
+        "bits", "process_group", "quantize", "exclude", "start_iter", "reduction",
+        "chunk_rows", "error_feedback", "log",
+        # internal state
+        "iter", "params", "plans", "residuals",
+    )
+
+    def __init__(
+        self,
+        bits: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+        quantize=None,
+        exclude=None,
+        start_iter: int = 2,
+        reduction: str = "mean",
+        chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
+        error_feedback: bool = False,
+        *,
+        model: torch.nn.Module | None = None,
+        log=None,
+    ):
+        if isinstance(bits, bool) or bits not in (1, 2):
+            raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise _bad("process_group", process_group, "pass a torch.distributed ProcessGroup or None (default group)")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
+            raise _bad(
+                "start_iter", start_iter,
+                "pass an int >= 2: as with PowerSGD's start_powerSGD_iter, at least the first two "
+                "iterations (DDP's provisional buckets, then their rebuild) run as a plain allreduce",
+            )
+        if reduction not in REDUCTIONS:
+            raise _bad("reduction", reduction, "use 'mean' (exact mean of dequantized gradients) or 'paper' (Eq. 10)")
+        if chunk_rows is not None and (
+            isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+        ):
+            raise _bad("chunk_rows", chunk_rows, "pass a positive number of rows decoded at a time, or None")
+        if not isinstance(error_feedback, bool):
+            raise _bad("error_feedback", error_feedback, "pass True or False")
+        self.bits, self.process_group = int(bits), process_group
+        self.quantize = patterns("BitDPState.quantize", quantize)
+        self.exclude = patterns("BitDPState.exclude", exclude)
+        self.start_iter, self.reduction, self.chunk_rows = start_iter, reduction, chunk_rows
+        self.error_feedback, self.log = error_feedback, log
+        self.iter = 0
+        # id(parameter) -> what the selection rule decided; filled by attach()
+        self.params: dict[int, ParamInfo] = {}
+        # (bucket index, bucket numel) -> split of that bucket; robust to DDP's bucket rebuild
+        self.plans: dict[tuple[int, int], _Plan] = {}
+        # id(parameter) -> this rank's quantization residual (error feedback only)
+        self.residuals: dict[int, torch.Tensor] = {}
+        if model is not None:
+            self.attach(model)
+
+    def attach(self, model: torch.nn.Module) -> "BitDPState":
+        """Learn, from ``model``'s modules, which parameters are quantized. Pass the module
+        DDP wraps (or the DDP model itself; it is unwrapped). Returns ``self``."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"BitDPState.attach needs an nn.Module, got {type(model).__name__}")
+        self.params = classify(model, self.quantize, self.exclude)
+        self.plans.clear()
+        n_q = sum(i.quantized for i in self.params.values())
+        logger.info("BitDP: %d of %d parameters quantized to %d bits", n_q, len(self.params), self.bits)
+        return self
+
+    def selection(self) -> dict[str, ParamInfo]:
+        """Every parameter's decision by (first) name: ``info.quantized``, ``info.reason``."""
+        return {i.name: i for i in self.params.values()}
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count iterations: DDP processes the bucket with ``is_last()`` last in each one."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_iter:
+                logger.info("BitDP: compression starts after %d iterations of plain allreduce", self.iter)
+
+    def plan(self, bucket: dist.GradBucket) -> _Plan:
+        """The split of ``bucket`` into quantized matrices and full-precision runs (cached)."""
+        buf, params = bucket.buffer(), bucket.parameters()
+        key = (bucket.index(), buf.numel())
+        cached = self.plans.get(key)
+        if cached is not None and len(cached.param_ids) == len(params) and all(
+            i == id(p) for i, p in zip(cached.param_ids, params)
+        ):
+            return cached
+        quantized, full, offset = [], [], 0
+        for p, view in zip(params, bucket.gradients()):
+            info = self.params.get(id(p))
+            if info is None or info.shape != tuple(p.shape):
+                raise RuntimeError(
+                    f"BitDP: bucket {bucket.index()} holds a parameter of shape {tuple(p.shape)} that "
+                    "BitDPState does not know; call state.attach(model) with the model DDP wraps"
+                )
+            if view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                if view.storage_offset() - buf.storage_offset() != offset:
+                    raise RuntimeError(f"BitDP: unexpected layout of DDP bucket {bucket.index()} at {info.name}")
+            if info.quantized:
+                quantized.append((offset, tuple(p.shape), id(p)))
+            elif full and full[-1][0] + full[-1][1] == offset:
+                full[-1] = (full[-1][0], full[-1][1] + p.numel())
+            else:
+                full.append((offset, p.numel()))
+            offset += p.numel()
+        if offset != buf.numel():
+            raise RuntimeError(f"BitDP: bucket {bucket.index()} parameters cover {offset} of {buf.numel()} elements")
+        self.plans[key] = _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params))
+        return self.plans[key]
+
+
+def _mean_allreduce(buf: torch.Tensor, group, op: str, log) -> torch.futures.Future:
+    """Full-precision mean of the whole bucket, bit-identical to DDP without a hook: its
+    reducer scales each gradient by 1/P (a multiply, not a divide: they differ in the last
+    bit when P is not a power of two) before the SUM allreduce, so fp16 does not overflow."""
+    buf.mul_(1.0 / g.world_size(group))
+    return all_reduce_sum_async(buf, group, op, log)
+
+
+def _finite_everywhere(buf: torch.Tensor, group, log) -> bool:
+    """Whether the bucket is finite on every rank (all ranks get the same answer)."""
+    bad = torch.tensor([0 if bool(torch.isfinite(buf).all()) else 1], dtype=torch.int32, device=buf.device)
+    g.all_reduce_sum(bad, group, "bitdp.finite_check", log)
+    return int(bad.item()) == 0
+
+
+def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook running BitDP (Algorithm 1) on one bucket; returns a future
+    resolving to the bucket buffer overwritten with the mean gradient over ranks."""
+    if not state.params:
+        raise RuntimeError(
+            "BitDPState is not attached to a model: call state.attach(model) (or pass model=) "
+            "before training, so BitDP knows which gradients are linear weights"
+        )
+    buf, group, log = bucket.buffer(), state.process_group, state.log
+    plan = state.plan(bucket)  # also during warm-up: an unknown parameter fails at once
+    warmup = state.iter < state.start_iter
+    state.maybe_increase_iter(bucket)
+    if warmup:
+        return _mean_allreduce(buf, group, "bitdp.warmup.allreduce", log)
+    if not plan.quantized:
+        return _mean_allreduce(buf, group, "bitdp.full.allreduce", log)
+    if not _finite_everywhere(buf, group, log):
+        return _mean_allreduce(buf, group, "bitdp.nonfinite.allreduce", log)
+
+    p = g.world_size(group)
+    mats = [buf[o: o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
+    codes, scales = [], []
+    for (_, _, key), m in zip(plan.quantized, mats):
+        if state.error_feedback:
+            m = m.float() + state.residuals[key] if key in state.residuals else m.float()
+        c, s = channel_encode(m, state.bits)
+        if state.error_feedback:
+            state.residuals[key] = m - channel_decode(c, s, state.bits).view(m.shape)
+        codes.append(c)
+        scales.append(s)
+    layout = Layout.of([matrix_shape(m) for m in mats], state.bits)
+    words, scl = pack_payload(codes, scales, layout)
+    # Decode straight into the bucket when it is float32: the local gradient is encoded already.
+    out = [m.view(-1) for m in mats] if buf.dtype == torch.float32 else None
+    f_q = gathered_mean_async(
+        words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, log=log
+    )
+    futures = [f_q]
+    fp = None
+    if plan.full:
+        fp = torch.cat([buf[o: o + n] for o, n in plan.full]).mul_(1.0 / p)
+        futures.append(all_reduce_sum_async(fp, group, "bitdp.full.allreduce", log))
+
+    def assemble(_: torch.futures.Future) -> torch.Tensor:
+        q = f_q.value()
+        if out is None:  # decoded into a float32 temporary: cast into the bucket's dtype
+            for (o, _, _), e, (r, c) in zip(plan.quantized, layout.elem_offsets, layout.shapes):
+                buf[o: o + r * c].copy_(q[e: e + r * c])
+        if fp is not None:
+            futures[1].value()
+            start = 0
+            for o, n in plan.full:
+                buf[o: o + n].copy_(fp[start: start + n])
+                start += n
+        return buf
+
+    return torch.futures.collect_all(futures).then(assemble)
