@@ -27,7 +27,8 @@ class DivergenceMonitor(pl.Callback):
             raise ValueError(f"DivergenceMonitor: every must be an int >= 1, got {every!r}")
         self.every = every
         self.sign_agreement = sign_agreement
-        self.match, self.flip = MeanMetric(), MeanMetric()
+        # the rates are global (identical on every rank): no hidden cross-rank sync in compute()
+        self.match, self.flip = MeanMetric(sync_on_compute=False), MeanMetric(sync_on_compute=False)
         self.last: dict[str, float] = {}
 
     def _lions(self, trainer):

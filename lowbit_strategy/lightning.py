@@ -1,5 +1,12 @@
 """LowBitStrategy: Lightning's DDPStrategy with low-bit synchronization.
 
+Two places to synchronize (DESIGN.md):
+
+* gradient level, ``algorithm="bitdp"``: the BitDP communication hook
+  (:mod:`lowbit_strategy.hooks`) averages gradients in 1 or 2 bits; any optimizer works;
+* optimizer level, ``algorithm="lion"``: gradients stay local and Lion Cub synchronizes
+  its update vectors in ``step()``.
+
 Optimizer-level algorithms (Lion Cub) need gradients to stay local: the model is still
 wrapped in DDP (its forward hooks, unused-parameter handling and launchers), but with a
 communication hook that hands every bucket back untouched, so no gradient byte crosses the
@@ -33,6 +40,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lowbit_strategy import checkpoint
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.hooks import BitDPState, bitdp_hook
 from lowbit_strategy.layers import select_params
 from lowbit_strategy.optim import Lion, LionCommunicator
 
@@ -68,30 +76,43 @@ class LowBitStrategy(DDPStrategy):
         fields = set(LowBitConfig.field_names())
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         self.lowbit_config = LowBitConfig.coerce(config, **overrides)
-        if self.lowbit_config.algorithm != "lion":
+        if self.lowbit_config.algorithm not in ("lion", "bitdp"):
             raise LowBitSetupError(
                 f"LowBitStrategy: algorithm={self.lowbit_config.algorithm!r} is not available in this "
-                "strategy yet; use algorithm='lion'"
+                "strategy yet; use algorithm='lion' or 'bitdp'"
             )
+        self.bitdp_state: BitDPState | None = None
         super().__init__(**kwargs)
+
+    @property
+    def gradient_level(self) -> bool:
+        """Whether gradients are synchronized by a DDP hook (BitDP) rather than the optimizer."""
+        return self.lowbit_config.algorithm == "bitdp"
 
     # ---- wiring ---------------------------------------------------------------------
     def configure_ddp(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on gloo/CPU as well,
         # and a DDP model accepts one hook, so register it here and never through super().
         super().configure_ddp()
-        self.model.register_comm_hook(None, keep_local_gradients)
+        if self.gradient_level:
+            cfg = self.lowbit_config
+            self.bitdp_state = BitDPState(
+                bits=cfg.bits or 2, start_iter=max(2, cfg.warmup_steps), log=wire.TrafficLog()
+            ).attach(self.lightning_module)
+            self.model.register_comm_hook(self.bitdp_state, bitdp_hook)
+        else:
+            self.model.register_comm_hook(None, keep_local_gradients)
 
     def setup(self, trainer) -> None:
         precision = getattr(self.precision_plugin, "precision", None)
-        if precision == "16-mixed":
+        if precision == "16-mixed" and not self.gradient_level:
             raise LowBitSetupError(
                 "LowBitStrategy does not support precision='16-mixed': gradients stay local, so each "
                 "rank's GradScaler could skip a different step and the ranks would hang. Use "
                 "precision='bf16-mixed' or '32-true'."
             )
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.gradient_level:
             self._attach_communicators()
 
     def _attach_communicators(self) -> None:
@@ -122,8 +143,8 @@ class LowBitStrategy(DDPStrategy):
 
     # ---- telemetry ------------------------------------------------------------------
     def traffic_logs(self) -> list[wire.TrafficLog]:
-        """The traffic logs of every attached communicator."""
-        out = []
+        """The traffic logs of the BitDP hook or of every attached communicator."""
+        out = [self.bitdp_state.log] if self.bitdp_state is not None else []
         for opt in self.optimizers:
             opt = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
             comm = getattr(opt, "communicator", None)
@@ -152,19 +173,27 @@ LION_NAMES: dict[str, dict[str, Any]] = {
     "lowbit_lion_8bit": dict(mode="lp", bits=8, p=1.0),
     "lowbit_lion_fp32": dict(mode="fp32"),
 }
+#: registered name -> config of the BitDP family (gradient hook, any optimizer)
+BITDP_NAMES: dict[str, dict[str, Any]] = {
+    "lowbit_bitdp": dict(algorithm="bitdp", bits=2),
+    "lowbit_bitdp_1bit": dict(algorithm="bitdp", bits=1),
+}
 VARIANTS = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
 
 
 def register_strategies(registry=StrategyRegistry) -> list[str]:
-    """Register every name of :data:`LION_NAMES` x :data:`VARIANTS` (idempotent)."""
+    """Register every name of :data:`LION_NAMES` and :data:`BITDP_NAMES` x :data:`VARIANTS`
+    (idempotent: re-registering overrides)."""
     names = []
-    for base, cfg in LION_NAMES.items():
+    families = [(n, c, f"Lion Cub ({c['mode']})") for n, c in LION_NAMES.items()]
+    families += [(n, c, f"BitDP {c['bits']}-bit gradients") for n, c in BITDP_NAMES.items()]
+    for base, cfg, what in families:
         for suffix, start_method in VARIANTS.items():
             name = base + suffix
             registry.register(
                 name,
                 _named_factory(name),
-                description=f"Lion Cub ({cfg['mode']}) with start_method '{start_method}'",
+                description=f"{what} with start_method '{start_method}'",
                 override=True,
                 start_method=start_method,
                 **cfg,
