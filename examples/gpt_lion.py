@@ -166,6 +166,8 @@ def parse(argv=None):
     p.add_argument("--momentum-sync", type=int, default=0, help="sync embedding/head momentum every k steps")
     p.add_argument("--data-mb", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lowbit", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="LowBitConfig overrides on top of --strategy's preset, e.g. bitdp_quantize='*'")
     p.add_argument("--out", default="", help="write a JSON summary here")
     return p.parse_args(argv)
 
@@ -184,7 +186,7 @@ def main(argv=None) -> dict:
     stats, clock = CommStats(), Throughput()
     cbs = [stats, clock] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
     trainer = pl.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+        strategy=build_strategy(args.strategy, args.lowbit), accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
         max_time={"minutes": args.max_minutes} if args.max_minutes else None,
         val_check_interval=args.val_every, limit_val_batches=args.val_batches, check_val_every_n_epoch=None,
         callbacks=cbs, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -206,6 +208,19 @@ def main(argv=None) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def build_strategy(name: str, overrides: list[str]):
+    """``name`` itself, or with ``KEY=VALUE`` overrides the registered preset rebuilt with them."""
+    if not overrides:
+        return name
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    params = dict(StrategyRegistry[name]["init_params"])
+    for item in overrides:
+        key, _, value = item.partition("=")
+        params[key] = value
+    return lowbit_strategy.LowBitStrategy(**params)
 
 
 def report(s: dict) -> None:

@@ -107,6 +107,11 @@ class LowBitConfig:
         head), ``all``, ``none`` or a tuple of parameter-name patterns (fnmatch).
     warmup_steps: steps run uncompressed before compression starts.
     link_bandwidth_gbps, link_latency_us: the network the ``auto`` mode plans for.
+    bitdp_quantize: BitDP only: parameter-name patterns to quantize instead of the default
+        rule (linear weights, no embeddings); None keeps the default.
+    bitdp_exclude: BitDP only: patterns never quantized (win over ``bitdp_quantize``).
+    bitdp_reduction: BitDP only: ``mean`` (exact mean of dequantized gradients) or
+        ``paper`` (Eq. 10: reduced scales times reduced codes).
     debug: run extra checks (one more small collective per call verifying that every
         rank passes the same lengths).
     """
@@ -121,6 +126,9 @@ class LowBitConfig:
     warmup_steps: int = 0
     link_bandwidth_gbps: float = 1.0
     link_latency_us: float = 50.0
+    bitdp_quantize: tuple[str, ...] | None = None
+    bitdp_exclude: tuple[str, ...] | None = None
+    bitdp_reduction: str = "mean"
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -135,6 +143,9 @@ class LowBitConfig:
         set_("link_bandwidth_gbps", _as_float("link_bandwidth_gbps", self.link_bandwidth_gbps, positive=True))
         set_("link_latency_us", _as_float("link_latency_us", self.link_latency_us, positive=False))
         set_("debug", _as_bool("debug", self.debug))
+        set_("bitdp_quantize", self._checked_patterns("bitdp_quantize", self.bitdp_quantize))
+        set_("bitdp_exclude", self._checked_patterns("bitdp_exclude", self.bitdp_exclude))
+        set_("bitdp_reduction", _as_choice("bitdp_reduction", self.bitdp_reduction, ("mean", "paper")))
         if self.algorithm == "lion" and self.mode == "auto" and self.bits not in (None, "", "none"):
             bits = _as_int("bits", self.bits, 1)
             if bits not in BITS_TO_LION_MODE:
@@ -170,6 +181,16 @@ class LowBitConfig:
             "momentum_sync_layers", value,
             "allowed: 'auto', 'all', 'none', or a non-empty list of parameter-name patterns",
         )
+
+    @staticmethod
+    def _checked_patterns(name: str, value: Any) -> tuple[str, ...] | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+            return None
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
+            return tuple(v.strip() for v in value)
+        raise ConfigError(name, value, "expected None or a non-empty list of parameter-name patterns (fnmatch)")
 
     def _checked_bits(self, value: Any) -> int | None:
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):

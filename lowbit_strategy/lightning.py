@@ -97,7 +97,8 @@ class LowBitStrategy(DDPStrategy):
         if self.gradient_level:
             cfg = self.lowbit_config
             self.bitdp_state = BitDPState(
-                bits=cfg.bits or 2, start_iter=max(2, cfg.warmup_steps), log=wire.TrafficLog()
+                bits=cfg.bits or 2, quantize=cfg.bitdp_quantize, exclude=cfg.bitdp_exclude,
+                start_iter=max(2, cfg.warmup_steps), reduction=cfg.bitdp_reduction, log=wire.TrafficLog(),
             ).attach(self.lightning_module)
             self.model.register_comm_hook(self.bitdp_state, bitdp_hook)
         else:

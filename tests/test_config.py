@@ -30,6 +30,9 @@ def test_defaults_are_valid():
         ("link_bandwidth_gbps", -1, "> 0"),
         ("link_latency_us", -1, ">= 0"),
         ("debug", "maybe", "boolean"),
+        ("bitdp_quantize", [], "list of parameter-name patterns"),
+        ("bitdp_exclude", 3, "list of parameter-name patterns"),
+        ("bitdp_reduction", "median", "allowed: mean, paper"),
     ],
 )
 def test_every_invalid_value_names_field_value_and_allowed(field, value, allowed):
@@ -78,6 +81,11 @@ def test_strings_are_converted():
     assert cfg.mode == "lp" and cfg.bits == 8 and cfg.p == math.inf and cfg.bucket_size_mb == 4.0
     assert cfg.momentum_sync_every == 10 and cfg.momentum_sync_layers == ("wte.*", "lm_head.*")
     assert cfg.debug is True
+
+
+def test_bitdp_fields():
+    cfg = LowBitConfig(algorithm="bitdp", bits=1, bitdp_quantize="*.weight, wte.*", bitdp_reduction="PAPER")
+    assert cfg.bitdp_quantize == ("*.weight", "wte.*") and cfg.bitdp_exclude is None and cfg.bitdp_reduction == "paper"
 
 
 def test_from_dict_rejects_unknown_keys_with_suggestion():
