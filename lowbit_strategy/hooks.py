@@ -56,7 +56,6 @@ from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
     Layout,
-    all_reduce_sum_async,
     gathered_mean_async,
     matrix_shape,
     pack_payload,
@@ -213,7 +212,7 @@ def _mean_allreduce(buf: torch.Tensor, group, op: str, log) -> torch.futures.Fut
     reducer scales each gradient by 1/P (a multiply, not a divide: they differ in the last
     bit when P is not a power of two) before the SUM allreduce, so fp16 does not overflow."""
     buf.mul_(1.0 / g.world_size(group))
-    return all_reduce_sum_async(buf, group, op, log)
+    return g.all_reduce_sum_async(buf, group, op, log)
 
 
 def _finite_everywhere(buf: torch.Tensor, group, log) -> bool:
@@ -264,7 +263,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     fp = None
     if plan.full:
         fp = torch.cat([buf[o: o + n] for o, n in plan.full]).mul_(1.0 / p)
-        futures.append(all_reduce_sum_async(fp, group, "bitdp.full.allreduce", log))
+        futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", log))
 
     def assemble(_: torch.futures.Future) -> torch.Tensor:
         q = f_q.value()

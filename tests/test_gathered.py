@@ -190,7 +190,8 @@ def _check_gathered(rank, world_size, group=None):
         else:
             ring = 2 * (p - 1) * (-(-rows4 // p)) if p > 1 else 0
             expected = [("gathered.codes.all_gather", codes), ("gathered.scales.allreduce", ring)]
-        assert [(r.op, r.bytes_sent) for r in log.records] == expected
+        # both transfers run concurrently: their records arrive in completion order
+        assert sorted((r.op, r.bytes_sent) for r in log.records) == sorted(expected)
         assert codes == (p - 1) * words.numel()
 
         with recording() as alog:

@@ -27,12 +27,11 @@ __all__ = [
 # BitDP low-bit all-gather + scales (Sec. 3.2); appended, see gathered.py.
 from lowbit_strategy.collectives.gathered import (  # noqa: E402
     Layout,
-    all_gather_async,
-    all_reduce_sum_async,
     decode_reduce,
     gathered_mean,
     gathered_mean_async,
 )
+from lowbit_strategy.collectives.group import all_gather_async, all_reduce_sum_async  # noqa: E402
 
 __all__ += [
     "Layout",

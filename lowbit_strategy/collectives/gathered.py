@@ -36,18 +36,14 @@ results (replicas never drift apart).
 """
 from __future__ import annotations
 
-import contextvars
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives import wire
 
 REDUCTIONS = ("mean", "paper")
 assert (TERNARY_ZERO, TERNARY_PLUS) == (0, 1), "_signs relies on 2-bit codes 0 -> 0 and 1 -> +1"
@@ -238,62 +234,12 @@ def gathered_mean(
 ) -> torch.Tensor | list[torch.Tensor]:
     """Blocking BitDP allreduce of this rank's payload; see :func:`decode_reduce` for ``out``.
 
-    Returns the flat float32 mean gradient (or ``out``) on every rank.
+    Returns the flat float32 mean gradient (or ``out``) on every rank: the value of
+    :func:`gathered_mean_async`, waited for.
     """
-    check_reduction(reduction)
-    check_chunk_rows(chunk_rows)
-    _check_payload(words, scales, layout)
-    p = g.world_size(group)
-    every = torch.empty(p * layout.words, dtype=torch.uint8, device=words.device)
-    g.all_gather(every, words, group, "gathered.codes.all_gather", log)
-    if reduction == "mean":
-        s = torch.empty(p * layout.rows, dtype=torch.float32, device=words.device)
-        g.all_gather(s, scales, group, "gathered.scales.all_gather", log)
-        s = s.view(p, layout.rows)
-    else:
-        s = scales.clone()
-        g.all_reduce_sum(s, group, "gathered.scales.allreduce", log)
-        s.div_(p)  # s_ar: the rank mean of the scales
-    return decode_reduce(every.view(p, -1), s, layout, reduction=reduction, chunk_rows=chunk_rows, out=out)
-
-
-def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, log) -> torch.futures.Future:
-    """Start an async all-gather of ``inp`` into ``out`` (or an in-place SUM allreduce of
-    ``out``); the future resolves to ``out``. Gloo's gather future yields per-rank chunks,
-    so we always read the buffer we allocated. The traffic record (same byte formulas as
-    :mod:`.group`) is written on completion, in the caller's context (its active
-    :func:`~.wire.recording` logs), with launch-to-completion seconds."""
-    p = g.world_size(group)
-    nbytes = inp.numel() * inp.element_size()
-    n = wire.all_gather_bytes(nbytes, p) if kind == "gather" else wire.allreduce_bytes(nbytes, p)
-    ctx, start = contextvars.copy_context(), time.perf_counter()
-    if p == 1:
-        if kind == "gather":
-            out.copy_(inp)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-    elif kind == "gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        fut = gather(out, inp, group=group, async_op=True).get_future()
-    else:
-        fut = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
-
-    def done(f: torch.futures.Future) -> torch.Tensor:
-        f.value()  # re-raise a failed collective
-        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, time.perf_counter() - start), log)
-        return out
-
-    return fut.then(done)
-
-
-def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
-    """Async :func:`.group.all_gather`: a future resolving to ``out`` (rank order)."""
-    return _launch("gather", out, inp, group, op, log)
-
-
-def all_reduce_sum_async(buf: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
-    """Async in-place :func:`.group.all_reduce_sum`: a future resolving to ``buf``."""
-    return _launch("allreduce", buf, buf, group, op, log)
+    return gathered_mean_async(
+        words, scales, layout, group, reduction=reduction, chunk_rows=chunk_rows, out=out, log=log
+    ).wait()
 
 
 def gathered_mean_async(
@@ -316,13 +262,13 @@ def gathered_mean_async(
     _check_payload(words, scales, layout)
     p = g.world_size(group)
     every = torch.empty(p * layout.words, dtype=torch.uint8, device=words.device)
-    f_codes = all_gather_async(every, words, group, "gathered.codes.all_gather", log)
+    f_codes = g.all_gather_async(every, words, group, "gathered.codes.all_gather", log)
     if reduction == "mean":
         s = torch.empty(p * layout.rows, dtype=torch.float32, device=words.device)
-        f_scales = all_gather_async(s, scales, group, "gathered.scales.all_gather", log)
+        f_scales = g.all_gather_async(s, scales, group, "gathered.scales.all_gather", log)
     else:
         s = scales.clone()
-        f_scales = all_reduce_sum_async(s, group, "gathered.scales.allreduce", log)
+        f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", log)
 
     def finish(_: torch.futures.Future) -> torch.Tensor | list[torch.Tensor]:
         f_codes.value()  # re-raise either failure

@@ -7,6 +7,9 @@ the torch 2.13 renames (``all_gather_single`` replaces the deprecated
 """
 from __future__ import annotations
 
+import contextvars
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -68,6 +71,45 @@ def all_reduce_sum(buf: torch.Tensor, group, op: str, log=None) -> None:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     n = wire.allreduce_bytes(_nbytes(buf), p)
     wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+
+
+def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, log) -> torch.futures.Future:
+    """Start an async all-gather of ``inp`` into ``out`` (or an in-place SUM allreduce of
+    ``out``); the future resolves to ``out``. Gloo's gather future yields per-rank chunks,
+    so we always read the buffer we allocated. The traffic record (same byte formulas as
+    the blocking wrappers) is written on completion, in the caller's context (its active
+    :func:`~.wire.recording` logs), with launch-to-completion seconds."""
+    p = world_size(group)
+    nbytes = inp.numel() * inp.element_size()
+    n = wire.all_gather_bytes(nbytes, p) if kind == "gather" else wire.allreduce_bytes(nbytes, p)
+    ctx, start = contextvars.copy_context(), time.perf_counter()
+    if p == 1:
+        if kind == "gather":
+            out.copy_(inp)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+    elif kind == "gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fut = gather(out, inp, group=group, async_op=True).get_future()
+    else:
+        fut = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        f.value()  # re-raise a failed collective
+        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, time.perf_counter() - start), log)
+        return out
+
+    return fut.then(done)
+
+
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
+    """Async :func:`all_gather`: a future resolving to ``out`` (rank order)."""
+    return _launch("gather", out, inp, group, op, log)
+
+
+def all_reduce_sum_async(buf: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
+    """Async in-place :func:`all_reduce_sum`: a future resolving to ``buf``."""
+    return _launch("allreduce", buf, buf, group, op, log)
 
 
 def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = None, log=None) -> None:
