@@ -62,6 +62,10 @@ class LowBitSetupError(RuntimeError):
     """A combination the low-bit strategy cannot run, found at setup."""
 
 
+def _unwrap(opt):
+    return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+
+
 class LowBitStrategy(DDPStrategy):
     """DDP with low-bit synchronization driven by a :class:`LowBitConfig`.
 
@@ -119,8 +123,7 @@ class LowBitStrategy(DDPStrategy):
     def _attach_communicators(self) -> None:
         cfg = self.lowbit_config
         module = self.lightning_module
-        for opt in self.optimizers:
-            opt = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+        for opt in map(_unwrap, self.optimizers):
             if not isinstance(opt, Lion):
                 raise LowBitSetupError(
                     f"strategy {self._registered_name()} drives lowbit_strategy.Lion, but "
@@ -136,8 +139,7 @@ class LowBitStrategy(DDPStrategy):
         return f"'{getattr(self, '_lowbit_name', 'lowbit_lion')}'"
 
     def teardown(self) -> None:
-        for opt in self.optimizers:
-            opt = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+        for opt in map(_unwrap, self.optimizers):
             if isinstance(opt, Lion):
                 opt.attach_communicator(None)
         super().teardown()
@@ -146,8 +148,7 @@ class LowBitStrategy(DDPStrategy):
     def traffic_logs(self) -> list[wire.TrafficLog]:
         """The traffic logs of the BitDP hook or of every attached communicator."""
         out = [self.bitdp_state.log] if self.bitdp_state is not None else []
-        for opt in self.optimizers:
-            opt = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+        for opt in map(_unwrap, self.optimizers):
             comm = getattr(opt, "communicator", None)
             if comm is not None:
                 out.append(comm.log)
@@ -155,7 +156,7 @@ class LowBitStrategy(DDPStrategy):
 
     # ---- checkpoints: every rank's own momentum -------------------------------------
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        opt = _unwrap(optimizer)
         if getattr(opt, "communicator", None) is None:
             return super().optimizer_state(optimizer)
         return checkpoint.gather_state_dict(opt)

@@ -63,10 +63,11 @@ def _reference_lion_cub(world_size, mode, bits=None, p=1.0):
     return [t.detach() for t in params[0]]
 
 
-def _run_lion_cub(rank, world_size, mode, bits, p, momentum_sync_all=False):
+def _run_lion_cub(rank, world_size, mode, bits, p, momentum_sync_all=False, warmup=0):
     model = _model()
     opt = Lion(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    opt.attach_communicator(LionCommunicator(LowBitConfig(mode=mode, bits=bits, p=p, bucket_size_mb=0.0005)))
+    cfg = LowBitConfig(mode=mode, bits=bits, p=p, bucket_size_mb=0.0005, warmup_steps=warmup)
+    opt.attach_communicator(LionCommunicator(cfg))
     if momentum_sync_all:
         opt.set_momentum_sync(1, model.parameters())
     for step in range(1, STEPS + 1):
@@ -83,6 +84,10 @@ def _check_modes(rank, world_size):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{mode} {bits} {p}")
         assert opt.communicator.log.bytes_sent > 0
+    # during warm-up the exact fp32 sum is synchronized, whatever the mode
+    got, _ = _run_lion_cub(rank, world_size, "1bit", None, 1.0, warmup=STEPS)
+    for a, b in zip(got, _reference_lion_cub(world_size, "fp32")):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def _check_fp32_equals_ddp(rank, world_size):

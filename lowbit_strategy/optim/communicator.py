@@ -14,7 +14,7 @@ every parameter, computed through one compressed collective per bucket:
 * ``fp32`` / ``bf16``: the exact sum (the uncompressed baseline).
 
 ``auto`` resolves once, at the first step, from P, the bucket size and the configured link:
-see :func:`resolve_mode`. With one rank nothing is sent and the direction is sign(c), so a
+see :func:`resolve_mode`. The first ``warmup_steps`` steps synchronize the exact fp32 sum. With one rank nothing is sent and the direction is sign(c), so a
 world of one is plain Lion bit for bit.
 
 It also averages momenta across ranks (selective momentum sync, Sec. 5), agrees on which
@@ -92,6 +92,9 @@ def resolve_mode(config: LowBitConfig, world_size: int, numel: int) -> Plan:
     return Plan(mode, 32 if mode == "fp32" else 16)
 
 
+WARMUP_PLAN = Plan("fp32", 32)
+
+
 class LionCommunicator:
     """Process group + config: synchronizes a distributed Lion's update vectors."""
 
@@ -114,11 +117,12 @@ class LionCommunicator:
         if self.plan is None:
             self.plan = resolve_mode(self.config, self.world_size, min(size, sum(c.numel() for c in updates)))
             log.info("lowbit: Lion Cub synchronizes with %s", self.plan)
+        plan = self.plan if step > self.config.warmup_steps else WARMUP_PLAN
         out: list[torch.Tensor] = []
         audits = []
         for idx in buckets.plan([c.numel() for c in updates], size):
             chunk = [updates[i] for i in idx]
-            flat = self._bucket_direction(chunk, step)
+            flat = self._bucket_direction(chunk, step, plan)
             if audit:
                 audits.append(self._audit(chunk, flat))
             out.extend(buckets.unflatten(flat, chunk))
@@ -130,8 +134,8 @@ class LionCommunicator:
             }
         return out
 
-    def _bucket_direction(self, chunk: Sequence[torch.Tensor], step: int) -> torch.Tensor:
-        plan, check = self.plan, self.config.debug
+    def _bucket_direction(self, chunk: Sequence[torch.Tensor], step: int, plan: Plan) -> torch.Tensor:
+        check = self.config.debug
         flat = buckets.flatten(chunk)
         if plan.mode == "1bit":
             return majority_vote(flat, step, self.group, check=check, validate=False, log=self.log)
