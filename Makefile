@@ -32,5 +32,14 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.codecs
 	$(PY) -m benchmarks.collectives
 
+.PHONY: bench-e2e bench-e2e-quick
+
+# End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e.py)
+bench-e2e-quick: $(STAMP)
+	$(PY) -m benchmarks.e2e --quick
+
+bench-e2e: $(STAMP)
+	$(PY) -m benchmarks.e2e
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
