@@ -5,6 +5,12 @@ bytes this rank sent, :mod:`lowbit_strategy.collectives.wire`) and compares it w
 DDP's fp32 ring allreduce of every trainable gradient would send. Shown in the progress
 bar (``comm_MB``, ``comm_x``) and logged (``comm/bytes_per_step``, ``comm/ratio_vs_fp32``,
 ``comm/seconds_per_step``).
+
+Read the seconds with care: for optimizer-level algorithms (Lion Cub) they are the wall
+time of blocking collectives inside ``step()``; for BitDP they are launch-to-completion
+times of asynchronous transfers that overlap each other and the backward pass, so they
+are not a share of the step. :attr:`bytes_per_step` averages over every step, warm-up
+iterations (sent at full precision) included.
 """
 from __future__ import annotations
 
