@@ -44,12 +44,12 @@ def _check_p(p: float) -> float:
     return pf
 
 
-def _check_input(x: torch.Tensor) -> None:
+def _check_input(x: torch.Tensor, validate: bool) -> None:
     if not x.dtype.is_floating_point:
         raise TypeError(f"lp_quantize needs a floating-point tensor, got dtype {x.dtype}")
     if x.numel() == 0:
         raise ValueError("lp_quantize got an empty tensor")
-    if not bool(torch.isfinite(x).all()):
+    if validate and not bool(torch.isfinite(x).all()):
         raise ValueError("lp_quantize: input contains NaN or Inf; refusing to quantize it")
 
 
@@ -74,21 +74,23 @@ def lp_norm_mean(x: torch.Tensor, p: float = 1.0) -> torch.Tensor:
     return nonzero.log().mean().exp()
 
 
-def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0) -> torch.Tensor:
+def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0, *, validate: bool = True) -> torch.Tensor:
     """Q_p with an explicit code range [-levels, levels] (Eq. 1 with L = ``levels``).
 
     The summed allreduce picks ``levels`` from the world size and lane width, which need
-    not be of the form 2**(bits-1) - 1.
+    not be of the form 2**(bits-1) - 1. ``validate=False`` skips the NaN/Inf scan (one
+    host sync) for callers that have excluded non-finite input already; nothing else
+    here waits for the device.
     """
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 2**15 - 1:
         raise ValueError(f"levels must be an int in [1, 32767], got {levels!r}")
-    _check_input(x)
+    _check_input(x, validate)
     m = lp_norm_mean(x, p)
     out_dtype = torch.int8 if levels <= 127 else torch.int16
-    if float(m) == 0.0:
-        return torch.zeros_like(x, dtype=out_dtype)
-    scale = levels / (2.0 * m)
-    codes = x.float() * scale
+    # M_p = 0 only for an all-zero input: scale 0 then gives all-zero codes (no branch,
+    # so no host sync per call)
+    scale = torch.where(m > 0, levels / (2.0 * m.clamp_min(torch.finfo(torch.float64).tiny)), torch.zeros_like(m))
+    codes = x.float() * scale.float()
     return codes.round_().clamp_(-levels, levels).to(out_dtype)
 
 

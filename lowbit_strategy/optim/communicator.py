@@ -147,7 +147,8 @@ class LionCommunicator:
             votes = summed_allreduce(codes, 1, self.group, signed=False, lane_bits=plan.bits,
                                      validate=False, check=check, log=self.log)
             return torch.sign(2 * votes - self.world_size).to(flat.dtype)
-        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.p) for c in chunk])
+        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.p, validate=False)
+                           for c in chunk])
         sums = summed_allreduce(codes, plan.levels, self.group, lane_bits=plan.bits,
                                 validate=False, check=check, log=self.log)
         return torch.sign(sums).to(flat.dtype)
