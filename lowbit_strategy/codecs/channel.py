@@ -23,26 +23,29 @@ THRESHOLD_FACTOR = 0.75
 TERNARY_ZERO, TERNARY_PLUS, TERNARY_MINUS = 0, 1, 2
 
 
-def _as_rows(g: torch.Tensor) -> torch.Tensor:
+def _as_rows(g: torch.Tensor, validate: bool = True) -> torch.Tensor:
     if not g.dtype.is_floating_point:
         raise TypeError(f"channel codes need a floating-point gradient, got dtype {g.dtype}")
     if g.dim() < 1 or g.numel() == 0:
         raise ValueError(f"channel codes need a non-empty tensor, got shape {tuple(g.shape)}")
-    if not bool(torch.isfinite(g).all()):
+    if validate and not bool(torch.isfinite(g).all()):
         raise ValueError("channel codes: gradient contains NaN or Inf; refusing to quantize it")
     rows = g.reshape(g.shape[0], -1) if g.dim() > 1 else g.reshape(1, -1)
     return rows.float()
 
 
-def channel_encode(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``g`` row-wise into (codes, scales).
+
+    ``validate=False`` skips the NaN/Inf scan (a host sync) for callers that have excluded
+    non-finite input already, as the BitDP hook does for a whole bucket at once.
 
     ``codes`` is uint8 of ``g.numel()`` lane values (row-major), ``scales`` float32 with
     one entry per row (dim 0; a 1-D tensor is a single row).
     """
     if bits not in (1, 2):
         raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
-    rows = _as_rows(g)
+    rows = _as_rows(g, validate)
     mag = rows.abs()
     mean_abs = mag.mean(dim=1)
     if bits == 1:
