@@ -8,7 +8,11 @@ update agrees with the full-precision one.
   whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
   costs one extra fp32 allreduce of the update vector on monitored steps.
 
-Sign rates are running means over the monitored steps (torchmetrics ``MeanMetric``).
+Sign rates are running means over the monitored steps of one run (torchmetrics
+``MeanMetric``), created in :meth:`setup`, i.e. in each training process: a metric built in
+``__init__`` would travel to ``*_spawn`` workers inside the pickled Trainer, and
+``torch.multiprocessing`` moves pickled tensors into shared memory, so every rank would add
+into the same two scalars (a race that once pushed ``sign/match`` above 1).
 """
 from __future__ import annotations
 
@@ -27,9 +31,13 @@ class DivergenceMonitor(pl.Callback):
             raise ValueError(f"DivergenceMonitor: every must be an int >= 1, got {every!r}")
         self.every = every
         self.sign_agreement = sign_agreement
+        self.match: MeanMetric | None = None
+        self.flip: MeanMetric | None = None
+        self.last: dict[str, float] = {}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
         # the rates are global (identical on every rank): no hidden cross-rank sync in compute()
         self.match, self.flip = MeanMetric(sync_on_compute=False), MeanMetric(sync_on_compute=False)
-        self.last: dict[str, float] = {}
 
     def _lions(self, trainer):
         return [o for o in trainer.optimizers if isinstance(o, Lion) and o.communicator is not None]
@@ -47,7 +55,7 @@ class DivergenceMonitor(pl.Callback):
         for opt in self._lions(trainer):
             values.update(self._momentum_std(opt, names))
             audit = opt.communicator.last_audit
-            if self.sign_agreement and audit is not None:
+            if self.sign_agreement and audit is not None and self.match is not None:
                 self.match.update(audit["sign_match"])
                 self.flip.update(audit["sign_flip"])
                 values["sign/match"] = float(self.match.compute())
