@@ -112,6 +112,8 @@ class LowBitConfig:
     bitdp_exclude: BitDP only: patterns never quantized (win over ``bitdp_quantize``).
     bitdp_reduction: BitDP only: ``mean`` (exact mean of dequantized gradients) or
         ``paper`` (Eq. 10: reduced scales times reduced codes).
+    bitdp_error_feedback: BitDP only: keep each rank's quantization residual and add it to
+        the next gradient (not in the paper; off by default). Checkpointed per rank.
     debug: run extra checks (one more small collective per call verifying that every
         rank passes the same lengths).
     """
@@ -129,6 +131,7 @@ class LowBitConfig:
     bitdp_quantize: tuple[str, ...] | None = None
     bitdp_exclude: tuple[str, ...] | None = None
     bitdp_reduction: str = "mean"
+    bitdp_error_feedback: bool = False
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -146,6 +149,7 @@ class LowBitConfig:
         set_("bitdp_quantize", self._checked_patterns("bitdp_quantize", self.bitdp_quantize))
         set_("bitdp_exclude", self._checked_patterns("bitdp_exclude", self.bitdp_exclude))
         set_("bitdp_reduction", _as_choice("bitdp_reduction", self.bitdp_reduction, ("mean", "paper")))
+        set_("bitdp_error_feedback", _as_bool("bitdp_error_feedback", self.bitdp_error_feedback))
         if self.algorithm == "lion" and self.mode == "auto" and self.bits not in (None, "", "none"):
             bits = _as_int("bits", self.bits, 1)
             if bits not in BITS_TO_LION_MODE:

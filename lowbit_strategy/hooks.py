@@ -40,6 +40,12 @@ all-gathers and hang. This costs one small-message latency per bucket and step.
 parameter, the residual ``e = (g + e) - s ⊙ q`` of its own last encoding and adds it to the
 next gradient before quantizing. Rank-local state; not touched by warm-up or non-finite
 steps.
+
+**Checkpoints.** :meth:`BitDPState.state_dict` holds the iteration count (so a resumed run
+does not repeat the warm-up) and this rank's residuals keyed by parameter name (ids do not
+survive a restart); :meth:`BitDPState.load_state_dict` restores them. The quantized result
+depends only on each parameter's own rows, never on how DDP groups them into buckets, so a
+resume that restores this state continues as the uninterrupted run did.
 """
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
 # annotations and accepts only the real objects dist.GradBucket / Future[Tensor], not strings.
@@ -163,6 +169,37 @@ class BitDPState:
         logger.info("BitDP: %d of %d parameters quantized to %d bits", n_q, len(self.params), self.bits)
         return self
 
+    def state_dict(self) -> dict:
+        """What a resume needs: ``{"iter": int, "residuals": {param name: tensor}}``, the
+        residuals being this rank's own (copies on CPU)."""
+        names = {k: info.name for k, info in self.params.items()}
+        return {
+            "iter": self.iter,
+            "residuals": {names[k]: r.detach().cpu().clone() for k, r in self.residuals.items() if k in names},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; call after :meth:`attach` (names are resolved
+        against the attached model). Residuals move to the gradients' device on first use."""
+        if not self.params:
+            raise RuntimeError("BitDPState.load_state_dict: call attach(model) first, so parameter names resolve")
+        it = state.get("iter") if isinstance(state, dict) else None
+        if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+            raise ValueError(f"BitDPState.load_state_dict: 'iter' must be an int >= 0, got {it!r}")
+        by_name = {name: (k, info) for k, info in self.params.items() for name in info.names}
+        residuals = {}
+        for name, tensor in state.get("residuals", {}).items():
+            if name not in by_name:
+                raise KeyError(f"BitDPState.load_state_dict: residual for unknown parameter {name!r}")
+            key, info = by_name[name]
+            if not info.quantized or tuple(tensor.shape) != info.shape:
+                raise ValueError(
+                    f"BitDPState.load_state_dict: residual of {name!r} has shape {tuple(tensor.shape)}; "
+                    f"the model's is {info.shape} and {'quantized' if info.quantized else 'not quantized'}"
+                )
+            residuals[key] = tensor.float()
+        self.iter, self.residuals = it, residuals
+
     def selection(self) -> dict[str, ParamInfo]:
         """Every parameter's decision by (first) name: ``info.quantized``, ``info.reason``."""
         return {i.name: i for i in self.params.values()}
@@ -246,7 +283,8 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     codes, scales = [], []
     for (_, _, key), m in zip(plan.quantized, mats):
         if state.error_feedback:
-            m = m.float() + state.residuals[key] if key in state.residuals else m.float()
+            r = state.residuals.get(key)
+            m = m.float() if r is None else m.float() + r.to(m.device)
         c, s = channel_encode(m, state.bits, validate=False)  # bucket agreed finite above
         if state.error_feedback:
             state.residuals[key] = m - channel_decode(c, s, state.bits).view(m.shape)

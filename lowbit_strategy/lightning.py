@@ -102,7 +102,8 @@ class LowBitStrategy(DDPStrategy):
             cfg = self.lowbit_config
             self.bitdp_state = BitDPState(
                 bits=cfg.bits or 2, quantize=cfg.bitdp_quantize, exclude=cfg.bitdp_exclude,
-                start_iter=max(2, cfg.warmup_steps), reduction=cfg.bitdp_reduction, log=wire.TrafficLog(),
+                start_iter=max(2, cfg.warmup_steps), reduction=cfg.bitdp_reduction,
+                error_feedback=cfg.bitdp_error_feedback, log=wire.TrafficLog(),
             ).attach(self.lightning_module)
             self.model.register_comm_hook(self.bitdp_state, bitdp_hook)
         else:
@@ -154,17 +155,30 @@ class LowBitStrategy(DDPStrategy):
                 out.append(comm.log)
         return out
 
-    # ---- checkpoints: every rank's own momentum -------------------------------------
+    # ---- checkpoints: every rank's own momentum and BitDP state --------------------
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         opt = _unwrap(optimizer)
         if getattr(opt, "communicator", None) is None:
             return super().optimizer_state(optimizer)
         return checkpoint.gather_state_dict(opt)
 
+    def save_checkpoint(self, ckpt: dict[str, Any], filepath, storage_options=None) -> None:
+        # Every rank calls this (Trainer.save_checkpoint), so the gather is safe here; only
+        # full training checkpoints carry the hook's state, as they carry optimizer state.
+        if self.bitdp_state is not None and "optimizer_states" in ckpt:
+            ranks = checkpoint.gather_rank_objects(self.bitdp_state.state_dict())
+            if ranks is not None:
+                ckpt = {**ckpt, checkpoint.BITDP_KEY: ranks}
+        super().save_checkpoint(ckpt, filepath, storage_options=storage_options)
+
     def load_optimizer_state_dict(self, ckpt) -> None:
         for opt, saved in zip(self.optimizers, ckpt["optimizer_states"]):
             opt.load_state_dict(checkpoint.local_state_dict(saved, self.global_rank, self.world_size))
             _optimizer_to_device(opt, self.root_device)
+        saved = ckpt.get(checkpoint.BITDP_KEY)
+        if self.bitdp_state is not None and saved is not None:
+            self.bitdp_state.load_state_dict(checkpoint.pick_rank_state(
+                saved, self.global_rank, self.world_size, checkpoint.mean_bitdp_states, "BitDP residuals"))
 
 
 #: registered name -> config of the Lion Cub family

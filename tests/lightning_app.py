@@ -95,15 +95,19 @@ def fit_once(args) -> dict:
             "global_step": tr.global_step, "is_global_zero": tr.is_global_zero}
 
 
-def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "lion") -> dict:
-    """Two epochs straight vs one epoch, checkpoint, resume for the second: bit-exact?"""
+def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "lion", overrides=None) -> dict:
+    """Two epochs straight vs one epoch, checkpoint, resume for the second: bit-exact?
+    ``overrides``: LowBitConfig fields applied to the registered ``strategy`` name."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import StrategyRegistry
 
     def run(epochs: int, ckpt: str | None = None, devices: int = devices, save: bool = False):
         pl.seed_everything(0, verbose=False)
         model = TinyLM(optimizer=optimizer)
         cbs = [ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)] if save else []
-        tr = trainer(strategy, devices, epochs, callbacks=cbs, enable_checkpointing=save)
+        entry = StrategyRegistry[strategy]
+        chosen = entry["strategy"](**{**entry["init_params"], **overrides}) if overrides else strategy
+        tr = trainer(chosen, devices, epochs, callbacks=cbs, enable_checkpointing=save)
         tr.fit(model, loader(), ckpt_path=ckpt)
         return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -112,9 +116,16 @@ def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "li
     ckpt = os.path.join(workdir, "epoch0.ckpt") if os.path.exists(os.path.join(workdir, "epoch0.ckpt")) else \
         os.path.join(workdir, sorted(os.listdir(workdir))[0])
     resumed = run(2, ckpt=ckpt)
-    if optimizer != "lion":
+    if optimizer != "lion":  # BitDP: the hook's iteration count and per-rank residuals
+        saved = torch.load(ckpt, weights_only=False).get("lowbit_bitdp_states")
+        other_world = run(2, ckpt=ckpt, devices=devices + 1)
+        residuals = [st["residuals"] for st in saved["states"]] if saved else []
         return {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
-                "resumed_finite": all(bool(torch.isfinite(v).all()) for v in resumed.values()),
+                "saved_iters": [st["iter"] for st in saved["states"]] if saved else None,
+                "residual_names": sorted(residuals[0]) if residuals else [],
+                "rank_residuals_differ": bool(residuals) and any(
+                    not torch.equal(residuals[0][n], residuals[1][n]) for n in residuals[0]),
+                "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
                 "is_global_zero": True}
     saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["lowbit_rank_states"]
     moms = [next(iter(st.values()))["exp_avg"] for st in saved["states"]]
@@ -139,10 +150,13 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--unused", action="store_true")
     parser.add_argument("--resume-check", default="")
+    parser.add_argument("--lowbit", action="append", default=[], metavar="KEY=VALUE",
+                        help="LowBitConfig override for --resume-check (repeatable)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
-        result = (resume_check(args.strategy, args.devices, args.resume_check, args.optimizer)
+        overrides = dict(kv.split("=", 1) for kv in args.lowbit)
+        result = (resume_check(args.strategy, args.devices, args.resume_check, args.optimizer, overrides)
                   if args.resume_check else fit_once(args))
     except Exception as exc:  # reported to the test, which asserts on the message
         result = {"error": f"{type(exc).__name__}: {exc}", "is_global_zero": int(os.environ.get("LOCAL_RANK", 0)) == 0}

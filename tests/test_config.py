@@ -30,6 +30,7 @@ def test_defaults_are_valid():
         ("link_bandwidth_gbps", -1, "> 0"),
         ("link_latency_us", -1, ">= 0"),
         ("debug", "maybe", "boolean"),
+        ("bitdp_error_feedback", "sometimes", "boolean"),
         ("bitdp_quantize", [], "list of parameter-name patterns"),
         ("bitdp_exclude", 3, "list of parameter-name patterns"),
         ("bitdp_reduction", "median", "allowed: mean, paper"),

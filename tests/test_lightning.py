@@ -108,10 +108,12 @@ def test_direct_construction():
         LowBitStrategy(mode="1bit", bits=8)
 
 
-def test_bitdp_trainer_checkpoints_and_resumes(tmp_path):
+def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(tmp_path):
+    # 64 samples / (8 per batch x 2 ranks) = 4 steps an epoch: the checkpoint is past the warm-up
     work = tmp_path / "ckpt"
     work.mkdir()
     r = _fit(tmp_path, "--strategy", "lowbit_bitdp_spawn", "--optimizer", "adamw", "--resume-check", str(work),
-             timeout=400)
+             "--lowbit", "bitdp_error_feedback=true", timeout=400)
     assert "error" not in r, r.get("error")
-    assert r["resumed_finite"]
+    assert r == {"bit_exact": True, "saved_iters": [4, 4], "residual_names": ["mlp.0.weight", "mlp.2.weight"],
+                 "rank_residuals_differ": True, "other_world_finite": True, "is_global_zero": True}
