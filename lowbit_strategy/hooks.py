@@ -80,11 +80,13 @@ def _bad(field: str, value, fix: str) -> ValueError:
 @dataclass(frozen=True)
 class _Plan:
     """How one bucket splits: quantized matrices ``(offset, shape, param id)`` and runs of
-    consecutive full-precision gradients ``(offset, numel)``."""
+    consecutive full-precision gradients ``(offset, numel)``; ``transposed`` holds the ids
+    of weights stored ``in x out`` (HF Conv1D), whose channels are columns."""
 
     quantized: tuple[tuple[int, tuple[int, ...], int], ...]
     full: tuple[tuple[int, int], ...]
     param_ids: tuple[int, ...]  # the bucket's parameters, in order: validates a cached plan
+    transposed: frozenset[int] = frozenset()
 
 
 class BitDPState:
@@ -220,7 +222,7 @@ class BitDPState:
             i == id(p) for i, p in zip(cached.param_ids, params)
         ):
             return cached
-        quantized, full, offset = [], [], 0
+        quantized, full, transposed, offset = [], [], set(), 0
         for p, view in zip(params, bucket.gradients()):
             info = self.params.get(id(p))
             if info is None or info.shape != tuple(p.shape):
@@ -233,6 +235,8 @@ class BitDPState:
                     raise RuntimeError(f"BitDP: unexpected layout of DDP bucket {bucket.index()} at {info.name}")
             if info.quantized:
                 quantized.append((offset, tuple(p.shape), id(p)))
+                if info.transposed:
+                    transposed.add(id(p))
             elif full and full[-1][0] + full[-1][1] == offset:
                 full[-1] = (full[-1][0], full[-1][1] + p.numel())
             else:
@@ -240,7 +244,7 @@ class BitDPState:
             offset += p.numel()
         if offset != buf.numel():
             raise RuntimeError(f"BitDP: bucket {bucket.index()} parameters cover {offset} of {buf.numel()} elements")
-        self.plans[key] = _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params))
+        self.plans[key] = _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed))
         return self.plans[key]
 
 
@@ -280,20 +284,26 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     p = g.world_size(group)
     mats = [buf[o: o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
+    # channel-major views: output features are rows (a Conv1D weight's columns)
+    rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
     codes, scales = [], []
-    for (_, _, key), m in zip(plan.quantized, mats):
-        if state.error_feedback:
+    for (_, _, key), m in zip(plan.quantized, rows):
+        if state.error_feedback:  # residuals are kept in the parameter's own layout
             r = state.residuals.get(key)
+            r = None if r is None else (r.t() if key in plan.transposed else r)
             m = m.float() if r is None else m.float() + r.to(m.device)
         c, s = channel_encode(m, state.bits, validate=False)  # bucket agreed finite above
         if state.error_feedback:
-            state.residuals[key] = m - channel_decode(c, s, state.bits).view(m.shape)
+            e = m - channel_decode(c, s, state.bits).view(m.shape)
+            state.residuals[key] = e.t().contiguous() if key in plan.transposed else e
         codes.append(c)
         scales.append(s)
-    layout = Layout.of([matrix_shape(m) for m in mats], state.bits)
+    layout = Layout.of([matrix_shape(m) for m in rows], state.bits)
     words, scl = pack_payload(codes, scales, layout)
-    # Decode straight into the bucket when it is float32: the local gradient is encoded already.
-    out = [m.view(-1) for m in mats] if buf.dtype == torch.float32 else None
+    # Decode straight into the bucket when it is float32 and no matrix is transposed: the
+    # local gradient is encoded already. Otherwise decode into a temporary and copy back.
+    direct = buf.dtype == torch.float32 and not plan.transposed
+    out = [m.view(-1) for m in mats] if direct else None
     f_q = gathered_mean_async(
         words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, log=log
     )
@@ -305,9 +315,9 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     def assemble(_: torch.futures.Future) -> torch.Tensor:
         q = f_q.value()
-        if out is None:  # decoded into a float32 temporary: cast into the bucket's dtype
-            for (o, _, _), e, (r, c) in zip(plan.quantized, layout.elem_offsets, layout.shapes):
-                buf[o: o + r * c].copy_(q[e: e + r * c])
+        if out is None:  # decoded into a float32 temporary: cast (and transpose) into the bucket
+            for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
+                v.copy_(q[e: e + r * c].view(v.shape))
         if fp is not None:
             futures[1].value()
             start = 0

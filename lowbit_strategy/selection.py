@@ -8,7 +8,10 @@ bias", "FG w/Embd") or cost accuracy ("FG w/LN").
 Default rule, per parameter (deterministic, independent of module order):
 
 1. it is the ``weight`` of at least one :class:`torch.nn.Linear` (subclasses included,
-   e.g. ``MultiheadAttention.out_proj``), is floating point and 2-D, **and**
+   e.g. ``MultiheadAttention.out_proj``) or of a Hugging Face ``Conv1D`` (GPT-2's
+   attention and MLP projections: a linear layer whose weight is stored ``in x out``,
+   recognized by class name and ``nf`` so transformers is not imported), is floating
+   point and 2-D, **and**
 2. it is not a parameter of any :class:`torch.nn.Embedding` / :class:`torch.nn.EmbeddingBag`.
    A GPT-style ``lm_head`` whose weight is tied to the token embedding is the same
    Parameter as the embedding's, so it stays full precision, **and**
@@ -16,6 +19,9 @@ Default rule, per parameter (deterministic, independent of module order):
    shape of an embedding's weight (vocab x d), i.e. an untied Llama-style ``lm_head``. Its
    rows are per-token vectors like the input embedding's, and BitDP's ablation (Table 2,
    "2-bit with embeddings" diverges) argues for keeping it exact too.
+
+Channels are the output features: the rows of a Linear weight, the *columns* of a
+``Conv1D`` weight (``ParamInfo.transposed``; the hook encodes its transpose).
 
 Everything else — biases, norm weights (LayerNorm, RMSNorm, ...), embeddings, convolution
 or custom parameters, ``MultiheadAttention.in_proj_weight`` — is averaged at full precision.
@@ -51,6 +57,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     quantized: bool
     reason: str
+    transposed: bool = False  # weight stored in x out (HF Conv1D): channels are its columns
 
     @property
     def name(self) -> str:
@@ -84,6 +91,18 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``transformers.pytorch_utils.Conv1D`` (a linear layer, weight ``in x
+    out``), recognized without importing transformers."""
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
+            and getattr(module, "nf", None) == w.shape[1])
+
+
+def _linear_weight(module: nn.Module, attr: str) -> bool:
+    return attr == "weight" and (isinstance(module, nn.Linear) or is_conv1d(module))
+
+
 def _output_embedding(model: nn.Module) -> int | None:
     """id of the last Linear weight shaped like an embedding's weight (rule 3), if any."""
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, EMBEDDINGS)}
@@ -99,12 +118,14 @@ def _default(p: nn.Parameter, owners: list[tuple[nn.Module, str]], output_embedd
         return False, "embedding (tied or not) stays full precision"
     if id(p) == output_embedding:
         return False, "output embedding (last linear shaped like the input embedding) stays full precision"
-    if not any(isinstance(m, nn.Linear) and attr == "weight" for m, attr in owners):
+    if not any(_linear_weight(m, attr) for m, attr in owners):
         if any(attr == "bias" for _, attr in owners):
             return False, "bias stays full precision"
         return False, "not a linear weight"
     if p.dim() != 2 or not p.is_floating_point():
         return False, "linear weight that is not a floating 2-D matrix"
+    if any(is_conv1d(m) for m, _ in owners):
+        return True, "linear weight (Conv1D, in x out: channels are columns)"
     return True, "linear weight"
 
 
@@ -151,8 +172,9 @@ def classify(
             why = "matches quantize" if q else ("not a floating tensor" if matched else "matches no quantize pattern")
         else:
             q, why = _default(p, owners[key], output_embedding)
+        transposed = q and any(is_conv1d(m) and attr == "weight" for m, attr in owners[key])
         out[key] = ParamInfo(
-            tuple(names[key]), tuple(type(m).__name__ for m, _ in owners[key]), tuple(p.shape), q, why
+            tuple(names[key]), tuple(type(m).__name__ for m, _ in owners[key]), tuple(p.shape), q, why, transposed
         )
     example = next(iter(names.values()), ["?"])[0]
     for pt in (exclude or ()) + (quantize or ()):

@@ -57,22 +57,47 @@ class LlamaBlock(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+class Conv1D(nn.Module):
+    """Hugging Face transformers' ``Conv1D`` (GPT-2's projections): a linear layer whose
+    weight is stored in x out, so its output channels are the weight's columns."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf).normal_(std=0.02))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class HFMLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(3 * d, d), Conv1D(d, 3 * d)
+
+    def forward(self, x):
+        return x + self.c_proj(F.gelu(self.c_fc(x)))
+
+
 class TinyLM(nn.Module):
     def __init__(self, tied=True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(CTX, DIM)
         self.gpt, self.llama, self.ln_f = GPTBlock(DIM), LlamaBlock(DIM), nn.LayerNorm(DIM)
+        self.hf = HFMLP(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        return self.lm_head(self.ln_f(self.llama(self.gpt(x))))
+        return self.lm_head(self.ln_f(self.hf(self.llama(self.gpt(x)))))
 
 
+CONV1D_TINY = {"hf.c_fc.weight", "hf.c_proj.weight"}  # channels are columns
 QUANTIZED_TINY = {
-    "gpt.c_attn.weight", "gpt.c_proj.weight", "gpt.c_fc.weight", "gpt.mlp_proj.weight",
+    "gpt.c_attn.weight", "gpt.c_proj.weight", "gpt.c_fc.weight", "gpt.mlp_proj.weight", *CONV1D_TINY,
     *(f"llama.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
 }
 
@@ -88,6 +113,7 @@ def test_default_selection_gpt_and_llama():
     info = {i.name: i for i in classify(TinyLM()).values()}["wte.weight"]
     assert info.names == ("wte.weight", "lm_head.weight") and info.owners == ("Embedding", "Linear")
     assert not info.quantized and "embedding" in info.reason
+    assert {i.name for i in classify(TinyLM()).values() if i.transposed} == CONV1D_TINY
     # an untied Llama-style head is the output embedding: exact by default, quantize= overrides
     assert _decisions(TinyLM(tied=False))["lm_head.weight"] is False
     assert _decisions(TinyLM(tied=False), quantize="lm_head.weight")["lm_head.weight"] is True
@@ -218,7 +244,14 @@ def _dequantized(g, bits):
     return channel_decode(*channel_encode(g, bits), bits).view(g.shape)
 
 
-def _paper(per, bits):
+def _deq(name, g, bits):
+    """Per-rank dequantized gradient of parameter ``name``: channels are output features."""
+    return _dequantized(g.t(), bits).t() if name in CONV1D_TINY else _dequantized(g, bits)
+
+
+def _paper(per, bits, name=""):
+    if name in CONV1D_TINY:
+        return _paper([g.t() for g in per], bits).t()
     enc = [channel_encode(g, bits) for g in per]
     s = torch.stack([s for _, s in enc]).mean(0)
     q = torch.stack([channel_decode(c, torch.ones_like(s), bits) for c, _ in enc]).sum(0)
@@ -265,7 +298,7 @@ def _check_bytes(log, buckets, state, p):
     fp = [sum(math.prod(i.shape) for i in b if not i.quantized) for b in infos]
     assert log.by_op() == {
         "gathered.codes.all_gather": (p - 1) * sum(-(-math.prod(i.shape) // 4) for i in q),
-        "gathered.scales.all_gather": (p - 1) * 4 * sum(i.shape[0] for i in q),
+        "gathered.scales.all_gather": (p - 1) * 4 * sum(i.shape[1 if i.transposed else 0] for i in q),
         "bitdp.full.allreduce": sum(_ring_bytes(4 * n, p) for n in fp if n),
         "bitdp.finite_check": len(mixed) * _ring_bytes(4, p),
     }
@@ -302,7 +335,7 @@ def _check_exact_and_compressed(base, rank, p, group):
         assert it < 4 or inject in nonfinite
         for n in got:
             if n in quantized and n not in nonfinite:
-                _close(got[n], torch.stack([_dequantized(g[n], bits) for g in per]).mean(0), n)
+                _close(got[n], torch.stack([_deq(n, g[n], bits) for g in per]).mean(0), n)
             else:
                 _close(got[n], exact[n], n)
         assert "gathered.codes.all_gather" in ops and len(buckets) > 2
@@ -323,8 +356,8 @@ def _check_paper(base, rank, p, group):
     per = _local_grads(copy.deepcopy(base), p, 2)
     for n in QUANTIZED_TINY:
         stacked = [g[n] for g in per]
-        _close(got[n], _paper(stacked, 1), n)
-        exact_mean = torch.stack([_dequantized(g, 1) for g in stacked]).mean(0)
+        _close(got[n], _paper(stacked, 1, n), n)
+        exact_mean = torch.stack([_deq(n, g, 1) for g in stacked]).mean(0)
         assert p == 1 or (got[n] - exact_mean).abs().max() > 1e-6, n  # one rank: the same
 
 
@@ -343,7 +376,7 @@ def _check_error_feedback(base, rank, p, group):
             deq = []
             for r in range(p):
                 c = per[r][n] + residual[r][n]
-                deq.append(_dequantized(c, 1))
+                deq.append(_deq(n, c, 1))
                 residual[r][n] = c - deq[-1]
             _close(got[n], torch.stack(deq).mean(0), n)
             _close(state.residuals[id(model.get_parameter(n))], residual[rank][n], n)
