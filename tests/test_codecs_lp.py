@@ -72,6 +72,9 @@ def test_scale_invariance_exact_for_powers_of_two(values, bits, p, k):
 @given(vectors, BITS, st.floats(0.01, 100.0))
 def test_scale_invariance_geometric_mean_within_one_code(values, bits, c):
     x = torch.tensor(values, dtype=torch.float32)
+    nonzero = x.abs()[x != 0]
+    # scaling a subnormal (e.g. 1.4e-45 * 0.5 -> 0) loses the value itself: stay normal
+    assume(nonzero.numel() == 0 or min(float(nonzero.min()), float(nonzero.min()) * c) > 1e-30)
     a, b = lp_quantize(x * c, bits, 0), lp_quantize(x, bits, 0)
     assert int((a.int() - b.int()).abs().max()) <= 1
 
