@@ -11,6 +11,10 @@ and step count; two CPU processes over loopback) and writes one JSON per run und
   the embeddings too diverges.
 
     python -m benchmarks.quality --suite lion [--steps 200] [--report-only]
+    python -m benchmarks.quality --suite lion --steps 600 --only 32-bit,8-bit,4-bit,1-bit --tag _600
+
+``--tag`` keeps a second study (other step count) beside the default one: results go to
+``quality/<suite><tag>/`` and ``quality_<suite><tag>.md``.
 """
 from __future__ import annotations
 
@@ -46,17 +50,27 @@ SUITES = {
 }
 
 
-def _file(suite: str, label: str) -> Path:
+def _file(suite: str, label: str, tag: str = "") -> Path:
     slug = "".join(c if c.isalnum() else "_" for c in label).strip("_").lower()
-    return RESULTS / "quality" / suite / f"{slug}.json"
+    return RESULTS / "quality" / f"{suite}{tag}" / f"{slug}.json"
 
 
-def run(suite: str, steps: int, devices: int) -> None:
-    for i, (label, strategy, extra) in enumerate(SUITES[suite], 1):
-        out = _file(suite, label)
+def _configs(suite: str, only: str) -> list[tuple[str, str, list[str]]]:
+    """The suite's configurations whose label starts with one of the comma-separated ``only``."""
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    chosen = [c for c in SUITES[suite] if not wanted or any(c[0].startswith(w) for w in wanted)]
+    if not chosen:
+        raise SystemExit(f"--only {only!r} matches none of: {', '.join(c[0] for c in SUITES[suite])}")
+    return chosen
+
+
+def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "") -> None:
+    configs = _configs(suite, only)
+    for i, (label, strategy, extra) in enumerate(configs, 1):
+        out = _file(suite, label, tag)
         out.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
-        print(f"[{i}/{len(SUITES[suite])}] {label} ({strategy}) ...", flush=True)
+        print(f"[{i}/{len(configs)}] {label} ({strategy}) ...", flush=True)
         subprocess.run(
             [sys.executable, str(ROOT / "examples" / "gpt_lion.py"), "--strategy", strategy, "--devices", str(devices),
              "--max-steps", str(steps), "--val-every", str(max(1, steps // 2)), "--val-batches", "20",
@@ -66,11 +80,11 @@ def run(suite: str, steps: int, devices: int) -> None:
         print(f"    done in {time.time() - start:.0f} s", flush=True)
 
 
-def report(suite: str) -> str:
+def report(suite: str, tag: str = "", devices: int = 2) -> str:
     rows = ["| configuration | strategy | steps | val loss | train loss | KiB/step/rank | vs DDP fp32 | steps/s |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for label, strategy, _ in SUITES[suite]:
-        path = _file(suite, label)
+        path = _file(suite, label, tag)
         if not path.exists():
             continue
         d = json.loads(path.read_text())
@@ -81,9 +95,10 @@ def report(suite: str) -> str:
         rows.append(f"| {label} | `{strategy}` | {d['steps']} | {loss} | {d['train_loss']:.4f} | "
                     f"{kib:.1f} | {ratio} | {d['steps_per_s']:.2f} |")
     table = "\n".join(rows)
-    (RESULTS / f"quality_{suite}.md").write_text(
-        f"# Quality: {suite}\n\n`python -m benchmarks.quality --suite {suite}` — examples/gpt_lion.py, "
-        "1.85M parameters, 2 CPU processes (gloo over loopback), seed 0, batch 16 x 128 bytes per rank, "
+    command = f"python -m benchmarks.quality --suite {suite}" + (f" ... --tag {tag}" if tag else "")
+    (RESULTS / f"quality_{suite}{tag}.md").write_text(
+        f"# Quality: {suite}{tag}\n\n`{command}` — examples/gpt_lion.py, "
+        f"1.85M parameters, {devices} CPU processes (gloo over loopback), seed 0, batch 16 x 128 bytes per rank, "
         "warm-up + cosine LR (Lion 1e-3, AdamW 3e-3).\n\n" + table + "\n")
     return table
 
@@ -93,11 +108,13 @@ def main() -> None:
     parser.add_argument("--suite", choices=sorted(SUITES), required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated label prefixes to run")
+    parser.add_argument("--tag", default="", help="suffix of the results folder and table")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if not args.report_only:
-        run(args.suite, args.steps, args.devices)
-    print(report(args.suite))
+        run(args.suite, args.steps, args.devices, args.only, args.tag)
+    print(report(args.suite, args.tag, args.devices))
 
 
 if __name__ == "__main__":
