@@ -140,6 +140,8 @@ class LowBitStrategy(DDPStrategy):
         return f"'{getattr(self, '_lowbit_name', 'lowbit_lion')}'"
 
     def teardown(self) -> None:
+        # The optimizers outlive the run (plain Lion again); their traffic stays readable.
+        self._finished_logs = self.traffic_logs()
         for opt in map(_unwrap, self.optimizers):
             if isinstance(opt, Lion):
                 opt.attach_communicator(None)
@@ -147,13 +149,12 @@ class LowBitStrategy(DDPStrategy):
 
     # ---- telemetry ------------------------------------------------------------------
     def traffic_logs(self) -> list[wire.TrafficLog]:
-        """The traffic logs of the BitDP hook or of every attached communicator."""
+        """The traffic logs of the BitDP hook or of every attached communicator; after
+        ``fit`` returns, those of the finished run."""
         out = [self.bitdp_state.log] if self.bitdp_state is not None else []
-        for opt in map(_unwrap, self.optimizers):
-            comm = getattr(opt, "communicator", None)
-            if comm is not None:
-                out.append(comm.log)
-        return out
+        comms = [getattr(opt, "communicator", None) for opt in map(_unwrap, self.optimizers)]
+        out += [c.log for c in comms if c is not None]
+        return out or list(getattr(self, "_finished_logs", []))
 
     # ---- checkpoints: every rank's own momentum and BitDP state --------------------
     def optimizer_state(self, optimizer) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def fit_once(args) -> dict:
                                               loader().dataset.tensors[1].reshape(-1)))
     tr.fit(model, loader())
     metrics = {k: float(v) for k, v in tr.callback_metrics.items()}
-    return {"first_loss": first, "metrics": metrics, "world_size": tr.world_size,
+    sent = sum(log.bytes_sent for log in tr.strategy.traffic_logs()) if hasattr(tr.strategy, "traffic_logs") else 0
+    return {"first_loss": first, "metrics": metrics, "world_size": tr.world_size, "bytes_after_fit": sent,
             "global_step": tr.global_step, "is_global_zero": tr.is_global_zero}
 
 
