@@ -15,6 +15,13 @@ Supported p: 0, 1, 2 and inf.
 * Zero input is safe: when M_p(x) = 0 (all entries zero) every code is 0.
 * ``round`` is round-half-to-even (``torch.round``), a deterministic tie rule.
 
+* Range: codes follow Eq. 1 while M_p(x) is a normal float32 and the scale L / 2M_p is a
+  finite one, i.e. M_p >= max(1.2e-38, L * 1.5e-39) (4.8e-35 at 16 bits). Below that (all
+  entries near float32's underflow, far under any real gradient or update) the scale
+  overflows and the p = 1 mean may underflow; codes then still keep each entry's sign,
+  order and the range [-L, L], but not Eq. 1's values. Checking for this would cost a
+  host sync per call.
+
 Codes are int8 for bits <= 8 and int16 for bits <= 16. Quantization is scale invariant:
 Q_p(c·x) = Q_p(x) for any c > 0 (exactly so for powers of two).
 """
