@@ -12,6 +12,7 @@ and step count; two CPU processes over loopback) and writes one JSON per run und
 
     python -m benchmarks.quality --suite lion [--steps 200] [--report-only]
     python -m benchmarks.quality --suite lion --steps 600 --only 32-bit,8-bit,4-bit,1-bit --tag _600
+    python -m benchmarks.quality --suite lion --steps 600 --lr 5e-4 --only 32-bit,8-bit,4-bit,1-bit --tag _600_lr5e-4
 
 ``--tag`` keeps a second study (other step count) beside the default one: results go to
 ``quality/<suite><tag>/`` and ``quality_<suite><tag>.md``.
@@ -67,7 +68,7 @@ def _configs(suite: str, only: str) -> list[tuple[str, str, list[str]]]:
     return chosen
 
 
-def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "") -> None:
+def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "", lr: float | None = None) -> None:
     configs = _configs(suite, only)
     for i, (label, strategy, extra) in enumerate(configs, 1):
         out = _file(suite, label, tag)
@@ -77,13 +78,13 @@ def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "") -> 
         subprocess.run(
             [sys.executable, str(ROOT / "examples" / "gpt_lion.py"), "--strategy", strategy, "--devices", str(devices),
              "--max-steps", str(steps), "--val-every", str(max(1, steps // 2)), "--val-batches", "20",
-             "--out", str(out), *extra],
+             "--out", str(out), *extra, *(["--lr", str(lr)] if lr else [])],
             check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600,
         )
         print(f"    done in {time.time() - start:.0f} s", flush=True)
 
 
-def report(suite: str, tag: str = "", devices: int = 2) -> str:
+def report(suite: str, tag: str = "", devices: int = 2, lr: float | None = None) -> str:
     rows = ["| configuration | strategy | steps | val loss | train loss | KiB/step/rank | vs DDP fp32 | steps/s |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for label, strategy, _ in SUITES[suite]:
@@ -102,7 +103,9 @@ def report(suite: str, tag: str = "", devices: int = 2) -> str:
     (RESULTS / f"quality_{suite}{tag}.md").write_text(
         f"# Quality: {suite}{tag}\n\n`{command}` — examples/gpt_lion.py, "
         f"1.85M parameters, {devices} CPU processes (gloo over loopback), seed 0, batch 16 x 128 bytes per rank, "
-        "warm-up + cosine LR (Lion 1e-3, AdamW 3e-3).\n\n" + table + "\n")
+        + (f"warm-up + cosine LR peaking at {lr:g} for every configuration" if lr else
+           "warm-up + cosine LR (Lion 1e-3, AdamW 3e-3; a configuration may set its own)")
+        + ".\n\n" + table + "\n")
     return table
 
 
@@ -113,11 +116,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated label prefixes to run")
     parser.add_argument("--tag", default="", help="suffix of the results folder and table")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate for every configuration")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if not args.report_only:
-        run(args.suite, args.steps, args.devices, args.only, args.tag)
-    print(report(args.suite, args.tag, args.devices))
+        run(args.suite, args.steps, args.devices, args.only, args.tag, args.lr)
+    print(report(args.suite, args.tag, args.devices, args.lr))
 
 
 if __name__ == "__main__":
