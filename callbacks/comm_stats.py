@@ -54,7 +54,8 @@ class CommStats(pl.Callback):
         self.total_bytes_sent += sent
         self.total_seconds += seconds
         self.steps += 1
-        ratio = self.fp32_bytes_per_step / sent if sent else 0.0
+        # one process: nothing to send either way, so 1x (not 0x) against fp32
+        ratio = self.fp32_bytes_per_step / sent if sent else (1.0 if self.fp32_bytes_per_step == 0 else 0.0)
         pl_module.log("comm_MB", sent / 2**20, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log("comm_x", ratio, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log("comm/bytes_per_step", float(sent), on_step=True, on_epoch=False)

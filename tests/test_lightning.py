@@ -58,6 +58,15 @@ def test_trainer_runs_with_each_registered_name(tmp_path, name):
     assert 0.0 <= m["sign/flip"] <= m["sign/match"] <= 1.0
 
 
+@pytest.mark.parametrize("name, optimizer", [("lowbit_lion", "lion"), ("lowbit_bitdp", "adamw")])
+def test_one_device_trains_and_sends_nothing(tmp_path, name, optimizer):
+    r = _fit(tmp_path, "--strategy", name, "--devices", "1", "--optimizer", optimizer)
+    assert "error" not in r, r.get("error")
+    m = r["metrics"]
+    assert r["world_size"] == 1 and m["train_loss"] < r["first_loss"]
+    assert m["comm/bytes_per_step"] == 0 and m["comm/ratio_vs_fp32"] == 1.0
+
+
 def test_wrong_optimizer_is_a_clear_error(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--optimizer", "adamw")
     assert "drives lowbit_strategy.Lion" in r["error"] and "torch.optim.adamw.AdamW" in r["error"]
