@@ -28,6 +28,7 @@ Notes for users:
 """
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Any
 
@@ -66,6 +67,11 @@ def _unwrap(opt):
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class LowBitStrategy(DDPStrategy):
     """DDP with low-bit synchronization driven by a :class:`LowBitConfig`.
 
@@ -94,6 +100,15 @@ class LowBitStrategy(DDPStrategy):
         return self.lowbit_config.algorithm == "bitdp"
 
     # ---- wiring ---------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning destroys the process group at exit only for NCCL. A gloo group left to
+        # interpreter finalization sometimes aborts a *_spawn worker after training
+        # ("terminate called without an active exception", ~1 run in 10 here), which the
+        # launcher reports as a failed fit. Destroy it while Python is still whole.
+        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
+        atexit.register(_destroy_process_group)
+
     def configure_ddp(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on gloo/CPU as well,
         # and a DDP model accepts one hook, so register it here and never through super().
