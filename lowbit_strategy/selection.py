@@ -103,6 +103,10 @@ def _linear_weight(module: nn.Module, attr: str) -> bool:
     return attr == "weight" and (isinstance(module, nn.Linear) or is_conv1d(module))
 
 
+def _conv1d_weight(owners: list[tuple[nn.Module, str]]) -> bool:
+    return any(attr == "weight" and is_conv1d(m) for m, attr in owners)
+
+
 def _output_embedding(model: nn.Module) -> int | None:
     """id of the last Linear weight shaped like an embedding's weight (rule 3), if any."""
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, EMBEDDINGS)}
@@ -124,7 +128,7 @@ def _default(p: nn.Parameter, owners: list[tuple[nn.Module, str]], output_embedd
         return False, "not a linear weight"
     if p.dim() != 2 or not p.is_floating_point():
         return False, "linear weight that is not a floating 2-D matrix"
-    if any(is_conv1d(m) for m, _ in owners):
+    if _conv1d_weight(owners):
         return True, "linear weight (Conv1D, in x out: channels are columns)"
     return True, "linear weight"
 
@@ -172,7 +176,7 @@ def classify(
             why = "matches quantize" if q else ("not a floating tensor" if matched else "matches no quantize pattern")
         else:
             q, why = _default(p, owners[key], output_embedding)
-        transposed = q and any(is_conv1d(m) and attr == "weight" for m, attr in owners[key])
+        transposed = q and _conv1d_weight(owners[key])
         out[key] = ParamInfo(
             tuple(names[key]), tuple(type(m).__name__ for m, _ in owners[key]), tuple(p.shape), q, why, transposed
         )

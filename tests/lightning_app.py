@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowbit_strategy
+from lowbit_strategy import checkpoint
 from callbacks import CommStats, DivergenceMonitor, MomentumSync
 
 VOCAB, SEQ = 32, 8
@@ -117,27 +118,21 @@ def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "li
     ckpt = os.path.join(workdir, "epoch0.ckpt") if os.path.exists(os.path.join(workdir, "epoch0.ckpt")) else \
         os.path.join(workdir, sorted(os.listdir(workdir))[0])
     resumed = run(2, ckpt=ckpt)
+    other_world = run(2, ckpt=ckpt, devices=devices + 1)
+    common = {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
+              "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
+              "is_global_zero": True}
+    saved = torch.load(ckpt, weights_only=False)
     if optimizer != "lion":  # BitDP: the hook's iteration count and per-rank residuals
-        saved = torch.load(ckpt, weights_only=False).get("lowbit_bitdp_states")
-        other_world = run(2, ckpt=ckpt, devices=devices + 1)
-        residuals = [st["residuals"] for st in saved["states"]] if saved else []
-        return {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
-                "saved_iters": [st["iter"] for st in saved["states"]] if saved else None,
+        states = saved.get(checkpoint.BITDP_KEY, {}).get("states", [])
+        residuals = [st["residuals"] for st in states]
+        return {**common, "saved_iters": [st["iter"] for st in states] or None,
                 "residual_names": sorted(residuals[0]) if residuals else [],
                 "rank_residuals_differ": bool(residuals) and any(
-                    not torch.equal(residuals[0][n], residuals[1][n]) for n in residuals[0]),
-                "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
-                "is_global_zero": True}
-    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["lowbit_rank_states"]
-    moms = [next(iter(st.values()))["exp_avg"] for st in saved["states"]]
-    other_world = run(2, ckpt=ckpt, devices=devices + 1)
-    return {
-        "bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
-        "saved_world_size": saved["world_size"],
-        "rank_momenta_differ": not torch.equal(moms[0], moms[1]),
-        "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
-        "is_global_zero": True,
-    }
+                    not torch.equal(residuals[0][n], residuals[1][n]) for n in residuals[0])}
+    ranks = saved["optimizer_states"][0][checkpoint.KEY]
+    moms = [next(iter(st.values()))["exp_avg"] for st in ranks["states"]]
+    return {**common, "saved_world_size": ranks["world_size"], "rank_momenta_differ": not torch.equal(moms[0], moms[1])}
 
 
 def main(argv=None) -> None:
