@@ -81,17 +81,17 @@ def _prod(shape) -> int:
 
 def measure(fn, reps: int) -> tuple[list[float], Counters, TrafficLog]:
     """Per-rep seconds on this rank, counter delta over the block, recorded traffic."""
-    log, times = TrafficLog(), []
+    traffic, times = TrafficLog(), []
     dist.barrier()
     before = rank_counters()
     for _ in range(reps):
         dist.barrier()
         start = time.perf_counter()
-        with recording(log):
+        with recording(traffic):
             fn()
         times.append(time.perf_counter() - start)
     dist.barrier()
-    return times, rank_counters() - before, log
+    return times, rank_counters() - before, traffic
 
 
 def gather(values: list[float]) -> list[list[float]]:
@@ -138,13 +138,13 @@ def main() -> int:
         for name, (fn, state) in algorithms(x, p, args.algorithms.split(",")).items():
             for _ in range(args.warmup):
                 fn()
-            times, delta, log = measure(fn, args.reps)
+            times, delta, traffic = measure(fn, args.reps)
             extra = delta - barrier_only
             row = times + [max(0, v) / args.reps for v in astuple(extra)]
-            row += [log.bytes_sent / args.reps, log.bytes_received / args.reps]
+            row += [traffic.bytes_sent / args.reps, traffic.bytes_received / args.reps]
             every = gather(row)
             if rank == 0:
-                rec = record(name, p, n, link, bps, alpha, every, args.reps, log, state)
+                rec = record(name, p, n, link, bps, alpha, every, args.reps, traffic, state)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(progress(rec), flush=True)
@@ -153,7 +153,7 @@ def main() -> int:
     return 0
 
 
-def record(name, p, n, link, bps, alpha, every, reps, log, state) -> dict:
+def record(name, p, n, link, bps, alpha, every, reps, traffic, state) -> dict:
     """One JSON record from every rank's [times..., if_tx, if_rx, wire_tx, wire_rx, rec_sent, rec_recv]."""
     times = [max(r[i] for r in every) for i in range(reps)]
     keys = ("if_tx", "if_rx", "wire_tx", "wire_rx", "recorded_sent", "recorded_received")
@@ -166,7 +166,7 @@ def record(name, p, n, link, bps, alpha, every, reps, log, state) -> dict:
         "algorithm": name, "P": p, "N": n, "link": link, "link_bps": bps or None,
         "times_s": times, "median_s": median, "per_rank": per_rank,
         "wire_bytes_per_rank": wire, "recorded_bytes_per_rank": max(r["recorded_sent"] for r in per_rank),
-        "recorded_by_op": {k: v // reps for k, v in log.by_op().items()},
+        "recorded_by_op": {k: v // reps for k, v in traffic.by_op().items()},
         "bound_s": bound, "measured_over_bound": median / bound if bound else None,
         "model_s": model, "model": model_name, "alpha_s": alpha,
     }

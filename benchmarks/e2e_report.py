@@ -33,7 +33,7 @@ How to read this (see `benchmarks/e2e.py` and `benchmarks/e2e_worker.py`):
     the backward pass; BitDP's recorded seconds are launch-to-completion times of transfers that
     overlap each other and the backward pass, so they are not a share of the step):
     compute = step time of the calibration run with the same optimizer (`calib_*`: a DDP comm
-    hook returns each rank's own bucket, `lowbit_strategy.lightning.keep_local_gradients`,
+    hook returns each rank's own bucket, `lowbit_strategy.keep_local_gradients`,
     so no gradient crosses the wire), comm = step − compute (the part of the
     communication that overlap did not hide, plus the hook's own encode/decode; clipped at 0);
   - **calib compute** of the same optimizer and **step − calib** (the calibrated estimate

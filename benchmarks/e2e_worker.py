@@ -58,7 +58,7 @@ import lowbit_strategy  # noqa: E402,F401  (registers the lowbit_* strategies)
 from benchmarks.netem import rank_counters  # noqa: E402
 from callbacks import CommStats  # noqa: E402
 from examples.gpt_lion import GPT, Windows, stdlib_bytes  # noqa: E402
-from lowbit_strategy.lightning import keep_local_gradients  # noqa: E402
+from lowbit_strategy import keep_local_gradients  # noqa: E402
 
 #: name -> (strategy kind, optimizer). Kinds: "ddp", "fp16", "powersgd", "local" (calibration,
 #: nothing synchronized) or a registered strategy name.

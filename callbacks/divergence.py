@@ -22,7 +22,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lowbit_strategy import Lion
 from lowbit_strategy.collectives import full_allreduce
-from lowbit_strategy.layers import param_names
+from lowbit_strategy.selection import param_names
 
 
 class DivergenceMonitor(pl.Callback):
@@ -71,7 +71,8 @@ class DivergenceMonitor(pl.Callback):
             return {}
         moms = [opt.state[p]["exp_avg"].float().reshape(-1) for p in params]
         flat = torch.cat(moms)
-        both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group, log=opt.communicator.log)
+        both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group,
+                              traffic=opt.communicator.traffic)
         world = opt.communicator.world_size
         mean, mean_sq = (both / world).split(flat.numel())
         std = (mean_sq - mean * mean).clamp_min(0).sqrt()

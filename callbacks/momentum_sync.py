@@ -12,7 +12,7 @@ from typing import Sequence
 import lightning.pytorch as pl
 
 from lowbit_strategy import Lion
-from lowbit_strategy.layers import select_params
+from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 
 
 class MomentumSync(pl.Callback):
@@ -29,7 +29,7 @@ class MomentumSync(pl.Callback):
         self.syncs = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._params = select_params(pl_module, self.layers)
+        self._params = momentum_sync_params(pl_module, self.layers, field="MomentumSync.layers")
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -1,24 +1,68 @@
 """lowbit-strategy: data-parallel training with 4-32x fewer bytes on the wire.
 
-``import lowbit_strategy`` registers the Lightning strategies (``lowbit_lion`` and family),
-so it must come before ``Trainer(strategy="lowbit_lion")``. Importing touches no CUDA and
-compiles nothing (safe before a notebook's fork); re-importing re-registers harmlessly.
+The public API::
+
+    from lowbit_strategy import LowBitConfig, LowBitStrategy, Lion, BitDPState, bitdp_hook, attach
+
+``import lowbit_strategy`` registers the Lightning strategy names (``lowbit_lion`` and
+family) without importing Lightning: they are registered the moment
+``lightning.pytorch`` is imported, before or after this package. :class:`LowBitStrategy`
+itself loads Lightning when first used. Importing touches no CUDA and compiles nothing
+(safe before a notebook's fork); re-importing re-registers harmlessly.
 """
+from lowbit_strategy.algorithms import REGISTRY as ALGORITHMS
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
+from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
 from lowbit_strategy.config import ConfigError, LowBitConfig
-from lowbit_strategy.lightning import LowBitSetupError, LowBitStrategy, register_strategies
-from lowbit_strategy.optim import Lion, LionCommunicator
+from lowbit_strategy.integrations._post_import import when_imported
+from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
 
 __version__ = "0.1.0"
 
-STRATEGY_NAMES = tuple(register_strategies())
-
 __all__ = [
-    "LowBitConfig",
+    "ALGORITHMS",
+    "BitDPState",
     "ConfigError",
     "Lion",
     "LionCommunicator",
-    "LowBitStrategy",
+    "LowBitConfig",
     "LowBitSetupError",
+    "LowBitStrategy",
     "STRATEGY_NAMES",
+    "Sync",
+    "attach",
+    "bitdp_hook",
+    "keep_local_gradients",
+    "load_rank_states",
+    "save_rank_states",
     "__version__",
 ]
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from lowbit_strategy.algorithms import REGISTRY
+
+    suffixes = ("", "_spawn", "_notebook")  # integrations.lightning.VARIANTS, without importing Lightning
+    return tuple(base + s for algo in REGISTRY.values() for base in algo.strategy_names for s in suffixes)
+
+
+#: every Lightning strategy name this package registers
+STRATEGY_NAMES = _strategy_names()
+
+
+def _register_with_lightning() -> None:
+    # importing the module registers the names (at its end, so that an import of it that
+    # is itself what loaded Lightning registers once it is complete)
+    import lowbit_strategy.integrations.lightning  # noqa: F401
+
+
+def __getattr__(name: str):
+    if name == "LowBitStrategy":  # loads Lightning on first use only
+        from lowbit_strategy.integrations.lightning import LowBitStrategy
+
+        return LowBitStrategy
+    raise AttributeError(f"module 'lowbit_strategy' has no attribute {name!r}")
+
+
+when_imported("lightning.pytorch.strategies", _register_with_lightning)

@@ -1,278 +1,259 @@
-"""LowBitConfig: one typed, validated configuration for every front end.
+"""LowBitConfig: the shared fields, plus one section per algorithm.
 
-Build it from keyword arguments, a dict (:meth:`LowBitConfig.from_dict`), a YAML file
-(:meth:`LowBitConfig.from_yaml`, read with ``yaml.safe_load``) or environment variables
-(:meth:`LowBitConfig.from_env`, ``LOWBIT_<FIELD>``). Strings (from YAML or the
-environment) are converted to each field's type. Every invalid value raises
-:class:`ConfigError`, which names the field, the value and what is allowed.
+::
+
+    LowBitConfig(algorithm="lion", lion={"mode": "lp", "bits": 8})
+    LowBitConfig(algorithm="lion", mode="lp", bits=8)        # the same: shorthand for the active section
+    LowBitConfig(algorithm="bitdp", bitdp_bits=1)            # <section>_<field> reaches any section
+    LowBitConfig.from_yaml("lowbit.yaml")                    # algorithm: bitdp / bitdp: {bits: 1}
+    LowBitConfig.from_env()                                  # LOWBIT_CONFIG=path, LOWBIT_ALGORITHM, LOWBIT_BITDP_BITS, LOWBIT_BITS
+
+The shared fields (:data:`SHARED_FIELDS`) apply to every algorithm. Each algorithm in the
+registry (:mod:`lowbit_strategy.algorithms`) contributes a :class:`Section`, a frozen
+dataclass that validates its own fields where it is defined; ``config.lion`` /
+``config.bitdp`` read them, ``config.section`` is the active algorithm's. Strings (from YAML
+or the environment) are converted to each field's type. Every invalid value raises
+:class:`ConfigError` naming the field (``LowBitConfig.lion.mode``), the value and what is
+allowed; an unreadable or malformed YAML file names the file and the line.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-ALGORITHMS = ("lion", "bitdp", "onebit_adam", "onebit_lamb", "turboquant_adam")
-LION_MODES = ("auto", "1bit", "sign", "lp", "fp32", "bf16")
-WIRE_LANES = (2, 4, 8, 16, 32)
-LAYER_KEYWORDS = ("auto", "all", "none")
-#: Lion with ``bits`` but no ``mode``: the paper's names ("1-bit", "4-bit" sign votes,
-#: "8-bit" L1 codes, "16/32-bit" uncompressed).
-BITS_TO_LION_MODE = {1: "1bit", 2: "sign", 4: "sign", 8: "lp", 16: "bf16", 32: "fp32"}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
 
+__all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 
-class ConfigError(ValueError):
-    """An invalid configuration value; ``field`` and ``value`` say which."""
-
-    def __init__(self, field_name: str, value: Any, allowed: str):
-        self.field = field_name
-        self.value = value
-        super().__init__(f"LowBitConfig.{field_name}: got {value!r}; {allowed}")
+#: Fields every algorithm shares, with their defaults.
+SHARED_FIELDS: dict[str, Any] = {
+    "algorithm": "lion",
+    "bucket_size_mb": 25.0,
+    "warmup_steps": 0,
+    "link_bandwidth_gbps": 1.0,
+    "link_latency_us": 50.0,
+    "debug": False,
+}
 
 
-def _as_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(name, value, f"expected an integer >= {minimum}")
-    if isinstance(value, str):
-        value = value.strip()
-    try:
-        out = int(value)
-        if isinstance(value, float) and out != value:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(name, value, f"expected an integer >= {minimum}") from None
-    if out < minimum:
-        raise ConfigError(name, value, f"expected an integer >= {minimum}")
-    return out
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """Base of an algorithm's config section (a frozen dataclass).
 
-
-def _as_float(name: str, value: Any, *, positive: bool) -> float:
-    allowed = "expected a finite number " + ("> 0" if positive else ">= 0")
-    if isinstance(value, bool):
-        raise ConfigError(name, value, allowed)
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(name, value, allowed) from None
-    if not math.isfinite(out) or out < 0 or (positive and out == 0):
-        raise ConfigError(name, value, allowed)
-    return out
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigError(name, value, "expected a boolean (true/false, 1/0, yes/no)")
-
-
-def _as_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    text = value.strip().lower() if isinstance(value, str) else value
-    if text not in choices:
-        hint = difflib.get_close_matches(str(value), choices, n=1)
-        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(name, value, f"allowed: {', '.join(choices)}{extra}")
-    return text
-
-
-@dataclass(frozen=True)
-class LowBitConfig:
-    """Every knob of the low-bit algorithms.
-
-    algorithm: which paper's algorithm drives synchronization: ``lion`` (Lion Cub),
-        ``bitdp``, ``onebit_adam``, ``onebit_lamb`` or ``turboquant_adam``.
-    mode: how Lion Cub synchronizes its update vector: ``1bit`` (majority vote), ``sign``
-        (0/1 votes summed in packed lanes), ``lp`` (L_p-quantized codes summed in lanes),
-        ``fp32`` / ``bf16`` (exact baseline) or ``auto`` (the cost model picks from the
-        world size, the bucket size and the link below). Lion only.
-    bits: bits on the wire. Lion ``sign``/``lp``: the lane width (2, 4, 8, 16, 32; None
-        means the narrowest lane that holds P votes for ``sign`` and 8 for ``lp``);
-        ``1bit``: 1; ``fp32``: 32; ``bf16``: 16. With ``mode="auto"``, giving ``bits`` picks the
-        mode the paper means by that width (:data:`BITS_TO_LION_MODE`: 4 -> sign, 8 -> lp).
-        BitDP: 1 or 2 (default 2). 1-bit Adam/LAMB: 1. TurboQuant-Adam: 4.
-    p: the norm of L_p quantization (Lion Cub Eq. 1): 0, 1, 2 or inf.
-    bucket_size_mb: size of the flat buckets synchronized with one collective each.
-    momentum_sync_every: average the momentum across ranks every k steps (Lion Cub
-        Sec. 5); 0 never does.
-    momentum_sync_layers: which momenta to average: ``auto`` (input embedding and output
-        head), ``all``, ``none`` or a tuple of parameter-name patterns (fnmatch).
-    warmup_steps: steps run uncompressed before compression starts.
-    link_bandwidth_gbps, link_latency_us: the network the ``auto`` mode plans for.
-    bitdp_quantize: BitDP only: parameter-name patterns to quantize instead of the default
-        rule (linear weights, no embeddings); None keeps the default.
-    bitdp_exclude: BitDP only: patterns never quantized (win over ``bitdp_quantize``).
-    bitdp_reduction: BitDP only: ``mean`` (exact mean of dequantized gradients) or
-        ``paper`` (Eq. 10: reduced scales times reduced codes).
-    bitdp_error_feedback: BitDP only: keep each rank's quantization residual and add it to
-        the next gradient (not in the paper; off by default). Checkpointed per rank.
-    debug: run extra checks (one more small collective per call verifying that every
-        rank passes the same lengths).
+    Subclasses set :attr:`name` (the algorithm's name, also the key of the section in
+    YAML, keyword arguments and ``LOWBIT_<NAME>_<FIELD>``) and validate in
+    ``__post_init__`` with :meth:`_set` and the converters of :mod:`lowbit_strategy.validation`,
+    naming fields through :meth:`field_name` so errors read ``LowBitConfig.<name>.<field>``.
     """
 
-    algorithm: str = "lion"
-    mode: str = "auto"
-    bits: int | None = None
-    p: float = 1.0
-    bucket_size_mb: float = 25.0
-    momentum_sync_every: int = 0
-    momentum_sync_layers: str | tuple[str, ...] = "auto"
-    warmup_steps: int = 0
-    link_bandwidth_gbps: float = 1.0
-    link_latency_us: float = 50.0
-    bitdp_quantize: tuple[str, ...] | None = None
-    bitdp_exclude: tuple[str, ...] | None = None
-    bitdp_reduction: str = "mean"
-    bitdp_error_feedback: bool = False
-    debug: bool = False
+    name: ClassVar[str] = ""
 
-    def __post_init__(self) -> None:
-        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (frozen)
-        set_("algorithm", _as_choice("algorithm", self.algorithm, ALGORITHMS))
-        set_("mode", _as_choice("mode", self.mode, LION_MODES))
-        set_("p", self._checked_p(self.p))
-        set_("bucket_size_mb", _as_float("bucket_size_mb", self.bucket_size_mb, positive=True))
-        set_("momentum_sync_every", _as_int("momentum_sync_every", self.momentum_sync_every, 0))
-        set_("momentum_sync_layers", self._checked_layers(self.momentum_sync_layers))
-        set_("warmup_steps", _as_int("warmup_steps", self.warmup_steps, 0))
-        set_("link_bandwidth_gbps", _as_float("link_bandwidth_gbps", self.link_bandwidth_gbps, positive=True))
-        set_("link_latency_us", _as_float("link_latency_us", self.link_latency_us, positive=False))
-        set_("debug", _as_bool("debug", self.debug))
-        set_("bitdp_quantize", self._checked_patterns("bitdp_quantize", self.bitdp_quantize))
-        set_("bitdp_exclude", self._checked_patterns("bitdp_exclude", self.bitdp_exclude))
-        set_("bitdp_reduction", _as_choice("bitdp_reduction", self.bitdp_reduction, ("mean", "paper")))
-        set_("bitdp_error_feedback", _as_bool("bitdp_error_feedback", self.bitdp_error_feedback))
-        if self.algorithm == "lion" and self.mode == "auto" and self.bits not in (None, "", "none"):
-            bits = _as_int("bits", self.bits, 1)
-            if bits not in BITS_TO_LION_MODE:
-                raise ConfigError("bits", self.bits, f"with mode='auto' allowed: None, {', '.join(map(str, BITS_TO_LION_MODE))}")
-            set_("mode", BITS_TO_LION_MODE[bits])
-        set_("bits", self._checked_bits(self.bits))
-
-    @staticmethod
-    def _checked_p(value: Any) -> float:
-        text = value.strip().lower() if isinstance(value, str) else value
-        if text in ("inf", "infinity"):
-            return math.inf
-        try:
-            out = float(text)
-        except (TypeError, ValueError):
-            out = None
-        if isinstance(value, bool) or out not in (0.0, 1.0, 2.0, math.inf):
-            raise ConfigError("p", value, "allowed: 0, 1, 2, inf (the norm of L_p quantization)")
-        return out
-
-    @staticmethod
-    def _checked_layers(value: Any) -> str | tuple[str, ...]:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.lower() in LAYER_KEYWORDS:
-                return text.lower()
-            value = [part for part in text.split(",")]
-        if isinstance(value, (list, tuple)):
-            patterns = tuple(str(v).strip() for v in value)
-            if patterns and all(patterns) and all(isinstance(v, str) for v in value):
-                return patterns
-        raise ConfigError(
-            "momentum_sync_layers", value,
-            "allowed: 'auto', 'all', 'none', or a non-empty list of parameter-name patterns",
-        )
-
-    @staticmethod
-    def _checked_patterns(name: str, value: Any) -> tuple[str, ...] | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-            return None
-        if isinstance(value, str):
-            value = value.split(",")
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
-            return tuple(v.strip() for v in value)
-        raise ConfigError(name, value, "expected None or a non-empty list of parameter-name patterns (fnmatch)")
-
-    def _checked_bits(self, value: Any) -> int | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-            value = None
-        else:
-            value = _as_int("bits", value, 1)
-        allowed = self._allowed_bits()
-        if value not in allowed:
-            shown = ", ".join("None" if b is None else str(b) for b in allowed)
-            what = f"algorithm={self.algorithm!r}" + (f", mode={self.mode!r}" if self.algorithm == "lion" else "")
-            raise ConfigError("bits", value, f"with {what} allowed: {shown}")
-        if self.algorithm != "lion" and self.mode != "auto":
-            raise ConfigError("mode", self.mode, f"mode applies to algorithm='lion' only; leave it 'auto' for {self.algorithm!r}")
-        return value
-
-    def _allowed_bits(self) -> tuple[int | None, ...]:
-        if self.algorithm == "lion":
-            return {
-                "auto": (None,),
-                "1bit": (None, 1),
-                "sign": (None,) + WIRE_LANES,
-                "lp": (None,) + WIRE_LANES,
-                "fp32": (None, 32),
-                "bf16": (None, 16),
-            }[self.mode]
-        return {
-            "bitdp": (None, 1, 2),
-            "onebit_adam": (None, 1),
-            "onebit_lamb": (None, 1),
-            "turboquant_adam": (None, 4),
-        }[self.algorithm]
-
-    # ---- front ends -------------------------------------------------------------
     @classmethod
-    def field_names(cls) -> tuple[str, ...]:
+    def field_name(cls, field: str) -> str:
+        return f"{cls.name}.{field}"
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Section":
+        if isinstance(values, cls):
+            return values
+        if not isinstance(values, Mapping):
+            raise ConfigError(cls.name, values, f"expected a mapping of {cls.name} fields: {', '.join(cls.fields())}")
+        for key in values:
+            if key not in cls.fields():
+                raise ConfigError(cls.field_name(str(key)), values[key],
+                                  f"unknown field{suggestion(key, cls.fields())}; fields are: {', '.join(cls.fields())}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def _set(self, field: str, value: Any) -> None:
+        object.__setattr__(self, field, value)  # frozen: only __post_init__ writes
+
+
+def _registry():
+    # Imported late: the algorithm packages import this module for Section.
+    from lowbit_strategy import algorithms
+
+    return algorithms.REGISTRY
+
+
+class LowBitConfig:
+    """Every knob of the low-bit algorithms, validated once, immutable afterwards.
+
+    Shared fields:
+        algorithm: which algorithm drives synchronization (a name of
+            :data:`lowbit_strategy.algorithms.REGISTRY`: ``lion``, ``bitdp``).
+        bucket_size_mb: size of the flat buckets synchronized with one collective each.
+        warmup_steps: steps run uncompressed before compression starts.
+        link_bandwidth_gbps, link_latency_us: the network the cost model plans for.
+        debug: run extra checks (one more small collective per call verifying that every
+            rank passes the same lengths).
+
+    Sections: one per registered algorithm, each a :class:`Section` (``config.lion``,
+    ``config.bitdp``); see each algorithm's ``config`` module for its fields. Keyword
+    arguments may name a section (a mapping or a section object), a field of the active
+    algorithm's section (``mode="lp"`` with ``algorithm="lion"``), or any section's field
+    as ``<section>_<field>`` (``bitdp_bits=1``).
+    """
+
+    __slots__ = ("algorithm", "bucket_size_mb", "warmup_steps", "link_bandwidth_gbps", "link_latency_us",
+                 "debug", "_sections")
+
+    def __init__(self, algorithm: str = "lion", bucket_size_mb: float = 25.0, warmup_steps: int = 0,
+                 link_bandwidth_gbps: float = 1.0, link_latency_us: float = 50.0, debug: bool = False,
+                 **sections: Any) -> None:
+        registry = _registry()
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (immutable)
+        set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
+        set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True))
+        set_("warmup_steps", as_int("warmup_steps", warmup_steps, 0))
+        set_("link_bandwidth_gbps", as_float("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
+        set_("link_latency_us", as_float("link_latency_us", link_latency_us, positive=False))
+        set_("debug", as_bool("debug", debug))
+        values = self._route(sections, registry)
+        set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
+
+    def _route(self, given: Mapping[str, Any], registry) -> dict[str, dict[str, Any]]:
+        """Sort keyword arguments into sections: whole sections first, then ``<section>_<field>``,
+        then shorthands for the active section (later forms override earlier ones)."""
+        out: dict[str, dict[str, Any]] = {name: {} for name in registry}
+        active = registry[self.algorithm].section
+        for key, value in given.items():
+            if key in registry:
+                if isinstance(value, Section):
+                    value = value.to_dict()
+                if not isinstance(value, Mapping):
+                    raise ConfigError(key, value, f"expected a mapping of {key} fields: "
+                                                  f"{', '.join(registry[key].section.fields())}")
+                out[key].update(value)
+        for key, value in given.items():
+            if key in registry:
+                continue
+            section = next((n for n in registry if key.startswith(n + "_")
+                            and key[len(n) + 1:] in registry[n].section.fields()), None)
+            if section is not None:
+                out[section][key[len(section) + 1:]] = value
+            elif key in active.fields():
+                out[self.algorithm][key] = value
+            else:
+                known = self.known_keys(self.algorithm)
+                raise ConfigError(key, value, f"unknown field{suggestion(key, known)}; shared fields: "
+                                              f"{', '.join(SHARED_FIELDS)}; {self.algorithm} fields: "
+                                              f"{', '.join(active.fields())}; other sections: "
+                                              f"{', '.join(n for n in registry if n != self.algorithm)}")
+        return out
+
+    # ---- reading ------------------------------------------------------------------
+    @property
+    def section(self) -> Section:
+        """The active algorithm's section."""
+        return self._sections[self.algorithm]
+
+    def __getattr__(self, name: str) -> Section:
+        sections = object.__getattribute__(self, "_sections")
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"LowBitConfig has no field or section {name!r}; sections: {', '.join(sections)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"LowBitConfig is immutable; use config.replace({name}=...)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Shared fields and every section, as plain values (round-trips through :meth:`from_dict`)."""
+        out = {name: getattr(self, name) for name in SHARED_FIELDS}
+        out.update({name: section.to_dict() for name, section in self._sections.items()})
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LowBitConfig) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+    def __repr__(self) -> str:
+        shared = ", ".join(f"{k}={getattr(self, k)!r}" for k in SHARED_FIELDS)
+        return f"LowBitConfig({shared}, {self.algorithm}={self.section!r})"
+
+    def __reduce__(self):
+        return (_from_dict, (self.to_dict(),))
+
+    @classmethod
+    def known_keys(cls, algorithm: str | None = None) -> tuple[str, ...]:
+        """Every keyword :class:`LowBitConfig` accepts (shorthands for ``algorithm``'s section
+        when given, else for every section)."""
+        registry = _registry()
+        keys = list(SHARED_FIELDS) + list(registry)
+        for name, algo in registry.items():
+            keys += [f"{name}_{f}" for f in algo.section.fields()]
+            if algorithm in (None, name):
+                keys += list(algo.section.fields())
+        return tuple(dict.fromkeys(keys))
+
+    # ---- building -----------------------------------------------------------------
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "LowBitConfig":
-        """From a mapping; unknown keys raise :class:`ConfigError` with a suggestion."""
+        """From a mapping of shared fields, sections and shorthands (see the class doc)."""
         if not isinstance(values, Mapping):
             raise ConfigError("<root>", values, "expected a mapping of field names to values")
-        names = cls.field_names()
-        for key in values:
-            if key not in names:
-                hint = difflib.get_close_matches(str(key), names, n=1)
-                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ConfigError(str(key), values[key], f"unknown field{extra}; fields are: {', '.join(names)}")
-        return cls(**dict(values))
+        return cls(**{str(k): v for k, v in values.items()})
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "LowBitConfig":
         """From a YAML mapping, either at the top level or under a ``lowbit:`` key."""
         import yaml
 
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError("<file>", str(path), f"cannot read the YAML file: {exc.strerror or exc}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError("<file>", str(path), f"not valid YAML{where}: {problem}") from None
+        data = {} if data is None else data
         if isinstance(data, Mapping) and set(data) == {"lowbit"}:
-            data = data["lowbit"]
+            data = data["lowbit"] or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError("<file>", str(path), f"expected a mapping of field names to values, got a "
+                                                   f"{type(data).__name__}")
         return cls.from_dict(data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "LOWBIT_", **defaults: Any) -> "LowBitConfig":
-        """From ``LOWBIT_<FIELD>`` variables (e.g. ``LOWBIT_MODE=lp``), over ``defaults``."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "LOWBIT_",
+                 **defaults: Any) -> "LowBitConfig":
+        """From the environment, over ``defaults``: ``LOWBIT_CONFIG`` names a YAML file read
+        first; then ``LOWBIT_<FIELD>`` for a shared field or a field of the active section
+        (``LOWBIT_MODE=lp``) and ``LOWBIT_<SECTION>_<FIELD>`` for any section
+        (``LOWBIT_BITDP_BITS=1``). An unknown ``LOWBIT_`` variable is an error."""
         env = os.environ if environ is None else environ
-        values = dict(defaults)
-        for name in cls.field_names():
-            key = prefix + name.upper()
-            if key in env:
-                values[name] = env[key]
-        unknown = [k for k in env if k.startswith(prefix) and k[len(prefix):].lower() not in cls.field_names()]
-        if unknown:
-            raise ConfigError(unknown[0][len(prefix):].lower(), env[unknown[0]],
-                              f"unknown variable {unknown[0]}; fields are: {', '.join(cls.field_names())}")
+        values: dict[str, Any] = dict(defaults)
+        path = env.get(prefix + "CONFIG")
+        if path:
+            values = _merge(values, cls.from_yaml(path).to_dict())
+        known = {k.upper(): k for k in cls.known_keys()}
+        for var in sorted(env):
+            if not var.startswith(prefix) or var == prefix + "CONFIG":
+                continue
+            key = var[len(prefix):]
+            if key not in known:
+                raise ConfigError(key.lower(), env[var], f"unknown variable {var}{suggestion(key, known)}; "
+                                                         f"use {prefix}<FIELD> or {prefix}<SECTION>_<FIELD>")
+            values[known[key]] = env[var]
         return cls.from_dict(values)
 
     @classmethod
-    def coerce(cls, source: "LowBitConfig | Mapping[str, Any] | str | os.PathLike | None" = None, **overrides: Any) -> "LowBitConfig":
+    def coerce(cls, source: "LowBitConfig | Mapping[str, Any] | str | os.PathLike | None" = None,
+               **overrides: Any) -> "LowBitConfig":
         """Any accepted form (config, dict, YAML path or None) with keyword overrides on top."""
         if source is None:
             base: dict[str, Any] = {}
@@ -284,11 +265,19 @@ class LowBitConfig:
             base = cls.from_yaml(source).to_dict()
         else:
             raise ConfigError("<root>", source, "expected a LowBitConfig, a dict, a YAML file path or None")
-        base.update(overrides)
-        return cls.from_dict(base)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return cls.from_dict({**base, **overrides})
 
     def replace(self, **changes: Any) -> "LowBitConfig":
         return self.coerce(self, **changes)
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else value
+    return out
+
+
+def _from_dict(values: Mapping[str, Any]) -> LowBitConfig:
+    return LowBitConfig.from_dict(values)

@@ -1,83 +1,39 @@
-"""Which gradients BitDP quantizes: selective compression (BitDP Sec. 3.1.1, Algorithm 1).
+"""Parameter roles and name patterns: the one rule set every algorithm selects with.
 
-BitDP quantizes "all linear layers in the model, excluding biases, embedding layers, and
-normalization layers": the weight matrices carry ~99.6 % of the gradient volume (Table 1),
-while quantizing biases, LayerNorm or embeddings made training diverge (Table 2: "FG w/
-bias", "FG w/Embd") or cost accuracy ("FG w/LN").
+Algorithms choose parameters by *role* (Lion Cub syncs the momentum of the input
+embedding and the output head, Sec. 5 / Fig. 6; BitDP quantizes linear weights but not
+embeddings or the output embedding, Sec. 3.1.1) or by *name pattern* (user overrides).
+The roles are defined once here:
 
-Default rule, per parameter (deterministic, independent of module order):
+* **linear weight**: the ``weight`` of an :class:`torch.nn.Linear` (subclasses included,
+  e.g. ``MultiheadAttention.out_proj``), of a Hugging Face ``Conv1D`` (GPT-2's projections,
+  weight stored ``in x out``: channels are its columns, recognized by class name and ``nf``
+  so transformers is not imported), or a packed projection of
+  :class:`torch.nn.MultiheadAttention` (``in_proj_weight``, ``q/k/v_proj_weight``: rows are
+  output features, as in a Linear);
+* **embedding**: a parameter of an :class:`torch.nn.Embedding` / ``EmbeddingBag``; the
+  **input embedding** is the first such module (in module order);
+* **output head**: the last linear layer (module order) whose weight is shaped like an
+  embedding's weight (``vocab x d``; ``d x vocab`` for ``Conv1D``), tied or not — the
+  *output embedding*; in a model with no such layer, the last linear layer.
 
-1. it is the ``weight`` of at least one :class:`torch.nn.Linear` (subclasses included,
-   e.g. ``MultiheadAttention.out_proj``) or of a Hugging Face ``Conv1D`` (GPT-2's
-   attention and MLP projections: a linear layer whose weight is stored ``in x out``,
-   recognized by class name and ``nf`` so transformers is not imported), is floating
-   point and 2-D, **and**
-2. it is not a parameter of any :class:`torch.nn.Embedding` / :class:`torch.nn.EmbeddingBag`.
-   A GPT-style ``lm_head`` whose weight is tied to the token embedding is the same
-   Parameter as the embedding's, so it stays full precision, **and**
-3. it is not the *output embedding*: the last Linear (in module order) whose weight has the
-   shape of an embedding's weight (vocab x d), i.e. an untied Llama-style ``lm_head``. Its
-   rows are per-token vectors like the input embedding's, and BitDP's ablation (Table 2,
-   "2-bit with embeddings" diverges) argues for keeping it exact too.
-
-Channels are the output features: the rows of a Linear weight, the *columns* of a
-``Conv1D`` weight (``ParamInfo.transposed``; the hook encodes its transpose).
-
-Everything else — biases, norm weights (LayerNorm, RMSNorm, ...), embeddings, convolution
-or custom parameters, ``MultiheadAttention.in_proj_weight`` — is averaged at full precision.
-Pass ``quantize=[...]`` patterns to quantize such a head anyway.
-
-Overrides, by :func:`fnmatch.fnmatchcase` patterns over qualified parameter names (names
-relative to the model given to :func:`classify`; a DDP or ``torch.compile`` wrapper is
-unwrapped first; a tied parameter matches if *any* of its names matches):
-
-* ``quantize``: when given, it replaces the default rule — exactly the matching parameters
-  are quantized (rows = dim 0, a 1-D parameter is one row; never a scalar or an integer
-  tensor);
-* ``exclude``: matching parameters are never quantized; it wins over ``quantize``.
+Patterns are :func:`fnmatch.fnmatchcase` patterns over qualified parameter names relative
+to the model (a DDP or ``torch.compile`` wrapper is unwrapped first); a tied parameter
+matches if any of its names matches. **A pattern that matches no parameter is an error**
+(a typo would otherwise silently select nothing), raised as :class:`ValueError` naming the
+field, the pattern and what the names look like.
 """
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from torch import nn
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """What :func:`classify` decided for one parameter, and why."""
-
-    names: tuple[str, ...]
-    owners: tuple[str, ...]
-    shape: tuple[int, ...]
-    quantized: bool
-    reason: str
-    transposed: bool = False  # weight stored in x out (HF Conv1D): channels are its columns
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-
-def patterns(field: str, value: str | Iterable[str] | None) -> tuple[str, ...] | None:
-    """Normalize a pattern argument to a tuple of strings (None stays None)."""
-    if value is None:
-        return None
-    try:
-        out = (value,) if isinstance(value, str) else tuple(value)
-    except TypeError:
-        out = None
-    if out is None or not all(isinstance(v, str) and v for v in out):
-        raise ValueError(
-            f"{field}: got {value!r}; pass fnmatch patterns over parameter names as a "
-            "string or a list of non-empty strings, e.g. ['*.attn.*.weight']"
-        )
-    return out
+#: nn.MultiheadAttention's own projection matrices (out_proj is a Linear)
+MHA_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -99,91 +55,150 @@ def is_conv1d(module: nn.Module) -> bool:
             and getattr(module, "nf", None) == w.shape[1])
 
 
-def _linear_weight(module: nn.Module, attr: str) -> bool:
-    return attr == "weight" and (isinstance(module, nn.Linear) or is_conv1d(module))
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _conv1d_weight(owners: list[tuple[nn.Module, str]]) -> bool:
-    return any(attr == "weight" and is_conv1d(m) for m, attr in owners)
+def is_linear_weight(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.<attr>`` is a linear weight (see the module doc)."""
+    if attr == "weight" and is_linear(module):
+        return True
+    return isinstance(module, nn.MultiheadAttention) and attr in MHA_PROJECTIONS
 
 
-def _output_embedding(model: nn.Module) -> int | None:
-    """id of the last Linear weight shaped like an embedding's weight (rule 3), if any."""
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, EMBEDDINGS)}
-    found = None
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and tuple(m.weight.shape) in shapes:
-            found = id(m.weight)
-    return found
+@dataclass(frozen=True)
+class Owner:
+    """A parameter as seen from one module owning it."""
+
+    name: str          # qualified name, e.g. "blocks.0.attn.in_proj_weight"
+    module: nn.Module
+    attr: str
 
 
-def _default(p: nn.Parameter, owners: list[tuple[nn.Module, str]], output_embedding: int | None) -> tuple[bool, str]:
-    if any(isinstance(m, EMBEDDINGS) for m, _ in owners):
-        return False, "embedding (tied or not) stays full precision"
-    if id(p) == output_embedding:
-        return False, "output embedding (last linear shaped like the input embedding) stays full precision"
-    if not any(_linear_weight(m, attr) for m, attr in owners):
-        if any(attr == "bias" for _, attr in owners):
-            return False, "bias stays full precision"
-        return False, "not a linear weight"
-    if p.dim() != 2 or not p.is_floating_point():
-        return False, "linear weight that is not a floating 2-D matrix"
-    if _conv1d_weight(owners):
-        return True, "linear weight (Conv1D, in x out: channels are columns)"
-    return True, "linear weight"
-
-
-def classify(
-    model: nn.Module,
-    quantize: Iterable[str] | str | None = None,
-    exclude: Iterable[str] | str | None = None,
-) -> dict[int, ParamInfo]:
-    """Decide, for every parameter of ``model``, whether BitDP quantizes its gradient
-    (frozen ones too, so unfreezing later needs no new attach). Keyed by ``id(parameter)``:
-    the objects DDP's ``GradBucket.parameters()`` returns. Patterns that match nothing
-    warn (likely a typo); selecting nothing at all warns too.
-    """
-    quantize, exclude = patterns("quantize", quantize), patterns("exclude", exclude)
-    model = unwrap(model)
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
+def owners(model: nn.Module) -> dict[int, list[Owner]]:
+    """id(parameter) -> every (name, module, attribute) owning it, frozen ones included,
+    in module order (tied parameters have several)."""
+    out: dict[int, list[Owner]] = {}
+    for mod_name, mod in unwrap(model).named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             if p is None:
                 continue
-            key = id(p)
-            params[key] = p
-            owners.setdefault(key, []).append((mod, attr))
-            full = f"{mod_name}.{attr}" if mod_name else attr
-            if full not in names.setdefault(key, []):
-                names[key].append(full)
-    used: set[str] = set()
-    output_embedding = _output_embedding(model)
-
-    def hit(pats: tuple[str, ...] | None, key: int) -> bool:
-        found = [pt for pt in pats or () for n in names[key] if fnmatch.fnmatchcase(n, pt)]
-        used.update(found)
-        return bool(found)
-
-    out: dict[int, ParamInfo] = {}
-    for key, p in params.items():
-        excluded, matched = hit(exclude, key), hit(quantize, key)
-        if excluded:
-            q, why = False, "matches exclude"
-        elif quantize is not None:
-            q = matched and p.is_floating_point() and p.dim() >= 1
-            why = "matches quantize" if q else ("not a floating tensor" if matched else "matches no quantize pattern")
-        else:
-            q, why = _default(p, owners[key], output_embedding)
-        transposed = q and _conv1d_weight(owners[key])
-        out[key] = ParamInfo(
-            tuple(names[key]), tuple(type(m).__name__ for m, _ in owners[key]), tuple(p.shape), q, why, transposed
-        )
-    example = next(iter(names.values()), ["?"])[0]
-    for pt in (exclude or ()) + (quantize or ()):
-        if pt not in used:
-            warnings.warn(f"BitDP pattern {pt!r} matches no parameter name (names look like {example!r})", stacklevel=3)
-    if out and not any(i.quantized for i in out.values()):
-        warnings.warn("BitDP selects no parameter to quantize: every gradient goes at full precision", stacklevel=3)
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            listed = out.setdefault(id(p), [])
+            if all(o.name != name for o in listed):
+                listed.append(Owner(name, mod, attr))
     return out
+
+
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False)]
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The first Embedding / EmbeddingBag in module order, if any."""
+    return next((m for m in unwrap(model).modules() if isinstance(m, EMBEDDINGS)), None)
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The last linear layer whose weight is shaped like an embedding's (an LM head)."""
+    model = unwrap(model)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, EMBEDDINGS)}
+    found = None
+    for m in model.modules():
+        if is_linear(m):
+            shape = tuple(m.weight.shape)
+            if (shape[::-1] if is_conv1d(m) else shape) in shapes:
+                found = m
+    return found
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The output embedding, or (a model without one) the last linear layer."""
+    head = output_embedding(model)
+    if head is None:
+        head = next((m for m in reversed(list(unwrap(model).modules())) if is_linear(m)), None)
+    return head
+
+
+def input_output_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of the input embedding and the output head, a tied weight once.
+
+    Without an embedding the first module owning parameters stands for the input; without
+    a linear layer, the last one stands for the head.
+    """
+    model = unwrap(model)
+    modules = [m for m in model.modules() if _own_params(m)]
+    if not modules:
+        return []
+    first = input_embedding(model) or modules[0]
+    last = output_head(model) or modules[-1]
+    out: list[nn.Parameter] = []
+    for p in _own_params(first) + _own_params(last):
+        if p.requires_grad and all(p is not q for q in out):
+            out.append(p)
+    return out
+
+
+def check_patterns(field: str, value: str | Iterable[str] | None) -> tuple[str, ...] | None:
+    """Normalize a pattern argument to a tuple of strings (None stays None)."""
+    if value is None:
+        return None
+    try:
+        out = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:
+        out = None
+    if not out or not all(isinstance(v, str) and v for v in out):
+        raise ValueError(
+            f"{field}: got {value!r}; pass fnmatch patterns over parameter names as a "
+            "string or a list of non-empty strings, e.g. ['*.attn.*.weight']"
+        )
+    return out
+
+
+class PatternSet:
+    """Patterns of one field, matched against parameters' names; remembers which matched,
+    so :meth:`check_all_used` can name a pattern that matched nothing."""
+
+    def __init__(self, field: str, patterns: Sequence[str] | None):
+        self.field = field
+        self.patterns = tuple(patterns or ())
+        self.used: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def matches(self, names: Iterable[str]) -> bool:
+        names = list(names)
+        hits = [pt for pt in self.patterns for n in names if fnmatch.fnmatchcase(n, pt)]
+        self.used.update(hits)
+        return bool(hits)
+
+    def check_all_used(self, example_names: Sequence[str]) -> None:
+        for pt in self.patterns:
+            if pt not in self.used:
+                shown = ", ".join(example_names[:6])
+                raise ValueError(f"{self.field}: pattern {pt!r} matches no parameter name (names look like: "
+                                 f"{shown}, ...); fix the pattern or remove it")
+
+
+def select_params(model: nn.Module, layers: str | Sequence[str], field: str = "layers") -> list[nn.Parameter]:
+    """Trainable parameters for ``layers``: ``"auto"`` (:func:`input_output_params`),
+    ``"all"``, ``"none"``, or patterns (each must match, see the module doc)."""
+    if layers == "none":
+        return []
+    if layers == "auto":
+        return input_output_params(model)
+    named = owners(model)
+    params = {id(p): p for p in unwrap(model).parameters()}
+    if layers == "all":
+        return [p for p in params.values() if p.requires_grad]
+    pats = PatternSet(field, check_patterns(field, layers))
+    out = [params[k] for k, own in named.items() if k in params and pats.matches(o.name for o in own)]
+    pats.check_all_used([own[0].name for own in named.values()])
+    return [p for p in out if p.requires_grad]
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name in ``model`` (for logging per layer)."""
+    return {k: own[0].name for k, own in owners(model).items()}
+

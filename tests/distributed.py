@@ -44,3 +44,20 @@ def run_ranks(world_size: int, fn, *args) -> None:
             join=True,
             start_method="spawn",
         )
+
+
+#: subgroups of a 4-rank world that one process group serves at once: P = 2, 3 and 4, with
+#: ranks that are not 0..P-1 in the smaller ones
+SUBGROUPS = ([1, 2], [0, 2, 3], [0, 1, 2, 3])
+
+
+def in_subgroups(rank, world_size, check):
+    """Run ``check(group_rank, P, group)`` on every subgroup of :data:`SUBGROUPS`."""
+    groups = [dist.new_group(ranks) for ranks in SUBGROUPS]  # collective: all ranks, same order
+    for ranks, group in zip(SUBGROUPS, groups):
+        if rank in ranks:
+            try:
+                check(dist.get_rank(group), len(ranks), group)
+            except AssertionError as e:
+                raise AssertionError(f"P={len(ranks)} (global ranks {ranks}): {e}") from e
+        dist.barrier()

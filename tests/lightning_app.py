@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowbit_strategy
-from lowbit_strategy import checkpoint
+from lowbit_strategy import rank_state
 from callbacks import CommStats, DivergenceMonitor, MomentumSync
 
 VOCAB, SEQ = 32, 8
@@ -92,47 +92,74 @@ def fit_once(args) -> dict:
                                               loader().dataset.tensors[1].reshape(-1)))
     tr.fit(model, loader())
     metrics = {k: float(v) for k, v in tr.callback_metrics.items()}
-    sent = sum(log.bytes_sent for log in tr.strategy.traffic_logs()) if hasattr(tr.strategy, "traffic_logs") else 0
+    sent = sum(t.bytes_sent for t in tr.strategy.traffic_logs()) if hasattr(tr.strategy, "traffic_logs") else 0
     return {"first_loss": first, "metrics": metrics, "world_size": tr.world_size, "bytes_after_fit": sent,
             "global_step": tr.global_step, "is_global_zero": tr.is_global_zero}
 
 
-def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "lion", overrides=None) -> dict:
-    """Two epochs straight vs one epoch, checkpoint, resume for the second: bit-exact?
-    ``overrides``: LowBitConfig fields applied to the registered ``strategy`` name."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+def _strategy(strategy: str, overrides: dict | None):
+    """A registered name, or (with LowBitConfig ``overrides``) the strategy it names, rebuilt."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    def run(epochs: int, ckpt: str | None = None, devices: int = devices, save: bool = False):
-        pl.seed_everything(0, verbose=False)
-        model = TinyLM(optimizer=optimizer)
-        cbs = [ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)] if save else []
-        entry = StrategyRegistry[strategy]
-        chosen = entry["strategy"](**{**entry["init_params"], **overrides}) if overrides else strategy
-        tr = trainer(chosen, devices, epochs, callbacks=cbs, enable_checkpointing=save)
-        tr.fit(model, loader(), ckpt_path=ckpt)
-        return {k: v.clone() for k, v in model.state_dict().items()}
+    if not overrides:
+        return strategy
+    entry = StrategyRegistry[strategy]
+    return entry["strategy"](**{**entry["init_params"], **overrides})
 
-    straight = run(2)
-    run(1, save=True)
-    ckpt = os.path.join(workdir, "epoch0.ckpt") if os.path.exists(os.path.join(workdir, "epoch0.ckpt")) else \
-        os.path.join(workdir, sorted(os.listdir(workdir))[0])
-    resumed = run(2, ckpt=ckpt)
-    other_world = run(2, ckpt=ckpt, devices=devices + 1)
-    common = {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
-              "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
-              "is_global_zero": True}
-    saved = torch.load(ckpt, weights_only=False)
-    if optimizer != "lion":  # BitDP: the hook's iteration count and per-rank residuals
-        states = saved.get(checkpoint.BITDP_KEY, {}).get("states", [])
-        residuals = [st["residuals"] for st in states]
-        return {**common, "saved_iters": [st["iter"] for st in states] or None,
-                "residual_names": sorted(residuals[0]) if residuals else [],
-                "rank_residuals_differ": bool(residuals) and any(
-                    not torch.equal(residuals[0][n], residuals[1][n]) for n in residuals[0])}
-    ranks = saved["optimizer_states"][0][checkpoint.KEY]
-    moms = [next(iter(st.values()))["exp_avg"] for st in ranks["states"]]
-    return {**common, "saved_world_size": ranks["world_size"], "rank_momenta_differ": not torch.equal(moms[0], moms[1])}
+
+def _run(strategy, devices, epochs, optimizer, overrides, ckpt=None, callbacks=(), save=False):
+    pl.seed_everything(0, verbose=False)
+    model = TinyLM(optimizer=optimizer)
+    tr = trainer(_strategy(strategy, overrides), devices, epochs, callbacks=list(callbacks), enable_checkpointing=save)
+    tr.fit(model, loader(), ckpt_path=ckpt)
+    return tr, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _rank_states(ckpt: str, optimizer: str) -> dict:
+    """What the checkpoint keeps per rank: Lion's momenta or BitDP's iteration and residuals."""
+    entry = torch.load(ckpt, weights_only=False).get(rank_state.KEY)
+    if entry is None:
+        return {"saved_world_size": None}
+    states = entry["states"]
+    out = {"saved_world_size": entry["world_size"], "saved_algorithm": entry["algorithm"]}
+    if optimizer == "lion":
+        moms = [next(iter(st["optimizers"][0].values()))["exp_avg"] for st in states]
+        return {**out, "rank_states_differ": not torch.equal(moms[0], moms[1])}
+    residuals = [st["residuals"] for st in states]
+    return {**out, "saved_iters": [st["iter"] for st in states],
+            "residual_names": sorted(residuals[0]) if residuals else [],
+            "rank_states_differ": bool(residuals) and any(
+                not torch.equal(residuals[0][n], residuals[1][n]) for n in residuals[0])}
+
+
+def resume_check(strategy: str, devices: int, workdir: str, optimizer: str = "lion", overrides=None) -> dict:
+    """Two epochs straight vs one epoch, checkpoint (ModelCheckpoint during fit), resume for
+    the second: bit-exact? And on another world size: finite? ``overrides``: LowBitConfig
+    fields applied to the registered ``strategy`` name."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, straight = _run(strategy, devices, 2, optimizer, overrides)
+    _run(strategy, devices, 1, optimizer, overrides, save=True,
+         callbacks=[ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)])
+    ckpt = os.path.join(workdir, sorted(os.listdir(workdir))[0])
+    tr, resumed = _run(strategy, devices, 2, optimizer, overrides, ckpt=ckpt)
+    _, other_world = _run(strategy, devices + 1, 2, optimizer, overrides, ckpt=ckpt)
+    return {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
+            "other_world_finite": all(bool(torch.isfinite(v).all()) for v in other_world.values()),
+            "is_global_zero": tr.is_global_zero, **_rank_states(ckpt, optimizer)}
+
+
+def save_after_fit_check(strategy: str, devices: int, workdir: str, optimizer: str = "lion", overrides=None) -> dict:
+    """``trainer.save_checkpoint(path)`` once ``fit`` has returned (every rank calls it, as
+    with any popen-launched script), then ``fit(ckpt_path=path)``: bit-exact with two
+    epochs straight?"""
+    _, straight = _run(strategy, devices, 2, optimizer, overrides)
+    tr, _ = _run(strategy, devices, 1, optimizer, overrides)
+    ckpt = os.path.join(workdir, "final.ckpt")
+    tr.save_checkpoint(ckpt)
+    tr, resumed = _run(strategy, devices, 2, optimizer, overrides, ckpt=ckpt)
+    return {"bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
+            "is_global_zero": tr.is_global_zero, **_rank_states(ckpt, optimizer)}
 
 
 def main(argv=None) -> None:
@@ -146,14 +173,20 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--unused", action="store_true")
     parser.add_argument("--resume-check", default="")
+    parser.add_argument("--save-after-fit-check", default="")
     parser.add_argument("--lowbit", action="append", default=[], metavar="KEY=VALUE",
                         help="LowBitConfig override for --resume-check (repeatable)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
         overrides = dict(kv.split("=", 1) for kv in args.lowbit)
-        result = (resume_check(args.strategy, args.devices, args.resume_check, args.optimizer, overrides)
-                  if args.resume_check else fit_once(args))
+        if args.resume_check:
+            result = resume_check(args.strategy, args.devices, args.resume_check, args.optimizer, overrides)
+        elif args.save_after_fit_check:
+            result = save_after_fit_check(args.strategy, args.devices, args.save_after_fit_check, args.optimizer,
+                                          overrides)
+        else:
+            result = fit_once(args)
     except Exception as exc:  # reported to the test, which asserts on the message
         result = {"error": f"{type(exc).__name__}: {exc}", "is_global_zero": int(os.environ.get("LOCAL_RANK", 0)) == 0}
     if result.get("is_global_zero", True):

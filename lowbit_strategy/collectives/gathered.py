@@ -230,7 +230,7 @@ def gathered_mean(
     reduction: str = "mean",
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
     out=None,
-    log=None,
+    traffic=None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Blocking BitDP allreduce of this rank's payload; see :func:`decode_reduce` for ``out``.
 
@@ -238,7 +238,7 @@ def gathered_mean(
     :func:`gathered_mean_async`, waited for.
     """
     return gathered_mean_async(
-        words, scales, layout, group, reduction=reduction, chunk_rows=chunk_rows, out=out, log=log
+        words, scales, layout, group, reduction=reduction, chunk_rows=chunk_rows, out=out, traffic=traffic
     ).wait()
 
 
@@ -251,7 +251,7 @@ def gathered_mean_async(
     reduction: str = "mean",
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
     out=None,
-    log=None,
+    traffic=None,
 ) -> torch.futures.Future:
     """Non-blocking :func:`gathered_mean`: both transfers start now (codes and scales in
     parallel, the two streams of Sec. 3.2); decode-and-reduce runs in the callback once
@@ -262,13 +262,13 @@ def gathered_mean_async(
     _check_payload(words, scales, layout)
     p = g.world_size(group)
     every = torch.empty(p * layout.words, dtype=torch.uint8, device=words.device)
-    f_codes = g.all_gather_async(every, words, group, "gathered.codes.all_gather", log)
+    f_codes = g.all_gather_async(every, words, group, "gathered.codes.all_gather", traffic)
     if reduction == "mean":
         s = torch.empty(p * layout.rows, dtype=torch.float32, device=words.device)
-        f_scales = g.all_gather_async(s, scales, group, "gathered.scales.all_gather", log)
+        f_scales = g.all_gather_async(s, scales, group, "gathered.scales.all_gather", traffic)
     else:
         s = scales.clone()
-        f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", log)
+        f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", traffic)
 
     def finish(_: torch.futures.Future) -> torch.Tensor | list[torch.Tensor]:
         f_codes.value()  # re-raise either failure

@@ -36,7 +36,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> None:
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
     """Equal-split all-to-all of 1-D ``inp`` into ``out`` (chunk i goes to rank i)."""
     p = world_size(group)
     with wire.timed() as t:
@@ -46,10 +46,10 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -
             dist.all_to_all_single(out, inp, group=group)
     chunk = _nbytes(inp) // p
     n = wire.all_to_all_bytes(chunk, p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> None:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
     """Gather every rank's 1-D ``inp`` into ``out`` (rank order). Reads ``out`` itself:
     on gloo a gather's future resolves to per-rank chunks, not to the output buffer."""
     p = world_size(group)
@@ -60,20 +60,20 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             gather(out, inp, group=group)
     n = wire.all_gather_bytes(_nbytes(inp), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
 
 
-def all_reduce_sum(buf: torch.Tensor, group, op: str, log=None) -> None:
+def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     """In-place SUM allreduce of ``buf``."""
     p = world_size(group)
     with wire.timed() as t:
         if p > 1:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), log)
+    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
 
 
-def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, log) -> torch.futures.Future:
+def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
     """Start an async all-gather of ``inp`` into ``out`` (or an in-place SUM allreduce of
     ``out``); the future resolves to ``out``. Gloo's gather future yields per-rank chunks,
     so we always read the buffer we allocated. The traffic record (same byte formulas as
@@ -96,23 +96,23 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, log
 
     def done(f: torch.futures.Future) -> torch.Tensor:
         f.value()  # re-raise a failed collective
-        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, time.perf_counter() - start), log)
+        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, time.perf_counter() - start), traffic)
         return out
 
     return fut.then(done)
 
 
-def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
     """Async :func:`all_gather`: a future resolving to ``out`` (rank order)."""
-    return _launch("gather", out, inp, group, op, log)
+    return _launch("gather", out, inp, group, op, traffic)
 
 
-def all_reduce_sum_async(buf: torch.Tensor, group, op: str, log=None) -> torch.futures.Future:
+def all_reduce_sum_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
     """Async in-place :func:`all_reduce_sum`: a future resolving to ``buf``."""
-    return _launch("allreduce", buf, buf, group, op, log)
+    return _launch("allreduce", buf, buf, group, op, traffic)
 
 
-def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = None, log=None) -> None:
+def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = None, traffic=None) -> None:
     """Debug check run with ``check=True``: every rank learns whether any rank passed a
     different length or had invalid input (``problem``), and all of them raise together.
 
@@ -122,7 +122,7 @@ def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = No
     p = world_size(group)
     mine = torch.tensor([x.numel(), problem is not None], dtype=torch.int64, device=x.device)
     every = torch.empty(2 * p, dtype=torch.int64, device=x.device)
-    all_gather(every, mine, group, f"{what}.check", log)
+    all_gather(every, mine, group, f"{what}.check", traffic)
     lengths, bad = every.view(p, 2).t().tolist()
     if problem is not None:
         raise ValueError(f"{what}: {problem}")

@@ -38,7 +38,7 @@ def majority_vote(
     *,
     check: bool = False,
     validate: bool = True,
-    log=None,
+    traffic=None,
 ) -> torch.Tensor:
     """The elementwise majority of the ranks' signs of ``x``, as ±1 in ``x``'s dtype/shape.
 
@@ -56,7 +56,7 @@ def majority_vote(
     p = g.world_size(group)
     if check:
         problem = "input contains NaN; its sign is undefined" if bool(torch.isnan(x).any()) else None
-        g.check_consistent(x, group, "majority_vote", problem, log)
+        g.check_consistent(x, group, "majority_vote", problem, traffic)
 
     c = chunk_bytes(n, p)
     padded_n = 8 * c * p
@@ -65,7 +65,7 @@ def majority_vote(
     packed = lanes.pack(votes, 1, validate=False)
 
     received = torch.empty_like(packed)
-    g.all_to_all(received, packed, group, "majority.all_to_all", log)
+    g.all_to_all(received, packed, group, "majority.all_to_all", traffic)
 
     ups = lanes.unpack(received, 1, 8 * c * p).view(p, 8 * c).sum(dim=0, dtype=torch.int32)
     twice = 2 * ups
@@ -75,6 +75,6 @@ def majority_vote(
     mine = lanes.pack(winner.to(torch.uint8), 1, validate=False)
 
     gathered = torch.empty(c * p, dtype=torch.uint8, device=x.device)
-    g.all_gather(gathered, mine, group, "majority.all_gather", log)
+    g.all_gather(gathered, mine, group, "majority.all_gather", traffic)
 
     return signs_from_bits(gathered, n, x.dtype).view(x.shape)

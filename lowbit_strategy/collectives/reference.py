@@ -19,7 +19,7 @@ def full_allreduce(
     *,
     wire_dtype: torch.dtype = torch.float32,
     check: bool = False,
-    log=None,
+    traffic=None,
 ) -> torch.Tensor:
     """Sum of ``x`` over ranks, sent as ``wire_dtype``; returned in ``x``'s dtype and shape.
 
@@ -32,8 +32,8 @@ def full_allreduce(
     if x.numel() == 0:
         raise ValueError("full_allreduce got an empty tensor")
     if check:
-        g.check_consistent(x, group, "full_allreduce", None, log)
+        g.check_consistent(x, group, "full_allreduce", None, traffic)
     buf = x.reshape(-1).to(wire_dtype, copy=True)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
-    g.all_reduce_sum(buf, group, f"full.allreduce.{name}", log)
+    g.all_reduce_sum(buf, group, f"full.allreduce.{name}", traffic)
     return buf.to(x.dtype).view(x.shape)

@@ -73,7 +73,7 @@ def summed_allreduce(
     lane_bits: int | None = None,
     validate: bool = True,
     check: bool = False,
-    log=None,
+    traffic=None,
 ) -> torch.Tensor:
     """Exact integer sum over ranks of ``codes`` in [-levels, levels] (or [0, levels]).
 
@@ -95,7 +95,7 @@ def summed_allreduce(
         if lo < low or hi > levels:
             problem = f"codes must lie in [{low}, {levels}], got values in [{lo}, {hi}]"
     if check:
-        g.check_consistent(codes, group, "summed_allreduce", problem, log)
+        g.check_consistent(codes, group, "summed_allreduce", problem, traffic)
     if problem:
         raise ValueError(f"summed_allreduce: {problem}")
 
@@ -107,6 +107,6 @@ def summed_allreduce(
     else:
         shifted = flat.to(torch.int32) - low
     words = lanes.pack(shifted, spec.bits, validate=False)
-    g.all_reduce_sum(words, group, f"summed.allreduce.{spec.bits}bit", log)
+    g.all_reduce_sum(words, group, f"summed.allreduce.{spec.bits}bit", traffic)
     sums = lanes.unpack(words, spec.bits, n).to(torch.int32) + low * p
     return sums.view(codes.shape)

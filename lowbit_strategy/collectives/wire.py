@@ -13,9 +13,9 @@ Lion Cub's Table 1 uses):
 These are the payload bytes the algorithm must move; the emulated-network benchmarks
 read the interfaces' counters to compare them with what really crossed the link.
 
-Records go to an explicit :class:`TrafficLog` passed as ``log=`` and to every log opened
+Records go to an explicit :class:`TrafficLog` passed as ``traffic=`` and to every log opened
 with :func:`recording` in the current context (a ``contextvars`` stack, so concurrent
-threads or tasks do not see each other's traffic; DDP hook threads should pass ``log=``).
+threads or tasks do not see each other's traffic; DDP hook threads should pass ``traffic=``).
 """
 from __future__ import annotations
 
@@ -72,21 +72,21 @@ _ACTIVE: contextvars.ContextVar[tuple[TrafficLog, ...]] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def recording(log: TrafficLog | None = None) -> Iterator[TrafficLog]:
+def recording(traffic: TrafficLog | None = None) -> Iterator[TrafficLog]:
     """Collect the traffic of every collective called inside the ``with`` block."""
-    log = TrafficLog() if log is None else log
-    token = _ACTIVE.set(_ACTIVE.get() + (log,))
+    traffic = TrafficLog() if traffic is None else traffic
+    token = _ACTIVE.set(_ACTIVE.get() + (traffic,))
     try:
-        yield log
+        yield traffic
     finally:
         _ACTIVE.reset(token)
 
 
-def record(rec: TrafficRecord, log: TrafficLog | None = None) -> None:
-    """Append ``rec`` to ``log`` (if given) and to every active :func:`recording`."""
+def record(rec: TrafficRecord, traffic: TrafficLog | None = None) -> None:
+    """Append ``rec`` to ``traffic`` (if given) and to every active :func:`recording`."""
     targets = _ACTIVE.get()
-    if log is not None and all(log is not t for t in targets):
-        log.records.append(rec)
+    if traffic is not None and all(traffic is not t for t in targets):
+        traffic.records.append(rec)
     for t in targets:
         t.records.append(rec)
 

@@ -66,7 +66,8 @@ from lowbit_strategy.collectives.gathered import (
     matrix_shape,
     pack_payload,
 )
-from lowbit_strategy.selection import ParamInfo, classify, patterns
+from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
+from lowbit_strategy.selection import check_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +97,19 @@ class BitDPState:
         bits: 1 (binary codes, Eq. 5-6) or 2 (ternary codes, Eq. 7-9).
         process_group: the data-parallel group (None: the default group).
         quantize: fnmatch patterns over parameter names replacing the default selection rule
-            (linear weights, not embeddings); see :mod:`lowbit_strategy.selection`.
+            (linear weights, not embeddings); see :mod:`lowbit_strategy.algorithms.bitdp.selection`.
         exclude: patterns of parameters always sent at full precision (wins over quantize).
         start_iter: iterations of plain mean allreduce before compression starts (>= 2).
         reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
         chunk_rows: rows decoded at a time (bounds decode memory); None: whole matrices.
         error_feedback: keep a rank-local residual per quantized parameter (off in BitDP).
         model: optional; the same as calling :meth:`attach` with it.
-        log: a :class:`~lowbit_strategy.collectives.TrafficLog` receiving every transfer.
+        traffic: a :class:`~lowbit_strategy.collectives.TrafficLog` receiving every transfer.
     """
 
     __slots__ = (
         "bits", "process_group", "quantize", "exclude", "start_iter", "reduction",
-        "chunk_rows", "error_feedback", "log",
+        "chunk_rows", "error_feedback", "traffic",
         # internal state
         "iter", "params", "plans", "residuals",
     )
@@ -125,7 +126,7 @@ class BitDPState:
         error_feedback: bool = False,
         *,
         model: torch.nn.Module | None = None,
-        log=None,
+        traffic=None,
     ):
         if isinstance(bits, bool) or bits not in (1, 2):
             raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
@@ -146,10 +147,10 @@ class BitDPState:
         if not isinstance(error_feedback, bool):
             raise _bad("error_feedback", error_feedback, "pass True or False")
         self.bits, self.process_group = int(bits), process_group
-        self.quantize = patterns("BitDPState.quantize", quantize)
-        self.exclude = patterns("BitDPState.exclude", exclude)
+        self.quantize = check_patterns("BitDPState.quantize", quantize)
+        self.exclude = check_patterns("BitDPState.exclude", exclude)
         self.start_iter, self.reduction, self.chunk_rows = start_iter, reduction, chunk_rows
-        self.error_feedback, self.log = error_feedback, log
+        self.error_feedback, self.traffic = error_feedback, traffic
         self.iter = 0
         # id(parameter) -> what the selection rule decided; filled by attach()
         self.params: dict[int, ParamInfo] = {}
@@ -237,6 +238,8 @@ class BitDPState:
                 quantized.append((offset, tuple(p.shape), id(p)))
                 if info.transposed:
                     transposed.add(id(p))
+            elif p.numel() == 0:
+                pass  # nothing to send (a zero-element parameter)
             elif full and full[-1][0] + full[-1][1] == offset:
                 full[-1] = (full[-1][0], full[-1][1] + p.numel())
             else:
@@ -248,18 +251,18 @@ class BitDPState:
         return self.plans[key]
 
 
-def _mean_allreduce(buf: torch.Tensor, group, op: str, log) -> torch.futures.Future:
+def _mean_allreduce(buf: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
     """Full-precision mean of the whole bucket, bit-identical to DDP without a hook: its
     reducer scales each gradient by 1/P (a multiply, not a divide: they differ in the last
     bit when P is not a power of two) before the SUM allreduce, so fp16 does not overflow."""
     buf.mul_(1.0 / g.world_size(group))
-    return g.all_reduce_sum_async(buf, group, op, log)
+    return g.all_reduce_sum_async(buf, group, op, traffic)
 
 
-def _finite_everywhere(buf: torch.Tensor, group, log) -> bool:
+def _finite_everywhere(buf: torch.Tensor, group, traffic) -> bool:
     """Whether the bucket is finite on every rank (all ranks get the same answer)."""
     bad = torch.tensor([0 if bool(torch.isfinite(buf).all()) else 1], dtype=torch.int32, device=buf.device)
-    g.all_reduce_sum(bad, group, "bitdp.finite_check", log)
+    g.all_reduce_sum(bad, group, "bitdp.finite_check", traffic)
     return int(bad.item()) == 0
 
 
@@ -271,16 +274,16 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
             "BitDPState is not attached to a model: call state.attach(model) (or pass model=) "
             "before training, so BitDP knows which gradients are linear weights"
         )
-    buf, group, log = bucket.buffer(), state.process_group, state.log
+    buf, group, traffic = bucket.buffer(), state.process_group, state.traffic
     plan = state.plan(bucket)  # also during warm-up: an unknown parameter fails at once
     warmup = state.iter < state.start_iter
     state.maybe_increase_iter(bucket)
     if warmup:
-        return _mean_allreduce(buf, group, "bitdp.warmup.allreduce", log)
+        return _mean_allreduce(buf, group, "bitdp.warmup.allreduce", traffic)
     if not plan.quantized:
-        return _mean_allreduce(buf, group, "bitdp.full.allreduce", log)
-    if not _finite_everywhere(buf, group, log):
-        return _mean_allreduce(buf, group, "bitdp.nonfinite.allreduce", log)
+        return _mean_allreduce(buf, group, "bitdp.full.allreduce", traffic)
+    if not _finite_everywhere(buf, group, traffic):
+        return _mean_allreduce(buf, group, "bitdp.nonfinite.allreduce", traffic)
 
     p = g.world_size(group)
     mats = [buf[o: o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
@@ -305,13 +308,13 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     direct = buf.dtype == torch.float32 and not plan.transposed
     out = [m.view(-1) for m in mats] if direct else None
     f_q = gathered_mean_async(
-        words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, log=log
+        words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic
     )
     futures = [f_q]
     fp = None
     if plan.full:
         fp = torch.cat([buf[o: o + n] for o, n in plan.full]).mul_(1.0 / p)
-        futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", log))
+        futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
 
     def assemble(_: torch.futures.Future) -> torch.Tensor:
         q = f_q.value()

@@ -14,13 +14,15 @@ every parameter, computed through one compressed collective per bucket:
 * ``fp32`` / ``bf16``: the exact sum (the uncompressed baseline).
 
 ``auto`` resolves once, at the first step, from P, the bucket size and the configured link:
-see :func:`resolve_mode`. The first ``warmup_steps`` steps synchronize the exact fp32 sum. With one rank nothing is sent and the direction is sign(c), so a
-world of one is plain Lion bit for bit.
+see :func:`resolve_mode`. The first ``warmup_steps`` steps synchronize the exact fp32
+sum. With one rank nothing is sent and the direction is sign(c), so a world of one is
+plain Lion bit for bit. Zero-element tensors take no part in any collective (their
+direction is the empty tensor).
 
 It also averages momenta across ranks (selective momentum sync, Sec. 5), agrees on which
 parameters have gradients and whether any rank saw a non-finite one, and can audit a step
 against the full-precision direction (sign match / flip rates, Fig. 4). Every byte goes
-through :mod:`lowbit_strategy.collectives` and lands in :attr:`log`.
+through :mod:`lowbit_strategy.collectives` and lands in :attr:`traffic`.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 from lowbit_strategy.config import LowBitConfig
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: ``auto``/``lp`` want at least this many levels per rank (codes in [-7, 7]).
 AUTO_MIN_LEVELS = 7
@@ -67,10 +69,11 @@ def resolve_mode(config: LowBitConfig, world_size: int, numel: int) -> Plan:
 
     Ties go to the lp codes (better quality at equal cost).
     """
-    mode, bits = config.mode, config.bits
+    lion = config.lion
+    mode, bits = lion.mode, lion.bits
     if mode == "auto":
         lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
-        candidates = (f"lp{lane}",) + (("sign", "1bit") if config.momentum_sync_every else ())
+        candidates = (f"lp{lane}",) + (("sign", "1bit") if lion.momentum_sync_every else ())
         link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
         best = cost_model.cheapest(world_size, numel, *link, candidates=candidates)
         if best.algorithm == "1bit":
@@ -104,7 +107,7 @@ class LionCommunicator:
             raise ValueError(f"LionCommunicator needs algorithm='lion', got {self.config.algorithm!r}")
         self.group = group
         self.world_size = g.world_size(group)
-        self.log = wire.TrafficLog()
+        self.traffic = wire.TrafficLog()
         self.plan: Plan | None = None
         self.last_audit: dict[str, float] | None = None
 
@@ -113,19 +116,23 @@ class LionCommunicator:
         """sign(Σ_ranks Q(c)) for each update vector ``c`` of this rank (same shapes)."""
         if self.world_size == 1:
             return [torch.sign(c) for c in updates]
+        out = [torch.sign(c) for c in updates]  # zero-element ones stay as they are
+        synced = [i for i, c in enumerate(updates) if c.numel()]
+        if not synced:
+            return out
         size = buckets.bucket_numel(self.config.bucket_size_mb)
         if self.plan is None:
-            self.plan = resolve_mode(self.config, self.world_size, min(size, sum(c.numel() for c in updates)))
-            log.info("lowbit: Lion Cub synchronizes with %s", self.plan)
+            self.plan = resolve_mode(self.config, self.world_size, min(size, sum(updates[i].numel() for i in synced)))
+            logger.info("lowbit: Lion Cub synchronizes with %s", self.plan)
         plan = self.plan if step > self.config.warmup_steps else WARMUP_PLAN
-        out: list[torch.Tensor] = []
         audits = []
-        for idx in buckets.plan([c.numel() for c in updates], size):
-            chunk = [updates[i] for i in idx]
+        for idx in buckets.plan([updates[i].numel() for i in synced], size):
+            chunk = [updates[synced[j]] for j in idx]
             flat = self._bucket_direction(chunk, step, plan)
             if audit:
                 audits.append(self._audit(chunk, flat))
-            out.extend(buckets.unflatten(flat, chunk))
+            for j, d in zip(idx, buckets.unflatten(flat, chunk)):
+                out[synced[j]] = d
         if audit:
             total = sum(a[2] for a in audits)
             self.last_audit = {
@@ -138,24 +145,24 @@ class LionCommunicator:
         check = self.config.debug
         flat = buckets.flatten(chunk)
         if plan.mode == "1bit":
-            return majority_vote(flat, step, self.group, check=check, validate=False, log=self.log)
+            return majority_vote(flat, step, self.group, check=check, validate=False, traffic=self.traffic)
         if plan.mode in ("fp32", "bf16"):
             dtype = torch.float32 if plan.mode == "fp32" else torch.bfloat16
-            return torch.sign(full_allreduce(flat, self.group, wire_dtype=dtype, check=check, log=self.log))
+            return torch.sign(full_allreduce(flat, self.group, wire_dtype=dtype, check=check, traffic=self.traffic))
         if plan.mode == "sign":
             codes = sign_bits(flat, step, check_nan=False)
             votes = summed_allreduce(codes, 1, self.group, signed=False, lane_bits=plan.bits,
-                                     validate=False, check=check, log=self.log)
+                                     validate=False, check=check, traffic=self.traffic)
             return torch.sign(2 * votes - self.world_size).to(flat.dtype)
-        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.p, validate=False)
+        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False)
                            for c in chunk])
         sums = summed_allreduce(codes, plan.levels, self.group, lane_bits=plan.bits,
-                                validate=False, check=check, log=self.log)
+                                validate=False, check=check, traffic=self.traffic)
         return torch.sign(sums).to(flat.dtype)
 
     def _audit(self, chunk: Sequence[torch.Tensor], direction: torch.Tensor) -> tuple[float, float, int]:
         """Compare with the full-precision direction (Lion Cub Fig. 4): (#match, #flip, #total)."""
-        exact = torch.sign(full_allreduce(buckets.flatten(chunk), self.group, log=wire.TrafficLog()))
+        exact = torch.sign(full_allreduce(buckets.flatten(chunk), self.group, traffic=wire.TrafficLog()))
         match = int((direction == exact).sum())
         flip = int(((direction == -exact) & (exact != 0)).sum())
         return match, flip, exact.numel()
@@ -173,15 +180,16 @@ class LionCommunicator:
         flags = torch.tensor(list(has_grad) + [0], dtype=torch.int32, device=device)
         if nonfinite is not None:
             flags[-1] = torch.as_tensor(nonfinite, device=device).to(torch.int32)
-        g.all_reduce_sum(flags, self.group, "lion.agree", self.log)
+        g.all_reduce_sum(flags, self.group, "lion.agree", self.traffic)
         flags = flags.tolist()
         return [f > 0 for f in flags[:-1]], flags[-1] > 0
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replace each tensor by its mean over ranks (fp32 on the wire), in place."""
+        tensors = [t for t in tensors if t.numel()]
         if self.world_size == 1 or not tensors:
             return
         flat = buckets.flatten(tensors).float()
-        mean = full_allreduce(flat, self.group, log=self.log) / self.world_size
+        mean = full_allreduce(flat, self.group, traffic=self.traffic) / self.world_size
         for t, v in zip(tensors, buckets.unflatten(mean, tensors)):
             t.copy_(v)

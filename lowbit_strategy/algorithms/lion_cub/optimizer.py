@@ -11,13 +11,19 @@ any strategy. With one (attached by ``LowBitStrategy``), gradients stay local an
 is Lion Cub Algorithm 1: each rank forms c_i from its *own* gradient and momentum, the
 communicator returns sign(Σ_i Q(c_i)) through a compressed collective, every rank applies
 that same direction, and each rank's momentum m_i follows its own gradient (so momenta
-differ across ranks: rank-local state, see :mod:`lowbit_strategy.checkpoint`).
+differ across ranks: rank-local state, kept per rank in checkpoints by
+:mod:`lowbit_strategy.rank_state`).
 
-Safety: a step whose gradients contain NaN/Inf (on any rank, when distributed) is skipped
-entirely, weights and momenta untouched, with a warning; :attr:`Lion.skipped_steps` counts
-them. Parameters without a gradient on every rank are skipped consistently on all ranks; a
-parameter with a gradient on some ranks only counts as a zero gradient on the others.
+Safety: a step whose gradients contain NaN/Inf (in any parameter group, on any rank when
+distributed) is skipped as a whole — every group's weights and momenta untouched — with a
+warning, and :attr:`Lion.skipped_steps` counts it once. Parameters without a gradient on
+every rank are skipped consistently on all ranks; a parameter with a gradient on some ranks
+only counts as a zero gradient on the others. Zero-element parameters are fine.
 ``group["lr"]`` is read at every step, so LR schedulers work.
+
+Steps are counted globally (:attr:`Lion.global_step`, stored as ``lion_step`` in every
+parameter group so checkpoints carry it): the alternating tie rule and momentum sync
+count optimizer steps taken, whichever groups had gradients.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from typing import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from lowbit_strategy.optim.communicator import LionCommunicator
+from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 
 
 def _check(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -76,6 +82,11 @@ class Lion(Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["exp_avg"]
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones not counted); the next step is ``global_step + 1``."""
+        return max((grp.get("lion_step", 0) for grp in self.param_groups), default=0)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
@@ -84,45 +95,57 @@ class Lion(Optimizer):
                 loss = closure()
         comm = self.communicator
         distributed = comm is not None and comm.world_size > 1
+        audit, self.audit_next_step = self.audit_next_step, False
+        params = [p for grp in self.param_groups for p in grp["params"]]
+        if not params:
+            return loss
+        has_grad = self._has_grad(params)
+        present = [p.grad for p, h in zip(params, has_grad) if h]
+        # one device-side flag for the whole step, read once (one host sync per step)
+        bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
+        if distributed:
+            has_grad, nonfinite = comm.agree(has_grad, bad, params[0].device)
+        else:
+            nonfinite = bool(bad) if bad is not None else False
+        if nonfinite:
+            self.skipped_steps += 1
+            warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "
+                          "parameter group, weights and momentum unchanged", RuntimeWarning, stacklevel=2)
+            return loss
+        if not any(has_grad):
+            return loss
+        step = self.global_step + 1
+        flags = iter(has_grad)
         for group in self.param_groups:
-            params = group["params"]
-            has_grad = [p.grad is not None for p in params]
-            for p, h in zip(params, has_grad):
-                if h and p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients; use dense embeddings")
-            present = [p.grad for p, h in zip(params, has_grad) if h]
-            # one device-side flag, read once (one host sync per step, not per parameter)
-            bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
-            if distributed:
-                has_grad, nonfinite = comm.agree(has_grad, bad, params[0].device)
-            else:
-                nonfinite = bool(bad) if bad is not None else False
-            if nonfinite:
-                self.skipped_steps += 1
-                warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped, "
-                              "weights and momentum unchanged", RuntimeWarning, stacklevel=2)
-                continue
-            active = [p for p, h in zip(params, has_grad) if h]
-            if not active:
-                continue
-            group["lion_step"] = group.get("lion_step", 0) + 1
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in active]
-            self._update(group, active, grads, comm if distributed else None)
-        self.audit_next_step = False
+            active = [p for p, h in zip(group["params"], flags) if h]
+            if active:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in active]
+                self._update(group, active, grads, comm if distributed else None, step, audit)
+        for group in self.param_groups:
+            group["lion_step"] = step
         if self._momentum_sync is not None and distributed:
             every, selected = self._momentum_sync
-            if self.param_groups[0].get("lion_step", 0) % every == 0:
+            if step % every == 0:
                 self.sync_momentum(selected)
         return loss
 
+    @staticmethod
+    def _has_grad(params: list) -> list[bool]:
+        has_grad = [p.grad is not None for p in params]
+        for p, h in zip(params, has_grad):
+            if h and p.grad.is_sparse:
+                raise RuntimeError("Lion does not support sparse gradients; use dense embeddings")
+        return has_grad
+
     def set_momentum_sync(self, every: int, params: Iterable[torch.Tensor]) -> None:
-        """Average the momentum of ``params`` across ranks after every ``every``-th step
-        (Lion Cub Sec. 5); ``every=0`` turns it off."""
+        """Average the momentum of ``params`` across ranks after every ``every``-th
+        optimizer step (:attr:`global_step`; Lion Cub Sec. 5); ``every=0`` turns it off."""
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"Lion.set_momentum_sync: every must be an int >= 0, got {every!r}")
         self._momentum_sync = (every, list(params)) if every else None
 
-    def _update(self, group: dict, params: list, grads: list, comm: LionCommunicator | None) -> None:
+    def _update(self, group: dict, params: list, grads: list, comm: LionCommunicator | None, step: int,
+                audit: bool) -> None:
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         moms = [self.momentum(p) for p in params]
@@ -131,7 +154,7 @@ class Lion(Optimizer):
         if comm is None:
             directions = torch._foreach_sign(updates)
         else:
-            directions = comm.directions(updates, group["lion_step"], audit=self.audit_next_step)
+            directions = comm.directions(updates, step, audit=audit)
         if wd:
             torch._foreach_mul_(params, 1 - lr * wd)
         torch._foreach_add_(params, directions, alpha=-lr)

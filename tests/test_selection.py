@@ -1,7 +1,8 @@
+"""The shared parameter roles and the one pattern rule (lowbit_strategy.selection)."""
 import pytest
 from torch import nn
 
-from lowbit_strategy.layers import input_output_params, param_names, select_params
+from lowbit_strategy.selection import input_output_params, output_embedding, output_head, param_names, select_params
 
 
 class GPTLike(nn.Module):
@@ -34,8 +35,9 @@ def test_all_none_and_patterns():
     assert select_params(m, "none") == []
     got = select_params(m, ("block.*", "ln_f.weight"))
     assert {id(p) for p in got} == {id(p) for p in m.block.parameters()} | {id(m.ln_f.weight)}
-    with pytest.raises(ValueError, match="matches no parameter"):
-        select_params(m, ["blocks.*"])
+    with pytest.raises(ValueError, match=r"^layers: pattern 'blocks\.\*' matches no parameter name \(names look "
+                                         r"like: wte\.weight, wpe\.weight"):
+        select_params(m, ["block.*", "blocks.*"])
 
 
 def test_param_names_first_name_of_tied_weight():

@@ -1,13 +1,14 @@
-"""Per-rank state in checkpoints: BitDPState's state dict and the world-size fallbacks
-(the Trainer-level round trips are in tests/test_lightning.py)."""
+"""BitDP's per-rank state: BitDPState's state dict, the world-size merge, and the generic
+gather/pick of :mod:`lowbit_strategy.rank_state` (Trainer-level round trips are in
+tests/integrations/test_lightning.py)."""
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from lowbit_strategy import checkpoint
-from lowbit_strategy.hooks import BitDPState
+from lowbit_strategy import BitDPState, rank_state
+from lowbit_strategy.algorithms.bitdp.algorithm import merge_states
 
 
 class Net(nn.Module):
@@ -60,14 +61,14 @@ def test_bitdp_state_load_needs_attach():
 def test_same_world_size_picks_own_state_other_size_averages_with_a_warning(caplog):
     states = [{"iter": 5, "residuals": {"fc.weight": torch.full((2,), float(r))}} for r in range(3)]
     entry = {"world_size": 3, "states": states}
-    assert checkpoint.pick_rank_state(entry, 1, 3, checkpoint.mean_bitdp_states, "x") is states[1]
-    with caplog.at_level(logging.WARNING, logger="lowbit_strategy.checkpoint"):
-        merged = checkpoint.pick_rank_state(entry, 0, 2, checkpoint.mean_bitdp_states, "BitDP residuals")
+    assert rank_state.pick(entry, 1, 3, merge_states, "x") is states[1]
+    with caplog.at_level(logging.WARNING, logger="lowbit_strategy.rank_state"):
+        merged = rank_state.pick(entry, 0, 2, merge_states, "BitDP residuals")
     assert "world size 3, resuming with 2; BitDP residuals" in caplog.text
     # the mean residual carries the same untransmitted share of the mean gradient
     assert merged["iter"] == 5 and torch.equal(merged["residuals"]["fc.weight"], torch.full((2,), 1.0))
 
 
 def test_single_process_gather_keeps_the_object_on_cpu():
-    out = checkpoint.gather_rank_objects({"a": torch.ones(2)})
+    out = rank_state.gather({"a": torch.ones(2)})
     assert out["world_size"] == 1 and torch.equal(out["states"][0]["a"], torch.ones(2))

@@ -8,9 +8,9 @@ import pytest
 
 import lowbit_strategy
 from lowbit_strategy import LowBitConfig, LowBitStrategy
-from lowbit_strategy.lightning import BITDP_NAMES, LION_NAMES, VARIANTS
+from lowbit_strategy.integrations.lightning import VARIANTS, strategy_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fit(tmp_path, *args, timeout=240) -> dict:
@@ -24,7 +24,7 @@ def _fit(tmp_path, *args, timeout=240) -> dict:
     return json.loads(out.read_text())
 
 
-ALL_NAMES = [base + suffix for base in list(LION_NAMES) + list(BITDP_NAMES) for suffix in VARIANTS]
+ALL_NAMES = [base + suffix for base in strategy_names() for suffix in VARIANTS]
 
 
 def test_every_name_is_registered_on_import():
@@ -33,9 +33,12 @@ def test_every_name_is_registered_on_import():
     assert set(ALL_NAMES) <= set(StrategyRegistry) and set(ALL_NAMES) == set(lowbit_strategy.STRATEGY_NAMES)
     strategy = StrategyRegistry.get("lowbit_lion_8bit_notebook")
     assert isinstance(strategy, LowBitStrategy)
-    assert (strategy.lowbit_config.mode, strategy.lowbit_config.bits, strategy._start_method) == ("lp", 8, "fork")
+    cfg = strategy.lowbit_config
+    assert (cfg.algorithm, cfg.lion.mode, cfg.lion.bits, strategy._start_method) == ("lion", "lp", 8, "fork")
+    assert StrategyRegistry.get("lowbit_bitdp_1bit_spawn").lowbit_config.bitdp.bits == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_trainer_runs_with_each_registered_name(tmp_path, name):
     devices = 3 if name.endswith("_notebook") else 2
@@ -58,6 +61,7 @@ def test_trainer_runs_with_each_registered_name(tmp_path, name):
     assert 0.0 <= m["sign/flip"] <= m["sign/match"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, optimizer", [("lowbit_lion", "lion"), ("lowbit_bitdp", "adamw")])
 def test_one_device_trains_and_sends_nothing(tmp_path, name, optimizer):
     r = _fit(tmp_path, "--strategy", name, "--devices", "1", "--optimizer", optimizer)
@@ -67,6 +71,7 @@ def test_one_device_trains_and_sends_nothing(tmp_path, name, optimizer):
     assert m["comm/bytes_per_step"] == 0 and m["comm/ratio_vs_fp32"] == 1.0
 
 
+@pytest.mark.slow
 def test_wrong_optimizer_is_a_clear_error(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--optimizer", "adamw")
     assert "drives lowbit_strategy.Lion" in r["error"] and "torch.optim.adamw.AdamW" in r["error"]
@@ -87,6 +92,7 @@ def test_16_mixed_is_refused_with_the_fix():
         strategy.setup(SimpleNamespace())
 
 
+@pytest.mark.slow
 def test_bf16_mixed_with_accumulation_and_clipping(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_lion_8bit_spawn", "--precision", "bf16-mixed",
              "--accumulate", "2", "--clip", "0.5", "--epochs", "3")
@@ -94,32 +100,37 @@ def test_bf16_mixed_with_accumulation_and_clipping(tmp_path):
     assert r["metrics"]["train_loss"] < r["first_loss"]
 
 
+@pytest.mark.slow
 def test_unused_parameters_on_some_ranks(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--unused")
     assert "error" not in r, r.get("error")
     assert r["metrics"]["comm/bytes_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_keeps_every_ranks_momentum(tmp_path):
     work = tmp_path / "ckpt"
     work.mkdir()
     r = _fit(tmp_path, "--strategy", "lowbit_lion_1bit_spawn", "--resume-check", str(work), timeout=400)
     assert "error" not in r, r.get("error")
-    assert r == {"bit_exact": True, "saved_world_size": 2, "rank_momenta_differ": True,
+    assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "lion", "rank_states_differ": True,
                  "other_world_finite": True, "is_global_zero": True}
 
 
 def test_direct_construction():
-    assert LowBitStrategy(config=LowBitConfig(mode="lp", bits=8)).lowbit_config.mode == "lp"
+    assert LowBitStrategy(config=LowBitConfig(mode="lp", bits=8)).lowbit_config.lion.mode == "lp"
     s = LowBitStrategy(algorithm="lion", bits=4, bucket_size_mb=2)
-    assert (s.lowbit_config.mode, s.lowbit_config.bits, s.lowbit_config.bucket_size_mb) == ("sign", 4, 2.0)
-    assert LowBitStrategy(algorithm="bitdp", bits=1).gradient_level
-    with pytest.raises(lowbit_strategy.LowBitSetupError, match="algorithm='onebit_adam' is not available"):
+    assert (s.lowbit_config.lion.mode, s.lowbit_config.lion.bits, s.lowbit_config.bucket_size_mb) == ("sign", 4, 2.0)
+    assert LowBitStrategy(algorithm="bitdp", bits=1).lowbit_config.bitdp.bits == 1
+    assert LowBitStrategy(lion={"mode": "1bit"}, find_unused_parameters=True)._ddp_kwargs == {
+        "find_unused_parameters": True}
+    with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.algorithm: got 'onebit_adam'; allowed: lion, bitdp"):
         LowBitStrategy(algorithm="onebit_adam")
-    with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.bits"):
+    with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.lion\.bits"):
         LowBitStrategy(mode="1bit", bits=8)
 
 
+@pytest.mark.slow
 def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(tmp_path):
     # 64 samples / (8 per batch x 2 ranks) = 4 steps an epoch: the checkpoint is past the warm-up
     work = tmp_path / "ckpt"
@@ -127,5 +138,43 @@ def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_bitdp_spawn", "--optimizer", "adamw", "--resume-check", str(work),
              "--lowbit", "bitdp_error_feedback=true", timeout=400)
     assert "error" not in r, r.get("error")
-    assert r == {"bit_exact": True, "saved_iters": [4, 4], "residual_names": ["mlp.0.weight", "mlp.2.weight"],
-                 "rank_residuals_differ": True, "other_world_finite": True, "is_global_zero": True}
+    assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "bitdp", "saved_iters": [4, 4],
+                 "residual_names": ["mlp.0.weight", "mlp.2.weight"], "rank_states_differ": True,
+                 "other_world_finite": True, "is_global_zero": True}
+
+
+@pytest.mark.parametrize("name, optimizer, extra", [
+    ("lowbit_lion_1bit", "lion", []),
+    ("lowbit_bitdp", "adamw", ["--lowbit", "bitdp_error_feedback=true"]),
+])
+@pytest.mark.slow
+def test_checkpoint_saved_after_fit_keeps_every_ranks_state(tmp_path, name, optimizer, extra):
+    # popen launch: every rank runs the script, so every rank calls trainer.save_checkpoint after
+    # fit, as in a user's script. Teardown has detached the optimizers by then.
+    work = tmp_path / "ckpt"
+    work.mkdir()
+    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--save-after-fit-check", str(work), *extra,
+             timeout=400)
+    assert "error" not in r, r.get("error")
+    assert r["bit_exact"] is True and r["saved_world_size"] == 2 and r["rank_states_differ"] is True, r
+
+
+@pytest.mark.slow
+def test_core_imports_without_lightning_and_registers_names_when_it_comes():
+    # a plain-DDP user pays for neither Lightning nor Accelerate; Lightning, imported later, finds the names
+    code = (
+        "import sys, lowbit_strategy\n"
+        "from lowbit_strategy import LowBitConfig, Lion, BitDPState, bitdp_hook, attach\n"
+        "import lowbit_strategy.algorithms, lowbit_strategy.integrations.ddp, lowbit_strategy.collectives\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate')]\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert set(lowbit_strategy.STRATEGY_NAMES) <= set(StrategyRegistry), 'names not registered'\n"
+        "assert lowbit_strategy.LowBitStrategy.__name__ == 'LowBitStrategy'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # and in the other order: Lightning first
+    code = ("import lightning.pytorch\nimport lowbit_strategy\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\nassert 'lowbit_bitdp_1bit' in StrategyRegistry\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

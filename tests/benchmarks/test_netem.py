@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.netem import Link, Network, NetemError, parse_rate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 needs_root = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -52,6 +52,7 @@ def test_rates_and_qdiscs():
     assert Link("1gbit", 5).qdisc()[0] == "netem" and Link("1gbit", 5).name == "1gbit+5ms"
 
 
+@pytest.mark.slow
 @needs_root
 def test_gloo_allreduce_over_shaped_link_and_teardown():
     net = Network(2, Link("100mbit"))
@@ -70,6 +71,7 @@ def test_gloo_allreduce_over_shaped_link_and_teardown():
     assert net.prefix not in left, f"namespaces left behind: {left}"
 
 
+@pytest.mark.slow
 @needs_root
 def test_timeout_kills_ranks_and_tears_down():
     with Network(2) as net:
@@ -80,6 +82,7 @@ def test_timeout_kills_ranks_and_tears_down():
     assert net.prefix not in _namespaces()
 
 
+@pytest.mark.slow
 @needs_root
 def test_teardown_on_exception():
     with pytest.raises(RuntimeError, match="boom"):
@@ -88,6 +91,7 @@ def test_teardown_on_exception():
     assert net.prefix not in _namespaces()
 
 
+@pytest.mark.slow
 @needs_root
 def test_sigterm_tears_down():
     """SIGTERM to a harness mid-run: ranks killed, namespaces removed, exit status 128+15."""

@@ -20,10 +20,9 @@ from torch import nn
 
 from lowbit_strategy.codecs import channel_decode, channel_encode
 from lowbit_strategy.collectives import TrafficLog
-from lowbit_strategy.hooks import BitDPState, bitdp_hook
-from lowbit_strategy.selection import classify
-from tests.distributed import run_ranks
-from tests.test_gathered import SUBGROUPS, in_subgroups
+from lowbit_strategy import BitDPState, bitdp_hook
+from lowbit_strategy.algorithms.bitdp import classify
+from tests.distributed import SUBGROUPS, in_subgroups, run_ranks
 
 VOCAB, DIM, CTX, BATCH = 32, 16, 8, 2
 
@@ -128,14 +127,22 @@ def test_selection_overrides():
     m.gpt.c_fc.weight.requires_grad_(False)
     got = _decisions(m, quantize="gpt.*", exclude="gpt.c_attn.*")
     assert got["gpt.c_fc.weight"] is True and got["gpt.c_attn.weight"] is False and got["gpt.ln_1.bias"] is True
-    # MultiheadAttention: out_proj is a Linear subclass, in_proj_weight is not a Linear weight
+    # MultiheadAttention: out_proj is a Linear subclass; in_proj_weight (q, k, v stacked: rows are
+    # output features) and the separate q/k/v projections (kdim != embed_dim) are linear weights too
     got = _decisions(nn.MultiheadAttention(8, 2))
-    assert got == {"in_proj_weight": False, "in_proj_bias": False, "out_proj.weight": True, "out_proj.bias": False}
+    assert got == {"in_proj_weight": True, "in_proj_bias": False, "out_proj.weight": True, "out_proj.bias": False}
+    got = _decisions(nn.MultiheadAttention(8, 2, kdim=4, vdim=6))
+    assert {n for n, q in got.items() if q} == {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}
+    # zero-element parameters are never quantized (nothing to send)
+    assert _decisions(nn.Sequential(nn.Linear(0, 4), nn.Linear(4, 3)))["0.weight"] is False
 
 
-def test_selection_warnings():
-    with pytest.warns(UserWarning, match="'nothing.here' matches no parameter"):
+def test_unmatched_patterns_are_errors_and_empty_selection_warns():
+    with pytest.raises(ValueError, match=r"^exclude: pattern 'nothing.here' matches no parameter name \(names look like: "
+                                         r"wte.weight"):
         classify(TinyLM(), exclude="nothing.here")
+    with pytest.raises(ValueError, match="quantize: pattern 'gpt.nope' matches no parameter"):
+        classify(TinyLM(), quantize=["gpt.*", "gpt.nope"])
     with pytest.warns(UserWarning, match="selects no parameter"):
         classify(nn.Sequential(nn.LayerNorm(4), nn.Embedding(3, 4)))
     with warnings.catch_warnings():
@@ -290,13 +297,13 @@ def _ring_bytes(nbytes: int, p: int) -> int:
     return 2 * (p - 1) * (-(-nbytes // p)) if p > 1 else 0
 
 
-def _check_bytes(log, buckets, state, p):
+def _check_bytes(traffic, buckets, state, p):
     """Codes + scales all-gathered, the rest (and a 4-byte finite flag) ring-allreduced."""
     infos = [[state.params[i] for i in ids] for ids in buckets.values()]
     mixed = [b for b in infos if any(i.quantized for i in b)]
     q = [i for b in mixed for i in b if i.quantized]
     fp = [sum(math.prod(i.shape) for i in b if not i.quantized) for b in infos]
-    assert log.by_op() == {
+    assert traffic.by_op() == {
         "gathered.codes.all_gather": (p - 1) * sum(-(-math.prod(i.shape) // 4) for i in q),
         "gathered.scales.all_gather": (p - 1) * 4 * sum(i.shape[1 if i.transposed else 0] for i in q),
         "bitdp.full.allreduce": sum(_ring_bytes(4 * n, p) for n in fp if n),
@@ -306,20 +313,20 @@ def _check_bytes(log, buckets, state, p):
 
 def _check_exact_and_compressed(base, rank, p, group):
     """2 warm-up iterations, 2 compressed ones, then one with an Inf on the last rank."""
-    ref, bits, log, buckets = copy.deepcopy(base), 2, TrafficLog(), {}
-    state = BitDPState(bits=bits, process_group=group, start_iter=2, chunk_rows=5, log=log)
+    ref, bits, traffic, buckets = copy.deepcopy(base), 2, TrafficLog(), {}
+    state = BitDPState(bits=bits, process_group=group, start_iter=2, chunk_rows=5, traffic=traffic)
     model, ddp = _ddp(base, state, buckets)
     plain = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.004, process_group=group)
     quantized = {i.name for i in state.params.values() if i.quantized}
     assert quantized == QUANTIZED_TINY
     inject = "llama.up_proj.weight"  # a quantized weight: the codec must never see its Inf
     for it in range(5):
-        log.clear()
+        traffic.clear()
         buckets.clear()
         per = _local_grads(ref, p, it, inject if it == 4 else None)
         got = _step(model, ddp, rank, it, inject if it == 4 else None, p)
         exact = {n: torch.stack([g[n] for g in per]).sum(0) / p for n in got}
-        ops = {r.op for r in log.records}
+        ops = {r.op for r in traffic.records}
         if it < 2:  # warm-up: exactly what DDP without a hook computes
             want = _step(plain.module, plain, rank, it)
             assert ops == {"bitdp.warmup.allreduce"} and state.iter == it + 1
@@ -340,7 +347,7 @@ def _check_exact_and_compressed(base, rank, p, group):
                 _close(got[n], exact[n], n)
         assert "gathered.codes.all_gather" in ops and len(buckets) > 2
         if it == 2:
-            _check_bytes(log, buckets, state, p)
+            _check_bytes(traffic, buckets, state, p)
         flat = torch.cat([g.reshape(-1) for g in got.values()]).nan_to_num(0.0, 1.0, -1.0)
         every = torch.empty(p * flat.numel())
         dist.all_gather_single(every, flat, group=group)
@@ -409,9 +416,50 @@ def _check_bf16(rank, p, group):
             torch.testing.assert_close(q.grad.float(), want, rtol=0, atol=tol, msg=n)
 
 
+class _WithEmpty(nn.Module):
+    """Zero-element parameters beside real ones (a Linear with no inputs, an empty vector),
+    and nn.MultiheadAttention, whose in_proj_weight is a linear weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.none_in, self.out = nn.Linear(8, 6), nn.Linear(0, 6), nn.Linear(6, 3)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        h = (self.fc(x) + self.none_in(x[:, :0]))[None]
+        return self.out(self.attn(h, h, h, need_weights=False)[0][0]) + self.empty.sum()
+
+
+def _check_zero_element(rank, p, group):
+    torch.manual_seed(2)
+    base = _WithEmpty()
+    x = torch.randn(p, 5, 8, generator=torch.Generator().manual_seed(9))
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+    state = BitDPState(bits=2, process_group=group, model=ddp)
+    quantized = ["fc.weight", "out.weight", "attn.in_proj_weight", "attn.out_proj.weight"]
+    assert [n for n, i in state.selection().items() if i.quantized] == quantized
+    ddp.register_comm_hook(state, bitdp_hook)
+    for _ in range(3):  # two warm-up iterations, then compressed
+        ddp.zero_grad(set_to_none=True)
+        ddp(x[rank]).square().sum().backward()
+    per = []
+    for r in range(p):
+        base.zero_grad(set_to_none=True)
+        base(x[r]).square().sum().backward()
+        per.append(dict(base.named_parameters()))
+        per[-1] = {n: q.grad.clone() for n, q in per[-1].items()}
+    for n, q in ddp.module.named_parameters():
+        stacked = [g[n] for g in per]
+        want = torch.stack([_dequantized(g, 2) for g in stacked]).mean(0) if n in quantized \
+            else torch.stack(stacked).mean(0)
+        torch.testing.assert_close(q.grad, want, rtol=1e-6, atol=1e-6, msg=n)
+
+
 def _check_ddp(rank, world_size, group=None):
     torch.manual_seed(0)
     base = TinyLM()
+    _check_zero_element(rank, world_size, group)
     _check_exact_and_compressed(base, rank, world_size, group)
     _check_paper(base, rank, world_size, group)
     _check_error_feedback(base, rank, world_size, group)
@@ -430,6 +478,7 @@ def test_bitdp_hook_one_rank():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_bitdp_hook_in_ddp():
     """P = 2, 3, 4: DDP over gloo subgroups of one 4-process run (see tests.test_gathered)."""
     run_ranks(len(SUBGROUPS[-1]), in_subgroups, _check_ddp)

@@ -47,8 +47,11 @@ def test_cheapest_follows_the_regime():
 
 
 def test_ties_go_to_the_first_candidate():
-    e = cheapest(1, 100, 0.0, 1e9, candidates=("fp32", "1bit"))
-    assert e.algorithm == "fp32"
+    # a 32-bit lane costs exactly what fp32 costs (same rounds, same bits), and not nothing
+    fp32, lp32 = (estimate(n, 4, 10**6, 1e-5, 1e9) for n in ("fp32", "lp32"))
+    assert fp32.seconds == lp32.seconds > 0
+    assert cheapest(4, 10**6, 1e-5, 1e9, candidates=("fp32", "lp32")).algorithm == "fp32"
+    assert cheapest(4, 10**6, 1e-5, 1e9, candidates=("lp32", "fp32")).algorithm == "lp32"
 
 
 def test_bad_arguments():

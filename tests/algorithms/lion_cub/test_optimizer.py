@@ -4,12 +4,13 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lowbit_strategy import LowBitConfig, Lion, LionCommunicator
 from lowbit_strategy.codecs import lp_quantize_levels
 from lowbit_strategy.collectives.summed import max_levels
-from lowbit_strategy.optim.communicator import resolve_mode
+from lowbit_strategy.algorithms.lion_cub import resolve_mode
 from tests.distributed import run_ranks
 
 STEPS = 6
@@ -30,7 +31,7 @@ def _grads(model, rank, step):
     model.zero_grad()
     x, y = _batch(rank, step)
     nn.functional.cross_entropy(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 def _reference_lion_cub(world_size, mode, bits=None, p=1.0):
@@ -83,7 +84,7 @@ def _check_modes(rank, world_size):
         expected = _reference_lion_cub(world_size, mode, bits, p)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{mode} {bits} {p}")
-        assert opt.communicator.log.bytes_sent > 0
+        assert opt.communicator.traffic.bytes_sent > 0
     # during warm-up the exact fp32 sum is synchronized, whatever the mode
     got, _ = _run_lion_cub(rank, world_size, "1bit", None, 1.0, warmup=STEPS)
     for a, b in zip(got, _reference_lion_cub(world_size, "fp32")):
@@ -101,6 +102,12 @@ def _check_fp32_equals_ddp(rank, world_size):
         torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-6)
 
 
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
 def _check_nonfinite_and_unused(rank, world_size):
     model = _model()
     opt = Lion(model.parameters(), lr=LR)
@@ -111,34 +118,112 @@ def _check_nonfinite_and_unused(rank, world_size):
     before = [t.detach().clone() for t in model.parameters()]
     with pytest.warns(RuntimeWarning, match="non-finite"):
         opt.step()
-    assert opt.skipped_steps == 1
+    assert opt.skipped_steps == 1 and opt.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    # the last layer has a gradient on rank 0 only: every rank updates it, none hangs
-    _grads(model, rank, 2)
+    # the last layer has a gradient on rank 0 only: every rank updates it with the same
+    # direction (none hangs), and the others' momentum follows a zero gradient
+    grads = _grads(model, rank, 2)
     if rank != 0:
         model[-1].weight.grad = None
         model[-1].bias.grad = None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
-    assert "exp_avg" in opt.state[model[-1].weight]
+    head = model[-1].weight
+    assert all(torch.equal(w, head.detach()) for w in _gather(head.detach()))
+    assert not torch.equal(head.detach(), before[-2])
+    want = (1 - opt.param_groups[0]["betas"][1]) * grads[-2] if rank == 0 else torch.zeros_like(head)
+    torch.testing.assert_close(opt.state[head]["exp_avg"], want, rtol=0, atol=0)
 
 
+def _check_whole_step_skip_and_global_step(rank, world_size):
+    """Momentum sync counts the optimizer's steps even when group 0 is frozen (it has no
+    gradient); a NaN in one group on one rank skips every group, counted once."""
+    model = _model()
+    frozen, live = list(model[0].parameters()), list(model[2].parameters()) + list(model[4].parameters())
+    for t in frozen:
+        t.requires_grad_(False)
+    opt = Lion([{"params": frozen}, {"params": live}], lr=LR)
+    comm = LionCommunicator(LowBitConfig(mode="sign"))
+    opt.attach_communicator(comm)
+    syncs = []
+    average = comm.average_
+    comm.average_ = lambda tensors: (syncs.append(opt.global_step), average(tensors))
+    opt.set_momentum_sync(2, live)
+    for step in range(1, 5):
+        _grads(model, rank, step)
+        opt.step()
+        moms = _gather(opt.state[live[0]]["exp_avg"])
+        # the ranks' momenta agree right after a sync step, and only then
+        assert all(torch.equal(m, moms[0]) for m in moms) == (step % 2 == 0), step
+    assert syncs == [2, 4] and opt.global_step == 4
+    assert all(g["lion_step"] == 4 for g in opt.param_groups)
+    # NaN in the second group on the last rank: both groups untouched, counted once
+    for t in frozen:
+        t.requires_grad_(True)
+    _grads(model, rank, 5)
+    if rank == world_size - 1:
+        live[-1].grad[0] = float("inf")
+    before = [t.detach().clone() for t in model.parameters()]
+    moms = [opt.state[t]["exp_avg"].clone() for t in live]
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.global_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(m, opt.state[t]["exp_avg"]) for m, t in zip(moms, live))
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.empty_rows = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.net(x) + self.empty.sum() + self.empty_rows.sum()
+
+
+def _check_zero_element_params(rank, world_size):
+    for mode in ("1bit", "sign", "lp", "fp32", "bf16", "auto"):
+        model = _WithEmpty()
+        opt = Lion(model.parameters(), lr=LR)
+        opt.attach_communicator(LionCommunicator(LowBitConfig(mode=mode)))
+        opt.set_momentum_sync(1, model.parameters())
+        for step in range(1, 3):
+            model.zero_grad()
+            x, y = _batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert model.empty.grad is not None and model.empty.grad.numel() == 0
+            opt.step()
+        assert opt.global_step == 2, mode
+        for t in model.net.parameters():
+            assert all(torch.equal(w, t.detach()) for w in _gather(t.detach())), mode
+
+
+def _check_all(rank, world_size):
+    """Every multi-process Lion check of one world size, in one process group."""
+    _check_modes(rank, world_size)
+    if world_size <= 3:
+        _check_fp32_equals_ddp(rank, world_size)
+    if world_size == 3:
+        _check_nonfinite_and_unused(rank, world_size)
+    _check_whole_step_skip_and_global_step(rank, world_size)
+    _check_zero_element_params(rank, world_size)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_compressed_modes_match_algorithm_1(world_size):
-    run_ranks(world_size, _check_modes)
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_fp32_with_full_momentum_sync_equals_ddp_lion(world_size):
-    run_ranks(world_size, _check_fp32_equals_ddp)
-
-
-def test_nonfinite_skips_on_all_ranks_and_unused_params_stay_consistent():
-    run_ranks(3, _check_nonfinite_and_unused)
+def test_distributed_lion_cub(world_size):
+    """P = 2, 3, 4: the compressed modes match Algorithm 1 computed in one process; at 32 bits
+    with full momentum sync it equals DDP + Lion; a NaN on one rank skips the whole step on
+    every rank; unused parameters stay consistent; momentum sync counts global steps;
+    zero-element parameters work in every mode."""
+    run_ranks(world_size, _check_all)
 
 
 def _check_world_of_one(rank, world_size):
+    _check_zero_element_params(rank, world_size)
     for mode in ("1bit", "sign", "lp", "fp32", "auto"):
         a, b = _model(), _model()
         plain = Lion(a.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
@@ -150,9 +235,10 @@ def _check_world_of_one(rank, world_size):
             plain.step()
             cub.step()
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())), mode
-        assert cub.communicator.log.bytes_sent == 0
+        assert cub.communicator.traffic.bytes_sent == 0
 
 
+@pytest.mark.slow
 def test_world_size_one_is_plain_lion_bit_for_bit():
     run_ranks(1, _check_world_of_one)
 

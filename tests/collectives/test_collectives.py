@@ -40,13 +40,13 @@ def _check_majority(rank, world_size):
     for n in LENGTHS:
         for step in (1, 2, 7):
             inputs = _inputs(n + step, world_size, n)
-            with recording() as log:
+            with recording() as traffic:
                 got = majority_vote(inputs[rank].view(-1, 1), step)
             assert got.shape == (n, 1) and got.dtype == torch.float32
             assert torch.equal(got.view(-1), _majority_reference(inputs, step)), (n, step)
             c = -(-n // (8 * world_size))
             expected = (world_size - 1) * c
-            assert [(r.op, r.bytes_sent, r.bytes_received) for r in log.records] == [
+            assert [(r.op, r.bytes_sent, r.bytes_received) for r in traffic.records] == [
                 ("majority.all_to_all", expected, expected),
                 ("majority.all_gather", expected, expected),
             ]
@@ -70,7 +70,7 @@ def _check_summed(rank, world_size):
             if n > 3:  # the range's edges on every rank
                 for x in inputs:
                     x[0], x[1] = low, levels
-            with recording() as log:
+            with recording() as traffic:
                 got = summed_allreduce(inputs[rank], levels, signed=signed, lane_bits=lane_bits)
             assert got.dtype == torch.int32
             assert torch.equal(got, torch.stack(inputs).sum(0)), (levels, signed, n)
@@ -80,7 +80,7 @@ def _check_summed(rank, world_size):
             word_bytes = 1 if bits <= 8 else 4
             nbytes = -(-n // per_word) * word_bytes
             expected = 2 * (world_size - 1) * (-(-nbytes // world_size)) if world_size > 1 else 0
-            assert [(r.op, r.bytes_sent) for r in log.records] == [(f"summed.allreduce.{bits}bit", expected)]
+            assert [(r.op, r.bytes_sent) for r in traffic.records] == [(f"summed.allreduce.{bits}bit", expected)]
     # int8 codes straight from lp_quantize work too
     codes = torch.full((10,), -5, dtype=torch.int8)
     assert summed_allreduce(codes, 5).tolist() == [-5 * world_size] * 10
@@ -90,12 +90,12 @@ def _check_full(rank, world_size):
     for n in LENGTHS:
         inputs = _inputs(n, world_size, n, zeros=False)
         before = inputs[rank].clone()
-        with recording() as log:
+        with recording() as traffic:
             got = full_allreduce(inputs[rank])
         assert torch.equal(inputs[rank], before), "the input must not be modified"
         torch.testing.assert_close(got, torch.stack(inputs).double().sum(0).float(), rtol=1e-6, atol=1e-6)
         expected = 2 * (world_size - 1) * (-(-4 * n // world_size)) if world_size > 1 else 0
-        assert log.bytes_sent == expected
+        assert traffic.bytes_sent == expected
         got16 = full_allreduce(inputs[rank], wire_dtype=torch.bfloat16)
         assert got16.dtype == torch.float32
         ref16 = torch.stack([x.bfloat16().float() for x in inputs]).sum(0)
@@ -138,10 +138,19 @@ def _check_errors(rank, world_size):
 SUITES = {"majority": _check_majority, "summed": _check_summed, "full": _check_full, "errors": _check_errors}
 
 
+def _check_suites(rank, world_size):
+    for name, check in SUITES.items():
+        try:
+            check(rank, world_size)
+        except AssertionError as e:
+            raise AssertionError(f"suite {name!r}: {e}") from e
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("suite", list(SUITES))
-def test_collective(suite, world_size):
-    run_ranks(world_size, SUITES[suite])
+def test_collectives(world_size):
+    """Every suite (majority vote, summed lanes, full allreduce, errors) in one process group."""
+    run_ranks(world_size, _check_suites)
 
 
 def test_not_initialized_is_a_clear_error():

@@ -1,0 +1,132 @@
+"""The algorithm interface every front end (plain DDP, Lightning, Accelerate) drives.
+
+An algorithm is one package under :mod:`lowbit_strategy.algorithms` holding its config
+section, its optimizer and/or DDP hook, its parameter selection and its per-rank state,
+and one :class:`Algorithm` entry in :data:`lowbit_strategy.algorithms.REGISTRY`. A front end
+never names an algorithm; it does, for one DDP model:
+
+1. ``algo = REGISTRY[config.algorithm]``; ``algo.check_precision(precision)``;
+2. ``sync = algo.build(config, module, group)``: the run's :class:`Sync`;
+3. ``ddp_model.register_comm_hook(sync.hook_state, sync.comm_hook)``;
+4. ``sync.attach(optimizers)`` once the optimizers exist (raises :class:`LowBitSetupError`
+   naming the fix for an optimizer the algorithm cannot drive);
+5. checkpoints: ``sync.state_dict()`` on every rank, gathered keyed by rank
+   (:mod:`lowbit_strategy.rank_state`); on resume ``sync.load_state_dict(own)``, or at
+   another world size ``sync.load_state_dict(algo.merge_states(all))``;
+6. ``sync.traffic_logs()`` for the bytes on the wire; ``sync.detach()`` when training ends.
+
+Two places to synchronize:
+
+* **gradient level** (BitDP): the DDP communication hook returns the (compressed) mean
+  gradient of each bucket, and any optimizer steps on it;
+* **optimizer level** (Lion Cub): the hook hands each bucket's *local* gradients to
+  :meth:`Sync.bucket_ready` as they become ready during backward, and ``optimizer.step()``
+  finishes the synchronization. The default :meth:`Sync.bucket_ready` keeps the gradients
+  local and lets the optimizer do all the communication in ``step()``; an algorithm that
+  overlaps its collective with backward launches it there instead (same order on every
+  rank: DDP hands buckets over in the same order everywhere).
+"""
+# No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
+# annotations and accepts only the real dist.GradBucket / Future[Tensor] objects.
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy.collectives.wire import TrafficLog
+
+
+class LowBitSetupError(RuntimeError):
+    """A combination the low-bit synchronization cannot run, found at setup."""
+
+
+class Sync:
+    """What one algorithm does for one DDP model and its optimizers (one training run).
+
+    Subclasses override what applies; the defaults are those of an algorithm with no
+    rank-local state that keeps gradients local.
+    """
+
+    #: "gradient" (the hook averages gradients) or "optimizer" (the optimizer syncs)
+    level: str = "optimizer"
+
+    def __init__(self, config, group: Optional[dist.ProcessGroup] = None):
+        self.config = config
+        self.group = group
+        self.algorithm: Optional["Algorithm"] = None  # the registry entry; set by the front end
+
+    # ---- the DDP communication hook ------------------------------------------------
+    @property
+    def hook_state(self) -> Any:
+        """The ``state`` argument of :attr:`comm_hook`."""
+        return self
+
+    @property
+    def comm_hook(self) -> Callable:
+        """The DDP communication hook ``(state, bucket) -> Future[Tensor]``."""
+        return bucket_hook
+
+    def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """One bucket's local gradients, ready during backward. The default keeps them
+        local: the optimizer synchronizes in ``step()``."""
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    # ---- optimizers ----------------------------------------------------------------
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
+        """Check and wire the run's optimizers (raise :class:`LowBitSetupError` naming the
+        fix; ``who`` names the front end's setting in that message, e.g. a strategy name)."""
+
+    def detach(self) -> None:
+        """Training is over: optimizers become plain single-process optimizers again."""
+
+    # ---- telemetry and per-rank state ------------------------------------------------
+    def traffic_logs(self) -> list[TrafficLog]:
+        return []
+
+    def state_dict(self) -> dict:
+        """This rank's rank-local state (plain values and CPU tensors), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (or :meth:`Algorithm.merge_states`')."""
+
+
+def bucket_hook(state: Sync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of optimizer-level algorithms: hands the bucket to
+    ``state.bucket_ready`` (plain function: DDP wants a function, not a bound method)."""
+    return state.bucket_ready(bucket)
+
+
+def _no_merge(states: list) -> dict:
+    return {}
+
+
+def _any_precision(precision: Optional[str]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One registry entry: everything a front end needs to know about an algorithm.
+
+    name: the ``LowBitConfig.algorithm`` value; also the name of its config section.
+    section: its :class:`~lowbit_strategy.config.Section` subclass.
+    build: ``(config, module, group) -> Sync`` for one DDP model (``module`` unwrapped).
+    strategy_names: Lightning names -> keyword arguments of ``LowBitStrategy`` (each also
+        registered with ``_spawn`` and ``_notebook`` variants).
+    merge_states: every saved rank's :meth:`Sync.state_dict` -> the state a rank of another
+        world size loads (the front end logs a warning when it uses it).
+    check_precision: raises :class:`LowBitSetupError` for a precision it cannot run.
+    summary: one line for the strategy registry's description.
+    """
+
+    name: str
+    section: type
+    build: Callable[..., Sync]
+    strategy_names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    merge_states: Callable[[list], dict] = _no_merge
+    check_precision: Callable[[Optional[str]], None] = _any_precision
+    summary: str = ""

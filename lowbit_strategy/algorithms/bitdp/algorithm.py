@@ -1,0 +1,65 @@
+"""BitDP behind the algorithm interface: a gradient-level :class:`~..base.Sync` whose DDP
+hook is :func:`.hook.bitdp_hook`, for any optimizer."""
+from __future__ import annotations
+
+import torch
+
+from lowbit_strategy.algorithms.base import Algorithm, Sync
+from lowbit_strategy.algorithms.bitdp.config import BitDPConfig
+from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook
+from lowbit_strategy.collectives.wire import TrafficLog
+
+
+class BitDPSync(Sync):
+    """Registers :func:`bitdp_hook`; its state (iteration count, error-feedback residuals)
+    is the rank-local state checkpoints keep."""
+
+    level = "gradient"
+
+    def __init__(self, config, module: torch.nn.Module, group=None):
+        super().__init__(config, group)
+        section: BitDPConfig = config.bitdp
+        self.state = BitDPState(
+            bits=section.bits, process_group=group, quantize=section.quantize, exclude=section.exclude,
+            start_iter=max(2, config.warmup_steps), reduction=section.reduction,
+            error_feedback=section.error_feedback, traffic=TrafficLog(),
+        ).attach(module)
+
+    @property
+    def hook_state(self) -> BitDPState:
+        return self.state
+
+    @property
+    def comm_hook(self):
+        return bitdp_hook
+
+    def traffic_logs(self) -> list[TrafficLog]:
+        return [self.state.traffic]
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """BitDP hook state for another world size: rank 0's iteration count and the mean
+    residual, which carries the same untransmitted part of the mean gradient
+    (Σ_r e_r / P) into every new rank."""
+    names = set.intersection(*(set(s["residuals"]) for s in states))
+    return {"iter": states[0]["iter"],
+            "residuals": {n: torch.stack([s["residuals"][n] for s in states]).mean(0) for n in sorted(names)}}
+
+
+ALGORITHM = Algorithm(
+    name="bitdp",
+    section=BitDPConfig,
+    build=BitDPSync,
+    strategy_names={
+        "lowbit_bitdp": dict(algorithm="bitdp", bits=2),
+        "lowbit_bitdp_1bit": dict(algorithm="bitdp", bits=1),
+    },
+    merge_states=merge_states,
+    summary="BitDP channel-wise 1/2-bit gradients (any optimizer)",
+)

@@ -1,0 +1,124 @@
+"""Lion Cub behind the algorithm interface: an optimizer-level :class:`~..base.Sync`.
+
+Gradients stay local (the default :meth:`Sync.bucket_ready`); each :class:`Lion` gets a
+:class:`LionCommunicator` and synchronizes its update vectors in ``step()``. The rank-local
+state checkpoints keep is every optimizer's ``state`` (each rank's own momenta).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
+from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
+from lowbit_strategy.algorithms.lion_cub.config import LionConfig
+from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
+from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
+from lowbit_strategy.collectives.wire import TrafficLog
+
+
+class LionSync(Sync):
+    level = "optimizer"
+
+    def __init__(self, config, module: torch.nn.Module, group=None):
+        super().__init__(config, group)
+        section: LionConfig = config.lion
+        self.momentum_params = (momentum_sync_params(module, section.momentum_sync_layers)
+                                if section.momentum_sync_every else [])
+        self.optimizers: list[Lion] = []
+        self._traffic: list[TrafficLog] = []
+
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
+        for opt in optimizers:
+            if not isinstance(opt, Lion):
+                raise LowBitSetupError(
+                    f"{who or 'LowBitConfig(algorithm=lion)'} drives lowbit_strategy.Lion, but got {type(opt).__module__}.{type(opt).__name__}. "
+                    "Use lowbit_strategy.Lion(...) instead, or algorithm='bitdp' (strategy 'lowbit_bitdp') / "
+                    "plain DDP for other optimizers (their gradients would otherwise never be synchronized)."
+                )
+        self.optimizers = list(optimizers)
+        self._traffic = []
+        section = self.config.lion
+        for opt in self.optimizers:
+            comm = LionCommunicator(self.config, group=self.group)
+            opt.attach_communicator(comm)
+            self._traffic.append(comm.traffic)
+            if section.momentum_sync_every:
+                opt.set_momentum_sync(section.momentum_sync_every, self.momentum_params)
+
+    def detach(self) -> None:
+        for opt in self.optimizers:
+            opt.attach_communicator(None)
+            opt.set_momentum_sync(0, [])
+
+    def traffic_logs(self) -> list[TrafficLog]:
+        return list(self._traffic)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [_cpu(opt.state_dict()["state"]) for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("optimizers", [])
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"Lion Cub state holds {len(saved)} optimizers' momenta, the run has "
+                             f"{len(self.optimizers)}")
+        for opt, own in zip(self.optimizers, saved):
+            device = next((p.device for grp in opt.param_groups for p in grp["params"]), None)
+            opt.load_state_dict({**opt.state_dict(), "state": own})
+            if device is not None:
+                for st in opt.state.values():
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor):
+                            st[k] = v.to(device)
+
+
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Momenta for another world size: each one's mean over the saved ranks, the consensus
+    every rank would reach after a full momentum sync."""
+    merged = []
+    for per_rank in zip(*(s["optimizers"] for s in states)):
+        out: dict = {}
+        for idx, first in per_rank[0].items():
+            out[idx] = {}
+            for name, value in first.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and all(idx in s for s in per_rank):
+                    out[idx][name] = torch.stack([s[idx][name].float() for s in per_rank]).mean(0).to(value.dtype)
+                else:
+                    out[idx][name] = value
+        merged.append(out)
+    return {"optimizers": merged}
+
+
+def check_precision(precision: Optional[str]) -> None:
+    if precision == "16-mixed":
+        raise LowBitSetupError(
+            "Lion Cub does not support precision='16-mixed': gradients stay local, so each rank's "
+            "GradScaler could skip a different step and the ranks would hang. Use precision='bf16-mixed' "
+            "or '32-true' (Lion skips non-finite steps on all ranks together)."
+        )
+
+
+ALGORITHM = Algorithm(
+    name="lion",
+    section=LionConfig,
+    build=LionSync,
+    strategy_names={
+        "lowbit_lion": dict(algorithm="lion", mode="auto"),
+        "lowbit_lion_1bit": dict(algorithm="lion", mode="1bit"),
+        "lowbit_lion_4bit": dict(algorithm="lion", mode="sign", bits=4),
+        "lowbit_lion_8bit": dict(algorithm="lion", mode="lp", bits=8, p=1.0),
+        "lowbit_lion_fp32": dict(algorithm="lion", mode="fp32"),
+    },
+    merge_states=merge_states,
+    check_precision=check_precision,
+    summary="Lion Cub (lowbit_strategy.Lion)",
+)

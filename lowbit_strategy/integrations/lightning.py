@@ -1,0 +1,180 @@
+"""LowBitStrategy: Lightning's DDPStrategy driving any registered algorithm.
+
+The strategy holds no per-algorithm code: it looks ``config.algorithm`` up in
+:data:`lowbit_strategy.algorithms.REGISTRY` and drives the algorithm's
+:class:`~lowbit_strategy.algorithms.Sync` (see :mod:`lowbit_strategy.algorithms.base`):
+
+* ``setup``: the algorithm checks the precision; ``configure_ddp`` wraps the model in DDP
+  and registers the algorithm's communication hook — Lightning registers hooks only on
+  CUDA, ours run on gloo/CPU too; after the optimizers exist, the sync wires them (an
+  optimizer it cannot drive is a :class:`LowBitSetupError` naming what to use);
+* checkpoints: ``save_checkpoint`` (every rank calls it) gathers every rank's rank-local
+  state under ``lowbit_rank_states``, however and whenever it is saved — during ``fit`` or
+  with ``trainer.save_checkpoint(path)`` after it; ``load_optimizer_state_dict`` gives each
+  rank its own back (another world size: the algorithm's merge, with a warning);
+* ``traffic_logs()``: the bytes on the wire, still readable after ``fit``.
+
+Notes for users:
+
+* ``import lowbit_strategy`` before building the ``Trainer``: Lightning resolves strategy
+  names from its registry when the ``Trainer`` is built; the import registers ours.
+* Optimizer-level algorithms (Lion Cub) keep gradients local: gradient clipping
+  (``gradient_clip_val``) clips each rank's *local* gradient, and gradient accumulation
+  synchronizes once per real optimizer step.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lowbit_strategy import algorithms, rank_state
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.integrations.ddp import build_sync
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LowBitStrategy", "LowBitSetupError", "VARIANTS", "register_strategies", "strategy_names"]
+
+
+def _unwrap(opt):
+    return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class LowBitStrategy(DDPStrategy):
+    """DDP with low-bit synchronization driven by a :class:`LowBitConfig`.
+
+    ``LowBitStrategy(config=LowBitConfig(...))``, ``LowBitStrategy(algorithm="lion", bits=4)``,
+    ``LowBitStrategy(config="lowbit.yaml")`` or a registered name such as
+    ``strategy="lowbit_lion"``. Keyword arguments that :class:`LowBitConfig` accepts
+    (shared fields, sections, section fields) override ``config``; the rest go to
+    ``DDPStrategy``.
+    """
+
+    strategy_name = "lowbit"
+
+    def __init__(self, config: LowBitConfig | dict | str | None = None, **kwargs: Any) -> None:
+        known = set(LowBitConfig.known_keys())
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
+        self.lowbit_config = LowBitConfig.coerce(config, **overrides)
+        self.algorithm = algorithms.get(self.lowbit_config.algorithm)
+        self.sync: Sync | None = None
+        super().__init__(**kwargs)
+
+    # ---- wiring ---------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning destroys the process group at exit only for NCCL. A gloo group left to
+        # interpreter finalization sometimes aborts a *_spawn worker after training
+        # ("terminate called without an active exception", ~1 run in 10 here), which the
+        # launcher reports as a failed fit. Destroy it while Python is still whole.
+        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
+        atexit.register(_destroy_process_group)
+
+    def configure_ddp(self) -> None:
+        # A DDP model accepts one hook: register the algorithm's here, never through super().
+        super().configure_ddp()
+        self.sync = build_sync(self.lowbit_config, self.lightning_module, group=None)
+        self.model.register_comm_hook(self.sync.hook_state, self.sync.comm_hook)
+
+    def setup(self, trainer) -> None:
+        self.algorithm.check_precision(getattr(self.precision_plugin, "precision", None))
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.sync is not None:
+            self.sync.attach([_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}")
+
+    def _registered_name(self) -> str:
+        return f"'{getattr(self, '_lowbit_name', f'LowBitStrategy(algorithm={self.lowbit_config.algorithm!r})')}'"
+
+    def teardown(self) -> None:
+        # The optimizers outlive the run as plain single-process optimizers; the sync stays,
+        # so its traffic stays readable and a checkpoint saved after fit keeps every rank's
+        # state.
+        if self.sync is not None:
+            self.sync.detach()
+        super().teardown()
+
+    # ---- telemetry ------------------------------------------------------------------
+    def traffic_logs(self) -> list[TrafficLog]:
+        """The traffic logs of the current run (after ``fit`` returns, of the finished one)."""
+        return self.sync.traffic_logs() if self.sync is not None else []
+
+    # ---- checkpoints: every rank's own state ----------------------------------------
+    def save_checkpoint(self, ckpt: dict[str, Any], filepath, storage_options=None) -> None:
+        # Every rank calls this (Trainer.save_checkpoint), so the gather is safe here. Only
+        # full training checkpoints carry rank-local state, as only they carry optimizer state.
+        if self.sync is not None and "optimizer_states" in ckpt:
+            entry = rank_state.gather(self.sync.state_dict(), self.sync.group)
+            if entry is not None:
+                ckpt = {**ckpt, rank_state.KEY: {**entry, "algorithm": self.lowbit_config.algorithm}}
+        super().save_checkpoint(ckpt, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, ckpt) -> None:
+        for opt, saved in zip(self.optimizers, ckpt["optimizer_states"]):
+            opt.load_state_dict(saved)
+            _optimizer_to_device(opt, self.root_device)
+        entry = ckpt.get(rank_state.KEY)
+        if self.sync is None:
+            return
+        if entry is None or entry.get("algorithm") != self.lowbit_config.algorithm:
+            logger.warning("lowbit: the checkpoint holds no %s rank-local state; every rank starts from "
+                           "rank 0's optimizer state", self.lowbit_config.algorithm)
+            return
+        self.sync.load_state_dict(rank_state.pick(
+            entry, self.global_rank, self.world_size, self.algorithm.merge_states,
+            f"{self.lowbit_config.algorithm} rank-local buffers"))
+
+
+#: launcher suffix -> start method, like Lightning's ``ddp``, ``ddp_spawn``, ``ddp_notebook``
+VARIANTS = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
+
+
+def strategy_names() -> dict[str, tuple[algorithms.Algorithm, dict[str, Any]]]:
+    """Every registered base name (no variant suffix) -> (algorithm, its init arguments)."""
+    return {name: (algo, dict(kwargs)) for algo in algorithms.REGISTRY.values()
+            for name, kwargs in algo.strategy_names.items()}
+
+
+def register_strategies(registry=StrategyRegistry) -> list[str]:
+    """Register every algorithm's names x :data:`VARIANTS` (idempotent: re-registering overrides)."""
+    names = []
+    for base, (algo, cfg) in strategy_names().items():
+        detail = ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "algorithm")
+        for suffix, start_method in VARIANTS.items():
+            name = base + suffix
+            registry.register(
+                name,
+                _named_factory(name),
+                description=f"{algo.summary} ({detail}) with start_method '{start_method}'",
+                override=True,
+                start_method=start_method,
+                **cfg,
+            )
+            names.append(name)
+    return names
+
+
+def _named_factory(name: str):
+    def make(**kwargs: Any) -> LowBitStrategy:
+        strategy = LowBitStrategy(**kwargs)
+        strategy._lowbit_name = name
+        return strategy
+
+    make.__name__ = f"LowBitStrategy[{name}]"
+    return make
+
+
+register_strategies()  # importing this module is what registers the names

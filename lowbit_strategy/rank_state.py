@@ -1,0 +1,58 @@
+"""Rank-local state in checkpoints, for every algorithm.
+
+Frameworks save rank 0's optimizer state only, but Lion Cub's momenta, BitDP's
+error-feedback residuals (and every error-feedback method's buffers) differ across ranks.
+Each algorithm's :meth:`~lowbit_strategy.algorithms.Sync.state_dict` is this rank's share;
+:func:`gather` (a collective: every rank calls it) collects every rank's into one entry,
+stored in the checkpoint under :data:`KEY`; :func:`pick` hands each rank its own back.
+Same world size: each rank gets exactly its own buffers, so a resume continues bit for
+bit. Another world size: the algorithm's ``merge_states`` builds one state for every rank
+(the mean, for momenta and residuals), with a logged warning; never a silent mismatch.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: where front ends store the gathered entry in a checkpoint
+KEY = "lowbit_rank_states"
+
+
+def to_cpu(obj: Any) -> Any:
+    """Copies of every tensor in nested dicts/lists, on CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def gather(obj: Any, group=None) -> dict[str, Any] | None:
+    """``{"world_size": P, "states": [rank 0's obj, ..., rank P-1's]}`` (tensors copied to
+    CPU) on rank 0 of ``group``, None on the other ranks. Collective: call it on every rank."""
+    obj = to_cpu(obj)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {"world_size": 1, "states": [obj]}
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return {"world_size": world, "states": gathered} if rank == 0 else None
+
+
+def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any], what: str) -> Any:
+    """This rank's own state from a :func:`gather` entry; at another world size
+    ``merge(states)`` of all saved ranks, with a warning naming ``what``."""
+    if entry["world_size"] == world_size:
+        return entry["states"][rank]
+    logger.warning(
+        "lowbit: checkpoint written with world size %d, resuming with %d; %s are reset to their "
+        "mean over the saved ranks", entry["world_size"], world_size, what,
+    )
+    return merge(entry["states"])
