@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
 
-.PHONY: venv test demo bench bench-quick bench-codecs clean
+.PHONY: venv test test-fast demo bench bench-quick bench-codecs clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(PY) examples/gpt_lion.py --devices 2 --max-minutes 3
