@@ -62,6 +62,53 @@ def _parse(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+# Each rule: (P, rounds, ring factor 2(P-1)/P, lane bits) -> (bits, latency in α, bandwidth in N·β).
+def _onebit(p, r, ring, lane):
+    return 1, p - 1 + r, ring
+
+
+def _onebit_table1(p, r, ring, lane):
+    return 1, p - 1 + r, 1 + (p - 1) / p
+
+
+def _sign(p, r, ring, lane):
+    bits = lane_for(p, 1, signed=False).bits
+    return bits, 2 * r, ring * bits
+
+
+def _lp(p, r, ring, lane):
+    if max_levels(p, lane, signed=True) < 1:
+        raise OverflowError(f"an lp code needs levels >= 1; a {lane}-bit lane cannot hold it at P={p}")
+    lane_for(p, 1, signed=True, lane_bits=lane)
+    return lane, 2 * r, ring * lane
+
+
+def _word(bits):
+    def rule(p, r, ring, lane):
+        return bits, 2 * r, ring * bits
+    return rule
+
+
+def _direct(p, r, ring, lane):
+    return (math.ceil(math.log2(p)) + 1 if p > 1 else 1), 2 * r, ring * (math.log2(p) + 1)
+
+
+def _param_server(p, r, ring, lane):
+    return WORD_BITS, 2 * r, 3 * (p - 1) / p * WORD_BITS
+
+
+def _param_server_naive(p, r, ring, lane):
+    return WORD_BITS, 2 * (p - 1), 2 * p * WORD_BITS
+
+
+#: algorithm name (``lp`` for every ``lpB``) -> its row of the table in the module doc
+RULES = {
+    "1bit": _onebit, "onebit_table1": _onebit_table1, "sign": _sign, "lp": _lp,
+    "fp32": _word(32), "bf16": _word(16), "direct": _direct,
+    "param_server": _param_server, "param_server_naive": _param_server_naive,
+}
+
+
 def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth_bps: float) -> Estimate:
     """Cost of algorithm ``name`` ("1bit", "sign", "lpB" for a B-bit lane, "fp32", "bf16",
     or a Table 1 baseline from :data:`PAPER_ALGORITHMS`). Raises ``ValueError`` for an
@@ -71,39 +118,17 @@ def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth
         raise ValueError(f"world_size must be >= 1 and numel >= 0, got {world_size}, {numel}")
     if bandwidth_bps <= 0 or latency_s < 0:
         raise ValueError(f"bandwidth_bps must be > 0 and latency_s >= 0, got {bandwidth_bps}, {latency_s}")
-    alpha, beta = float(latency_s), 1.0 / float(bandwidth_bps)
     kind, lane_bits = _parse(name)
-    ring = 2 * (p - 1) / p
-    if kind == "1bit":
-        bits, lat, bw = 1, (p - 1 + _rounds(p)) * alpha, ring * n * beta
-    elif kind == "onebit_table1":
-        bits, lat, bw = 1, (p - 1 + _rounds(p)) * alpha, (1 + (p - 1) / p) * n * beta
-    elif kind == "sign":
-        bits = lane_for(p, 1, signed=False).bits
-        lat, bw = 2 * _rounds(p) * alpha, ring * n * bits * beta
-    elif kind == "lp":
-        if max_levels(p, lane_bits, signed=True) < 1:
-            raise OverflowError(f"an lp code needs levels >= 1; a {lane_bits}-bit lane cannot hold it at P={p}")
-        lane_for(p, 1, signed=True, lane_bits=lane_bits)
-        bits, lat, bw = lane_bits, 2 * _rounds(p) * alpha, ring * n * lane_bits * beta
-    elif kind in ("fp32", "bf16"):
-        bits = 32 if kind == "fp32" else 16
-        lat, bw = 2 * _rounds(p) * alpha, ring * n * bits * beta
-    elif kind == "direct":
-        bits = math.ceil(math.log2(p)) + 1 if p > 1 else 1
-        lat, bw = 2 * _rounds(p) * alpha, ring * n * (math.log2(p) + 1) * beta
-    elif kind == "param_server":
-        bits, lat, bw = WORD_BITS, 2 * _rounds(p) * alpha, 3 * (p - 1) / p * n * WORD_BITS * beta
-    elif kind == "param_server_naive":
-        bits, lat, bw = WORD_BITS, 2 * (p - 1) * alpha, 2 * p * n * WORD_BITS * beta
-    else:
+    rule = RULES.get(kind)
+    if rule is None:
         raise ValueError(
             f"unknown algorithm {name!r}; use 1bit, sign, lpB (B a lane width: 2, 4, 8, 16, 32), fp32, bf16, "
             f"or one of {PAPER_ALGORITHMS}"
         )
+    bits, alphas, bits_per_element = rule(p, _rounds(p), 2 * (p - 1) / p, lane_bits)
     if p == 1:
-        lat = bw = 0.0
-    return Estimate(name, bits, lat, bw)
+        return Estimate(name, bits, 0.0, 0.0)
+    return Estimate(name, bits, alphas * float(latency_s), bits_per_element * n / float(bandwidth_bps))
 
 
 def cheapest(

@@ -167,6 +167,8 @@ def test_core_imports_without_lightning_and_registers_names_when_it_comes():
         "from lowbit_strategy import LowBitConfig, Lion, BitDPState, bitdp_hook, attach\n"
         "import lowbit_strategy.algorithms, lowbit_strategy.integrations.ddp, lowbit_strategy.collectives\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate')]\n"
+        "missing = [n for n in lowbit_strategy.__all__ if not hasattr(lowbit_strategy, n)]\n"
+        "assert not missing, missing\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "assert set(lowbit_strategy.STRATEGY_NAMES) <= set(StrategyRegistry), 'names not registered'\n"
         "assert lowbit_strategy.LowBitStrategy.__name__ == 'LowBitStrategy'\n"

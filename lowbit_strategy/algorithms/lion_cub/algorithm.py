@@ -16,6 +16,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.rank_state import to_cpu
 
 
 class LionSync(Sync):
@@ -56,7 +57,7 @@ class LionSync(Sync):
         return list(self._traffic)
 
     def state_dict(self) -> dict:
-        return {"optimizers": [_cpu(opt.state_dict()["state"]) for opt in self.optimizers]}
+        return {"optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", [])
@@ -64,21 +65,8 @@ class LionSync(Sync):
             raise ValueError(f"Lion Cub state holds {len(saved)} optimizers' momenta, the run has "
                              f"{len(self.optimizers)}")
         for opt, own in zip(self.optimizers, saved):
-            device = next((p.device for grp in opt.param_groups for p in grp["params"]), None)
+            # torch's load_state_dict moves each buffer to its parameter's device
             opt.load_state_dict({**opt.state_dict(), "state": own})
-            if device is not None:
-                for st in opt.state.values():
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor):
-                            st[k] = v.to(device)
-
-
-def _cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def merge_states(states: list[dict]) -> dict:
