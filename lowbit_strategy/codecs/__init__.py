@@ -6,7 +6,14 @@ importing it touches no CUDA and compiles nothing, so it is safe before a fork.
 from lowbit_strategy.codecs.bits import LANE_BITS, Lane, lane, narrowest_lane, pack, unpack
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.codecs.lp import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels
-from lowbit_strategy.codecs.signs import sign_alternating, sign_bits, signs_from_bits, tie_is_positive
+from lowbit_strategy.codecs.signs import (
+    sign_alternating,
+    sign_bits,
+    sign_bits_packed,
+    signs_from_bits,
+    tie_is_positive,
+)
+from lowbit_strategy.codecs.votes import majority_bits
 
 __all__ = [
     "LANE_BITS",
@@ -16,9 +23,11 @@ __all__ = [
     "pack",
     "unpack",
     "sign_bits",
+    "sign_bits_packed",
     "sign_alternating",
     "signs_from_bits",
     "tie_is_positive",
+    "majority_bits",
     "levels_for_bits",
     "lp_norm_mean",
     "lp_quantize",

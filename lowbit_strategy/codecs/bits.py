@@ -97,7 +97,7 @@ def _check_codes(codes: torch.Tensor, spec: Lane, *, validate: bool) -> None:
     if codes.dim() != 1:
         raise ValueError(f"codes must be 1-D (flatten first), got shape {tuple(codes.shape)}")
     if validate and codes.numel():
-        lo, hi = int(codes.min()), int(codes.max())
+        lo, hi = (int(v) for v in torch.aminmax(codes))  # one pass for both bounds
         if lo < 0 or hi > spec.capacity:
             raise ValueError(
                 f"codes must lie in [0, {spec.capacity}] for a {spec.bits}-bit lane, "
@@ -105,17 +105,67 @@ def _check_codes(codes: torch.Tensor, spec: Lane, *, validate: bool) -> None:
             )
 
 
+#: The integer dtype as wide as the ``k`` byte-sized codes that make one packed byte.
+_GROUP_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _gather_multiplier(lane_bits: int) -> int:
+    """The constant that moves the ``k = 8 // lane_bits`` bytes of a word into its top byte.
+
+    A group of ``k`` codes, one per byte, read as one little-endian ``8k``-bit integer has
+    code ``i`` at bit ``8i``; multiplying by ``2**(8(k-1) - (8 - lane_bits)·i)`` summed over
+    ``i`` moves a copy of code ``i`` to bit ``8(k-1) + lane_bits·i``, which lays the packed
+    byte out in the top byte. All partial products land on disjoint bits (checked for
+    1, 2 and 4-bit codes within capacity), so no carry disturbs it; products past the top
+    bit wrap away. One multiply per 8 codes instead of one shift-or per code.
+    """
+    k = 8 // lane_bits
+    return sum(1 << (8 * (k - 1) - (8 - lane_bits) * i) for i in range(k))  # < 2**(8k-1)
+
+
+def pack_bytes_into_lanes(codes: torch.Tensor, lane_bits: int, *, owned: bool = False) -> torch.Tensor:
+    """Pack uint8 ``codes`` (one code of ``lane_bits`` < 8 bits per byte) into bytes.
+
+    ``codes`` must be contiguous with ``numel`` a multiple of ``k = 8 // lane_bits`` and
+    a storage offset a multiple of ``k``. With ``owned`` the caller gives up ``codes``
+    and it is overwritten (saves a temporary as large as the input). Codes above the
+    lane's capacity give unspecified bytes. Little-endian hosts (every torch platform).
+    """
+    k = 8 // lane_bits
+    groups = codes.view(_GROUP_DTYPE[k])
+    m = _gather_multiplier(lane_bits)
+    groups = groups.mul_(m) if owned else groups * m
+    return groups.view(torch.uint8)[k - 1 :: k].contiguous()
+
+
+def _bytes_padded(codes: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
+    """``codes`` as uint8 ready for :func:`pack_bytes_into_lanes`, and whether it is a copy."""
+    n = codes.numel()
+    if codes.dtype == torch.uint8 and codes.is_contiguous() and n % k == 0 and codes.storage_offset() % k == 0:
+        return codes, False
+    padded = torch.zeros(-(-n // k) * k, dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes
+    return padded, True
+
+
 def pack(codes: torch.Tensor, lane_bits: int, *, validate: bool = True) -> torch.Tensor:
     """Pack 1-D unsigned ``codes`` into words of ``lane(lane_bits).word_dtype``.
 
     Returns a 1-D tensor of ``lane.words_for(len(codes))`` words on the same device.
     With ``validate`` (default) codes outside ``[0, capacity]`` raise ``ValueError``; pass
-    ``validate=False`` on hot paths whose codes are in range by construction.
+    ``validate=False`` on hot paths whose codes are in range by construction (codes out of
+    range then give unspecified words).
+
+    1, 2 and 4-bit lanes pack 8, 4 or 2 codes with one integer multiply
+    (:func:`pack_bytes_into_lanes`); wider lanes shift and OR.
     """
     spec = lane(lane_bits)
     _check_codes(codes, spec, validate=validate)
     n = codes.numel()
     k = spec.per_word
+    if spec.bits < 8:
+        padded, owned = _bytes_padded(codes, k)
+        return pack_bytes_into_lanes(padded, spec.bits, owned=owned)
     work_dtype = torch.uint8 if spec.word_dtype == torch.uint8 else torch.int32
     padded = codes.to(work_dtype)
     if n % k:
@@ -129,10 +179,29 @@ def pack(codes: torch.Tensor, lane_bits: int, *, validate: bool = True) -> torch
     return word
 
 
+_UNPACK_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _unpack_table(lane_bits: int, device: torch.device) -> torch.Tensor:
+    """For every byte value, its ``k`` codes as ``k`` bytes, read as one ``8k``-bit word."""
+    key = (lane_bits, device)
+    table = _UNPACK_TABLES.get(key)
+    if table is None:
+        k = 8 // lane_bits
+        byte = torch.arange(256, device=device, dtype=torch.int32).unsqueeze(1)
+        shifts = torch.arange(0, 8, lane_bits, device=device, dtype=torch.int32)
+        codes = ((byte >> shifts) & ((1 << lane_bits) - 1)).to(torch.uint8)
+        table = _UNPACK_TABLES[key] = codes.contiguous().view(_GROUP_DTYPE[k]).reshape(256)
+    return table
+
+
 def unpack(words: torch.Tensor, lane_bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack`: the first ``n`` codes of ``words``.
 
     Returns uint8 codes for lanes of up to 8 bits and int32 codes for wider lanes.
+    1, 2 and 4-bit lanes decode a whole byte at a time through a 256-entry table whose
+    entries are the byte's codes (one gather per byte instead of a shift and a mask per
+    code).
     """
     spec = lane(lane_bits)
     if words.dtype != spec.word_dtype:
@@ -148,6 +217,9 @@ def unpack(words: torch.Tensor, lane_bits: int, n: int) -> torch.Tensor:
     k = spec.per_word
     if k == 1:
         return words[:n].clone()
+    if spec.bits < 8:
+        groups = _unpack_table(spec.bits, words.device).index_select(0, words.int())
+        return groups.view(torch.uint8)[:n]
     shifts = torch.arange(0, k * spec.bits, spec.bits, device=words.device, dtype=words.dtype)
     mask = (1 << spec.bits) - 1
     codes = (words.unsqueeze(1) >> shifts) & mask

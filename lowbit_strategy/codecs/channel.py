@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_strategy.codecs.lp import all_finite
+from lowbit_strategy.codecs.signs import compare_bytes
+
 THRESHOLD_FACTOR = 0.75
 
 #: 2-bit code values of the ternary levels (0, +1, -1); 3 is unused.
@@ -28,7 +31,7 @@ def _as_rows(g: torch.Tensor, validate: bool = True) -> torch.Tensor:
         raise TypeError(f"channel codes need a floating-point gradient, got dtype {g.dtype}")
     if g.dim() < 1 or g.numel() == 0:
         raise ValueError(f"channel codes need a non-empty tensor, got shape {tuple(g.shape)}")
-    if validate and not bool(torch.isfinite(g).all()):
+    if validate and not all_finite(g):
         raise ValueError("channel codes: gradient contains NaN or Inf; refusing to quantize it")
     rows = g.reshape(g.shape[0], -1) if g.dim() > 1 else g.reshape(1, -1)
     return rows.float()
@@ -49,16 +52,29 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     mag = rows.abs()
     mean_abs = mag.mean(dim=1)
     if bits == 1:
-        codes = (rows >= 0).to(torch.uint8)
-        return codes.reshape(-1), mean_abs
+        return compare_bytes(torch.ge, rows, 0).reshape(-1), mean_abs
+    return _ternary(rows, mag, mean_abs)
+
+
+def _ternary(rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-bit codes and scales of Eq. 7 and Eq. 4, given ``mag = |rows|`` (consumed here).
+
+    Same values as the textbook bool masks, ``kept.sum(dim=1)`` and
+    ``(mag * kept).sum(dim=1)``, but on CPU bool is the slow dtype: the masks are made as
+    0/1 bytes (:func:`~lowbit_strategy.codecs.signs.compare_bytes`), the count sums them
+    into int32 (a bool -> int64 reduction takes a casting path ~40x slower), and the kept
+    magnitudes overwrite ``mag`` (multiplied by 0/1 bytes) instead of filling a new buffer.
+    """
     alpha = (THRESHOLD_FACTOR * mean_abs).unsqueeze(1)
-    plus = rows >= alpha
-    minus = rows < -alpha
+    plus = compare_bytes(torch.ge, rows, alpha)
+    minus = compare_bytes(torch.lt, rows, -alpha)
     kept = plus | minus
-    kept_count = kept.sum(dim=1)
-    kept_sum = (mag * kept).sum(dim=1)
+    count_dtype = torch.int32 if rows.shape[1] < 2**31 else torch.int64
+    kept_count = kept.sum(dim=1, dtype=count_dtype).long()
+    kept_sum = mag.mul_(kept).sum(dim=1)
     scales = torch.where(kept_count > 0, kept_sum / kept_count.clamp(min=1), torch.zeros_like(kept_sum))
-    codes = plus.to(torch.uint8) * TERNARY_PLUS + minus.to(torch.uint8) * TERNARY_MINUS
+    codes = plus * TERNARY_PLUS
+    codes.add_(minus, alpha=TERNARY_MINUS)
     return codes.reshape(-1), scales
 
 

@@ -102,3 +102,38 @@ def test_pack_does_not_alias_input(case):
     if words.numel():
         words.zero_()
     assert torch.equal(source.long(), codes)
+
+
+def _shift_or_pack(codes: torch.Tensor, b: int) -> torch.Tensor:
+    """The layout written out: code i at bit (i % k) * b of byte i // k."""
+    k = 8 // b
+    padded = torch.zeros(-(-codes.numel() // k) * k, dtype=torch.int64)
+    padded[: codes.numel()] = codes.long()
+    grid = padded.view(-1, k)
+    return sum(grid[:, j] << (j * b) for j in range(k)).to(torch.uint8)
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_sub_byte_lanes_exhaustively(b):
+    # every byte value, as the k codes that make it: pack gives it back, unpack splits it
+    k = 8 // b
+    byte = torch.arange(256)
+    codes = ((byte.unsqueeze(1) >> (torch.arange(k) * b)) & ((1 << b) - 1)).reshape(-1)
+    assert torch.equal(bits.pack(codes.to(torch.uint8), b), byte.to(torch.uint8))
+    assert torch.equal(bits.unpack(byte.to(torch.uint8), b, codes.numel()).long(), codes)
+
+
+@given(st.sampled_from([1, 2, 4]), st.data())
+def test_sub_byte_pack_of_any_offset_length_and_dtype(b, data):
+    cap = bits.lane(b).capacity
+    values = data.draw(st.lists(st.integers(0, cap), max_size=70))
+    offset = data.draw(st.integers(0, 9))
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int8, torch.int32, torch.int64]))
+    base = torch.tensor([0] * offset + values, dtype=dtype)
+    codes = base[offset:]  # a view at an arbitrary storage offset
+    expected = _shift_or_pack(codes, b)
+    assert torch.equal(bits.pack(codes, b), expected)
+    assert torch.equal(bits.pack(codes, b, validate=False), expected)
+    assert torch.equal(base[offset:], torch.tensor(values, dtype=dtype))  # input untouched
+    n = data.draw(st.integers(0, len(values)))
+    assert torch.equal(bits.unpack(expected, b, n).long(), codes[:n].long())

@@ -105,3 +105,27 @@ def test_bad_inputs():
         channel_encode(torch.ones(0, 3), 1)
     with pytest.raises(ValueError, match="do not split"):
         channel_decode(torch.zeros(5, dtype=torch.uint8), torch.ones(2), 1)
+
+
+def _textbook_encode(g: torch.Tensor, b: int):
+    """channel_encode written plainly with bool masks (the form the codec must equal bit for bit)."""
+    rows = g.reshape(g.shape[0], -1).float()
+    mag = rows.abs()
+    mean_abs = mag.mean(dim=1)
+    if b == 1:
+        return (rows >= 0).to(torch.uint8).reshape(-1), mean_abs
+    alpha = (0.75 * mean_abs).unsqueeze(1)
+    plus, minus = rows >= alpha, rows < -alpha
+    kept = plus | minus
+    count = kept.sum(dim=1)
+    total = (mag * kept).sum(dim=1)
+    scales = torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+    codes = plus.to(torch.uint8) * TERNARY_PLUS + minus.to(torch.uint8) * TERNARY_MINUS
+    return codes.reshape(-1), scales
+
+
+@given(matrices, st.sampled_from([1, 2]))
+def test_codes_and_scales_equal_the_textbook_form_bitwise(g, b):
+    t = torch.from_numpy(g)
+    for got, expected in zip(channel_encode(t, b), _textbook_encode(t, b)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels
@@ -129,3 +129,17 @@ def test_bad_inputs_raise_clear_errors():
         lp_quantize(torch.tensor([1.0, float("inf")]), 8)
     with pytest.raises(ValueError, match="levels must be an int"):
         lp_quantize_levels(torch.ones(3), 0)
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 3000), st.integers(0, 3000), st.integers(0, 2**31 - 1))
+def test_geometric_mean_is_bitwise_the_plain_formula(n, zeros, seed):
+    """Few or many exact zeros (both selection paths), the value equals the textbook
+    float64 expression bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-12, 4, (n,), generator=g)
+    x[torch.randint(0, n, (zeros,), generator=g)] = 0.0
+    a = x.abs().double()
+    nonzero = a[a > 0]
+    expected = nonzero.log().mean().exp() if nonzero.numel() else torch.zeros((), dtype=torch.float64)
+    assert torch.equal(lp_norm_mean(x, 0), expected)

@@ -55,3 +55,24 @@ def test_signs_from_bits_matches_unpack(byte_values, data):
     expected = bits.unpack(words, 1, n).float() * 2 - 1
     assert torch.equal(signs_from_bits(words, n), expected)
     assert signs_from_bits(words, n, torch.bfloat16).dtype == torch.bfloat16
+
+
+@given(floats, st.integers(1, 10_000), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_sign_bits_packed_is_pack_of_sign_bits(values, step, dtype):
+    from lowbit_strategy.codecs import bits, sign_bits_packed
+
+    x = torch.tensor(values).to(dtype)
+    expected = bits.pack(sign_bits(x, step), 1)
+    assert torch.equal(sign_bits_packed(x, step), expected)
+    assert torch.equal(sign_bits_packed(x.view(-1, 1), step, check_nan=False), expected)
+
+
+@given(st.integers(1, 300), st.data())
+def test_nan_anywhere_raises(n, data):
+    from lowbit_strategy.codecs import sign_bits_packed
+
+    x = torch.randn(n)
+    x[data.draw(st.integers(0, n - 1))] = math.nan
+    for fn in (sign_bits, sign_bits_packed):
+        with pytest.raises(ValueError, match="NaN"):
+            fn(x, 1)
