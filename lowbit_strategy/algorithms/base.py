@@ -82,6 +82,11 @@ class Sync:
     def detach(self) -> None:
         """Training is over: optimizers become plain single-process optimizers again."""
 
+    def disable_overlap(self, reason: str) -> None:
+        """The front end will change gradients between backward and ``optimizer.step()``
+        (``reason``, e.g. gradient clipping): an optimizer-level algorithm must then
+        synchronize at the step, not from the hook. Gradient-level algorithms ignore it."""
+
     # ---- telemetry and per-rank state ------------------------------------------------
     def traffic_logs(self) -> list[TrafficLog]:
         return []

@@ -252,28 +252,48 @@ def gathered_mean_async(
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
     out=None,
     traffic=None,
+    flag: torch.Tensor | None = None,
 ) -> torch.futures.Future:
     """Non-blocking :func:`gathered_mean`: both transfers start now (codes and scales in
     parallel, the two streams of Sec. 3.2); decode-and-reduce runs in the callback once
     both have arrived. The future resolves to the same value :func:`gathered_mean` returns.
+
+    ``flag``: an optional device-side bool of this rank ("my input was non-finite"). It
+    travels as one more float beside the scales, so every rank learns whether *any* rank
+    raised it from data it has anyway, with no extra collective and no host sync before
+    the launch. With a flag the future resolves to ``(result, any_flag)``, and ``result``
+    is None when a flag was raised (nothing is decoded: the codes are meaningless).
     """
     check_reduction(reduction)
     check_chunk_rows(chunk_rows)
     _check_payload(words, scales, layout)
-    p = g.world_size(group)
+    p, rows = g.world_size(group), layout.rows
+    flagged = flag is not None
+    if flagged:
+        scales = torch.cat([scales, flag.to(torch.float32).reshape(1)])
+    width = rows + flagged
     every = torch.empty(p * layout.words, dtype=torch.uint8, device=words.device)
     f_codes = g.all_gather_async(every, words, group, "gathered.codes.all_gather", traffic)
     if reduction == "mean":
-        s = torch.empty(p * layout.rows, dtype=torch.float32, device=words.device)
+        s = torch.empty(p * width, dtype=torch.float32, device=words.device)
         f_scales = g.all_gather_async(s, scales, group, "gathered.scales.all_gather", traffic)
     else:
         s = scales.clone()
         f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", traffic)
 
-    def finish(_: torch.futures.Future) -> torch.Tensor | list[torch.Tensor]:
+    def finish(_: torch.futures.Future):
         f_codes.value()  # re-raise either failure
         f_scales.value()
-        scl = s.view(p, layout.rows) if reduction == "mean" else s.div_(p)  # s_ar: rank mean
-        return decode_reduce(every.view(p, -1), scl, layout, reduction=reduction, chunk_rows=chunk_rows, out=out)
+        if reduction == "mean":
+            table = s.view(p, width)
+            raised = flagged and bool(table[:, rows].sum() > 0)
+            scl = table[:, :rows]
+        else:
+            raised = flagged and bool(s[rows] > 0)
+            scl = s[:rows].div_(p)  # s_ar: rank mean
+        if raised:
+            return None, True
+        result = decode_reduce(every.view(p, -1), scl, layout, reduction=reduction, chunk_rows=chunk_rows, out=out)
+        return (result, False) if flagged else result
 
     return torch.futures.collect_all([f_codes, f_scales]).then(finish)

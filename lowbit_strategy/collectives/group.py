@@ -73,24 +73,42 @@ def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
 
 
+class Pending:
+    """A launched collective: :meth:`wait` blocks until it is done and returns ``finish()``,
+    the caller's decode of the raw result. Launch order is the caller's business: every
+    rank must launch its collectives in the same order (gloo pairs them by order)."""
+
+    __slots__ = ("future", "finish")
+
+    def __init__(self, future: torch.futures.Future, finish):
+        self.future, self.finish = future, finish
+
+    def wait(self):
+        self.future.wait()
+        return self.finish()
+
+
 def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
-    """Start an async all-gather of ``inp`` into ``out`` (or an in-place SUM allreduce of
-    ``out``); the future resolves to ``out``. Gloo's gather future yields per-rank chunks,
-    so we always read the buffer we allocated. The traffic record (same byte formulas as
-    the blocking wrappers) is written on completion, in the caller's context (its active
-    :func:`~.wire.recording` logs), with launch-to-completion seconds."""
+    """Start an async all-gather or all-to-all of ``inp`` into ``out`` (or an in-place SUM
+    allreduce of ``out``); the future resolves to ``out``. Gloo's gather future yields
+    per-rank chunks, so we always read the buffer we allocated. The traffic record (same
+    byte formulas as the blocking wrappers) is written on completion, in the caller's
+    context (its active :func:`~.wire.recording` logs), with launch-to-completion seconds."""
     p = world_size(group)
     nbytes = inp.numel() * inp.element_size()
-    n = wire.all_gather_bytes(nbytes, p) if kind == "gather" else wire.allreduce_bytes(nbytes, p)
+    n = {"gather": wire.all_gather_bytes(nbytes, p), "allreduce": wire.allreduce_bytes(nbytes, p),
+         "all_to_all": wire.all_to_all_bytes(nbytes // p, p)}[kind]
     ctx, start = contextvars.copy_context(), time.perf_counter()
     if p == 1:
-        if kind == "gather":
+        if kind != "allreduce":
             out.copy_(inp)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
     elif kind == "gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fut = gather(out, inp, group=group, async_op=True).get_future()
+    elif kind == "all_to_all":
+        fut = dist.all_to_all_single(out, inp, group=group, async_op=True).get_future()
     else:
         fut = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
@@ -105,6 +123,11 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
     """Async :func:`all_gather`: a future resolving to ``out`` (rank order)."""
     return _launch("gather", out, inp, group, op, traffic)
+
+
+def all_to_all_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
+    """Async :func:`all_to_all`: a future resolving to ``out``."""
+    return _launch("all_to_all", out, inp, group, op, traffic)
 
 
 def all_reduce_sum_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:

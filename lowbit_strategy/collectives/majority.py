@@ -5,8 +5,9 @@ every sign taken to one bit:
 
 1. sign bits of x (exact zeros by the alternating rule), packed 8 per byte;
 2. all-to-all: the packed vector is cut into P chunks, chunk r goes to rank r;
-3. rank r counts, per element of its chunk, how many ranks voted +1 (k of P) and takes
-   the majority, +1 if 2k > P, -1 if 2k < P, a tie (2k = P, only for even P) by the
+3. rank r counts, per element of its chunk, how many ranks voted +1 (k of P) — on the
+   packed bytes, with bit-sliced adders (:func:`~lowbit_strategy.codecs.majority_bits`) —
+   and takes the majority, +1 if 2k > P, -1 if 2k < P, a tie (2k = P, only for even P) by the
    alternating rule of :mod:`lowbit_strategy.codecs.signs`;
 4. the chunk of majority bits is re-packed and all-gathered.
 
@@ -15,14 +16,19 @@ all-gather, versus 2(P-1)/P·32N for fp32. (Table 1 charges the all-to-all a ful
 see :mod:`.cost_model`.)
 
 Layout: the N bits are zero-padded to P chunks of ``c`` whole bytes each,
-``c = ceil(N / (8P))``; padding votes are discarded.
+``c = ceil(N / (8P))``; padding votes are discarded. With a flag (:func:`majority_vote_start`)
+each chunk carries one more byte: the sender's flag.
+
+The two collectives run asynchronously (:func:`majority_vote_start`, then
+:meth:`MajorityVote.gather`), so an optimizer can start the all-to-all of every bucket
+during backward and finish the votes at its step.
 """
 from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs import bits as lanes
-from lowbit_strategy.codecs.signs import sign_bits, signs_from_bits, tie_is_positive
+from lowbit_strategy.codecs.signs import sign_bits_packed, signs_from_bits, tie_is_positive
+from lowbit_strategy.codecs.votes import majority_bits
 from lowbit_strategy.collectives import group as g
 
 
@@ -47,6 +53,54 @@ def majority_vote(
     verifies that every rank passed the same number of elements. ``validate=False`` skips
     the NaN scan, for callers that have excluded non-finite input already.
     """
+    return majority_vote_start(x, step, group, check=check, validate=validate, traffic=traffic).wait()
+
+
+class MajorityVote:
+    """A majority vote in flight (:func:`majority_vote_start`). Two collectives, the second
+    depending on the first's result, so the caller launches the second: :meth:`gather`
+    waits for the all-to-all, votes on this rank's chunk and starts the all-gather (call it
+    on every rank in the same order as the starts); ``.gather().wait()`` gives the signs.
+    :attr:`flags` holds every rank's flag once the all-to-all is done (with ``flag=``)."""
+
+    def __init__(self, x, step, group, p, c, flagged, received, fut, traffic):
+        self.x, self.step, self.group, self.p, self.c = x, step, group, p, c
+        self.flagged, self.received, self.fut, self.traffic = flagged, received, fut, traffic
+        self.flags: torch.Tensor | None = None
+
+    def gather(self) -> g.Pending:
+        self.fut.wait()
+        p, c, stride = self.p, self.c, self.c + self.flagged
+        received = self.received.view(p, stride)
+        if self.flagged:
+            self.flags = received[:, c].to(torch.int32)
+        # count the P ranks' votes on the packed bytes themselves (bit-sliced adders)
+        mine = majority_bits(received[:, :c], self.step)
+        gathered = torch.empty(c * p, dtype=torch.uint8, device=self.x.device)
+        fut = g.all_gather_async(gathered, mine, self.group, "majority.all_gather", self.traffic)
+        n, x = self.x.numel(), self.x
+        return g.Pending(fut, lambda: signs_from_bits(gathered, n, x.dtype).view(x.shape))
+
+    def wait(self) -> torch.Tensor:
+        return self.gather().wait()
+
+
+def majority_vote_start(
+    x: torch.Tensor,
+    step: int,
+    group=None,
+    *,
+    flag: torch.Tensor | None = None,
+    check: bool = False,
+    validate: bool = True,
+    traffic=None,
+) -> MajorityVote:
+    """Encode ``x``'s sign bits and start the all-to-all of :func:`majority_vote`.
+
+    ``flag``: an optional 0/1 uint8 scalar (e.g. "my input has NaN/Inf") that travels with
+    the chunks, one extra byte per peer, so that every rank learns every rank's flag from
+    the all-to-all without another collective (:attr:`MajorityVote.flags`).
+    """
     if not x.dtype.is_floating_point:
         raise TypeError(f"majority_vote needs a floating-point tensor, got dtype {x.dtype}")
     n = x.numel()
@@ -59,22 +113,12 @@ def majority_vote(
         g.check_consistent(x, group, "majority_vote", problem, traffic)
 
     c = chunk_bytes(n, p)
-    padded_n = 8 * c * p
-    votes = torch.zeros(padded_n, dtype=torch.uint8, device=x.device)
-    votes[:n] = sign_bits(x.reshape(-1), step, check_nan=validate)
-    packed = lanes.pack(votes, 1, validate=False)
-
+    packed = torch.zeros(c * p, dtype=torch.uint8, device=x.device)
+    signs = sign_bits_packed(x, step, check_nan=validate)
+    packed[: signs.numel()] = signs
+    flagged = int(flag is not None)
+    if flagged:  # chunk r, then this rank's flag, for every peer r
+        packed = torch.cat([packed.view(p, c), flag.to(torch.uint8).reshape(1, 1).expand(p, 1)], dim=1).reshape(-1)
     received = torch.empty_like(packed)
-    g.all_to_all(received, packed, group, "majority.all_to_all", traffic)
-
-    ups = lanes.unpack(received, 1, 8 * c * p).view(p, 8 * c).sum(dim=0, dtype=torch.int32)
-    twice = 2 * ups
-    winner = twice > p
-    if tie_is_positive(step):
-        winner |= twice == p
-    mine = lanes.pack(winner.to(torch.uint8), 1, validate=False)
-
-    gathered = torch.empty(c * p, dtype=torch.uint8, device=x.device)
-    g.all_gather(gathered, mine, group, "majority.all_gather", traffic)
-
-    return signs_from_bits(gathered, n, x.dtype).view(x.shape)
+    fut = g.all_to_all_async(received, packed, group, "majority.all_to_all", traffic)
+    return MajorityVote(x, step, group, p, c, flagged, received, fut, traffic)

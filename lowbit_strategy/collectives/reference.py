@@ -25,6 +25,18 @@ def full_allreduce(
 
     ``x`` itself is not modified.
     """
+    return full_allreduce_start(x, group, wire_dtype=wire_dtype, check=check, traffic=traffic).wait()
+
+
+def full_allreduce_start(
+    x: torch.Tensor,
+    group=None,
+    *,
+    wire_dtype: torch.dtype = torch.float32,
+    check: bool = False,
+    traffic=None,
+) -> g.Pending:
+    """:func:`full_allreduce` launched asynchronously; ``.wait()`` returns the sum."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"full_allreduce needs a floating-point tensor, got dtype {x.dtype}")
     if wire_dtype not in WIRE_DTYPES:
@@ -35,5 +47,5 @@ def full_allreduce(
         g.check_consistent(x, group, "full_allreduce", None, traffic)
     buf = x.reshape(-1).to(wire_dtype, copy=True)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
-    g.all_reduce_sum(buf, group, f"full.allreduce.{name}", traffic)
-    return buf.to(x.dtype).view(x.shape)
+    fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)
+    return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))

@@ -81,6 +81,23 @@ def summed_allreduce(
     codes outside the declared range; ``check=True`` adds one small collective verifying
     that every rank passed the same number of elements.
     """
+    return summed_allreduce_start(codes, levels, group, signed=signed, lane_bits=lane_bits, validate=validate,
+                                  check=check, traffic=traffic).wait()
+
+
+def summed_allreduce_start(
+    codes: torch.Tensor,
+    levels: int,
+    group=None,
+    *,
+    signed: bool = True,
+    lane_bits: int | None = None,
+    validate: bool = True,
+    check: bool = False,
+    traffic=None,
+) -> g.Pending:
+    """:func:`summed_allreduce` launched asynchronously: packs and starts the allreduce;
+    ``.wait()`` returns the sums. Launch on every rank in the same order."""
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise TypeError(f"summed_allreduce needs integer codes, got dtype {codes.dtype}")
     n = codes.numel()
@@ -107,6 +124,9 @@ def summed_allreduce(
     else:
         shifted = flat.to(torch.int32) - low
     words = lanes.pack(shifted, spec.bits, validate=False)
-    g.all_reduce_sum(words, group, f"summed.allreduce.{spec.bits}bit", traffic)
-    sums = lanes.unpack(words, spec.bits, n).to(torch.int32) + low * p
-    return sums.view(codes.shape)
+    fut = g.all_reduce_sum_async(words, group, f"summed.allreduce.{spec.bits}bit", traffic)
+
+    def finish() -> torch.Tensor:
+        return (lanes.unpack(words, spec.bits, n).to(torch.int32) + low * p).view(codes.shape)
+
+    return g.Pending(fut, finish)

@@ -74,6 +74,12 @@ class LowBitStrategy(DDPStrategy):
         self.sync: Sync | None = None
         super().__init__(**kwargs)
 
+    def configure_lowbit(self, **overrides: Any) -> None:
+        """Change :attr:`lowbit_config` fields before ``fit`` sets the strategy up (e.g. from a
+        callback's ``setup``, as ``callbacks.MomentumSync`` does); validated like the
+        constructor's. The synchronization is built from the config at every ``fit``."""
+        self.lowbit_config = self.lowbit_config.replace(**overrides)
+
     # ---- wiring ---------------------------------------------------------------------
     def setup_distributed(self) -> None:
         super().setup_distributed()
@@ -95,6 +101,9 @@ class LowBitStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.sync is not None:
             self.sync.attach([_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}")
+            if getattr(trainer, "gradient_clip_val", None):
+                self.sync.disable_overlap(f"gradient_clip_val={trainer.gradient_clip_val} clips the gradients after "
+                                          "backward, so the synchronized update must be formed after the clipping")
 
     def _registered_name(self) -> str:
         return f"'{getattr(self, '_lowbit_name', f'LowBitStrategy(algorithm={self.lowbit_config.algorithm!r})')}'"

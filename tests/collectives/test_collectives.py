@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowbit_strategy.codecs import bits as lanes
+from lowbit_strategy.collectives.majority import majority_vote_start
 from lowbit_strategy.collectives import full_allreduce, majority_vote, recording, summed_allreduce
 from lowbit_strategy.collectives import wire
 from tests.distributed import run_ranks
@@ -53,6 +54,16 @@ def _check_majority(rank, world_size):
     # bf16 in, bf16 out; even world sizes produce real ties
     x = _inputs(5, world_size, 64)[rank].bfloat16()
     assert majority_vote(x, 3).dtype == torch.bfloat16
+    # started asynchronously with a flag: the same votes, every rank's flag, one more byte per peer
+    inputs = _inputs(9, world_size, 100)
+    with recording() as traffic:
+        vote = majority_vote_start(inputs[rank], 2, flag=torch.tensor(rank % 2 == 1))
+        got = vote.gather().wait()
+    assert torch.equal(got, _majority_reference(inputs, 2))
+    assert vote.flags.tolist() == [r % 2 for r in range(world_size)]
+    c = -(-100 // (8 * world_size))
+    assert [(r.op, r.bytes_sent) for r in traffic.records] == [
+        ("majority.all_to_all", (world_size - 1) * (c + 1)), ("majority.all_gather", (world_size - 1) * c)]
 
 
 def _check_summed(rank, world_size):

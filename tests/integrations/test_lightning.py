@@ -54,8 +54,15 @@ def test_trainer_runs_with_each_registered_name(tmp_path, name):
     if bitdp:  # only the MLP's linear weights are quantized in this tiny model (tied head stays fp32)
         assert m["comm/ratio_vs_fp32"] > 1.2, m
         return
+    if VARIANTS[suffix] == "popen":  # this process was rank 0: its strategy is the one that trained
+        assert r["overlap"] is True, "Lion Cub starts each bucket's collective from the DDP hook by default"
+        assert r["momentum_syncs"] == r["global_step"] // 5 > 0, "MomentumSync(every=5) reached the config"
     if name.startswith("lowbit_lion_fp32"):
         assert 0.9 < m["comm/ratio_vs_fp32"] <= 1.0
+    elif name.startswith(("lowbit_lion_spawn", "lowbit_lion_notebook")) or name == "lowbit_lion":
+        # auto on a 1.6k-parameter model: measured codec time may make the exact fp32 sum
+        # (what DDP sends) the fastest plan; it is never worse than that plus momentum sync
+        assert m["comm/ratio_vs_fp32"] > 0.7, m
     else:
         assert m["comm/ratio_vs_fp32"] > 3.5, m
     assert 0.0 <= m["sign/flip"] <= m["sign/match"] <= 1.0
@@ -94,10 +101,11 @@ def test_16_mixed_is_refused_with_the_fix():
 
 @pytest.mark.slow
 def test_bf16_mixed_with_accumulation_and_clipping(tmp_path):
-    r = _fit(tmp_path, "--strategy", "lowbit_lion_8bit_spawn", "--precision", "bf16-mixed",
+    r = _fit(tmp_path, "--strategy", "lowbit_lion_8bit", "--precision", "bf16-mixed",
              "--accumulate", "2", "--clip", "0.5", "--epochs", "3")
     assert "error" not in r, r.get("error")
     assert r["metrics"]["train_loss"] < r["first_loss"]
+    assert r["overlap"] is False, "clipping changes gradients after backward: the sync must wait for step()"
 
 
 @pytest.mark.slow

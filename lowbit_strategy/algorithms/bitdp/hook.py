@@ -30,15 +30,17 @@ bit-identical to DDP without a hook: iteration 0 runs on DDP's provisional bucke
 after it (PowerSGD's reason for its ``start_powerSGD_iter > 1``), and the first steps are
 the most sensitive to gradient error, so compression starts on the final buckets.
 
-**Non-finite gradients.** A bucket holding NaN/Inf on *any* rank is averaged at full
-precision on every rank, so AMP's GradScaler sees the Inf/NaN and skips the step (the
-channel codec refuses non-finite input). Ranks agree through one 4-byte allreduce of a
-flag per compressed bucket — a rank deciding alone would pair an allreduce with its peers'
-all-gathers and hang. This costs one small-message latency per bucket and step.
+**Non-finite gradients.** Each rank sends, beside its scales, a flag saying whether its
+bucket holds NaN/Inf (computed on the device: the hook launches its collectives and
+returns without a host sync). Every rank reads every rank's flag from the gathered scales:
+if any is raised, every rank fills the bucket's quantized matrices with NaN instead of
+decoding them — the way an allreduce spreads a NaN — so AMP's GradScaler skips the step on
+every rank, and a plain optimizer sees what plain DDP would give it. The full-precision
+part is allreduced as usual. Costs 4 bytes per rank and bucket, no extra collective.
 
 **Error feedback** (off by default; BitDP does not use it): each rank keeps, per quantized
 parameter, the residual ``e = (g + e) - s ⊙ q`` of its own last encoding and adds it to the
-next gradient before quantizing. Rank-local state; not touched by warm-up or non-finite
+next gradient before quantizing. Rank-local state; not touched by warm-up or flagged
 steps.
 
 **Checkpoints.** :meth:`BitDPState.state_dict` holds the iteration count (so a resumed run
@@ -259,13 +261,6 @@ def _mean_allreduce(buf: torch.Tensor, group, op: str, traffic) -> torch.futures
     return g.all_reduce_sum_async(buf, group, op, traffic)
 
 
-def _finite_everywhere(buf: torch.Tensor, group, traffic) -> bool:
-    """Whether the bucket is finite on every rank (all ranks get the same answer)."""
-    bad = torch.tensor([0 if bool(torch.isfinite(buf).all()) else 1], dtype=torch.int32, device=buf.device)
-    g.all_reduce_sum(bad, group, "bitdp.finite_check", traffic)
-    return int(bad.item()) == 0
-
-
 def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook running BitDP (Algorithm 1) on one bucket; returns a future
     resolving to the bucket buffer overwritten with the mean gradient over ranks."""
@@ -282,23 +277,23 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
         return _mean_allreduce(buf, group, "bitdp.warmup.allreduce", traffic)
     if not plan.quantized:
         return _mean_allreduce(buf, group, "bitdp.full.allreduce", traffic)
-    if not _finite_everywhere(buf, group, traffic):
-        return _mean_allreduce(buf, group, "bitdp.nonfinite.allreduce", traffic)
-
     p = g.world_size(group)
+    # Whether this rank's bucket holds NaN/Inf: a device-side flag, sent beside the scales,
+    # so every rank decides from the gathered data alone (no blocking agreement here).
+    nonfinite = ~torch.isfinite(buf).all()
     mats = [buf[o: o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
-    codes, scales = [], []
+    codes, scales, residuals = [], [], {}
     for (_, _, key), m in zip(plan.quantized, rows):
         if state.error_feedback:  # residuals are kept in the parameter's own layout
             r = state.residuals.get(key)
             r = None if r is None else (r.t() if key in plan.transposed else r)
             m = m.float() if r is None else m.float() + r.to(m.device)
-        c, s = channel_encode(m, state.bits, validate=False)  # bucket agreed finite above
+        c, s = channel_encode(m, state.bits, validate=False)  # non-finite input: flagged, never decoded
         if state.error_feedback:
             e = m - channel_decode(c, s, state.bits).view(m.shape)
-            state.residuals[key] = e.t().contiguous() if key in plan.transposed else e
+            residuals[key] = e.t().contiguous() if key in plan.transposed else e
         codes.append(c)
         scales.append(s)
     layout = Layout.of([matrix_shape(m) for m in rows], state.bits)
@@ -307,9 +302,8 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     # local gradient is encoded already. Otherwise decode into a temporary and copy back.
     direct = buf.dtype == torch.float32 and not plan.transposed
     out = [m.view(-1) for m in mats] if direct else None
-    f_q = gathered_mean_async(
-        words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic
-    )
+    f_q = gathered_mean_async(words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows,
+                              out=out, traffic=traffic, flag=nonfinite)
     futures = [f_q]
     fp = None
     if plan.full:
@@ -317,10 +311,18 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
         futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
 
     def assemble(_: torch.futures.Future) -> torch.Tensor:
-        q = f_q.value()
-        if out is None:  # decoded into a float32 temporary: cast (and transpose) into the bucket
-            for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
-                v.copy_(q[e: e + r * c].view(v.shape))
+        q, raised = f_q.value()
+        if raised:
+            # Some rank's gradient is non-finite: every rank gets NaN in the quantized
+            # matrices (as an allreduce would spread it), so AMP's GradScaler skips the
+            # step everywhere; this step's residuals are not kept.
+            for v in rows:
+                v.fill_(float("nan"))
+        else:
+            state.residuals.update(residuals)
+            if out is None:  # decoded into a float32 temporary: cast (and transpose) into the bucket
+                for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
+                    v.copy_(q[e: e + r * c].view(v.shape))
         if fp is not None:
             futures[1].value()
             start = 0

@@ -1,11 +1,15 @@
 """Lion Cub behind the algorithm interface: an optimizer-level :class:`~..base.Sync`.
 
-Gradients stay local (the default :meth:`Sync.bucket_ready`); each :class:`Lion` gets a
-:class:`LionCommunicator` and synchronizes its update vectors in ``step()``. The rank-local
+Gradients stay local: the DDP hook returns each bucket untouched. With ``overlap`` (the
+default) the hook also hands the bucket to its :class:`Lion`, which forms the update
+vectors c from the local gradients and its momenta and starts the bucket's compressed
+collective at once, while backward goes on; ``step()`` waits for the results and applies
+them. Without it, each :class:`Lion` synchronizes everything in ``step()``. The rank-local
 state checkpoints keep is every optimizer's ``state`` (each rank's own momenta).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -18,6 +22,8 @@ from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.rank_state import to_cpu
 
+logger = logging.getLogger(__name__)
+
 
 class LionSync(Sync):
     level = "optimizer"
@@ -29,6 +35,27 @@ class LionSync(Sync):
                                 if section.momentum_sync_every else [])
         self.optimizers: list[Lion] = []
         self._traffic: list[TrafficLog] = []
+        self.overlap = section.overlap
+        self._owner: dict[int, Lion] = {}
+
+    def bucket_ready(self, bucket):
+        """Keep the gradients local; with overlap, start the bucket's collective now."""
+        buf = bucket.buffer()
+        if self.overlap and self._owner:
+            nonfinite = ~torch.isfinite(buf).all()  # stays on the device: no host sync here
+            params, grads = bucket.parameters(), bucket.gradients()
+            for opt in self.optimizers:  # the same order on every rank
+                mine = [(p, gr) for p, gr in zip(params, grads) if self._owner.get(id(p)) is opt and p.numel()]
+                if mine and opt.communicator is not None and opt.communicator.world_size > 1:
+                    opt.launch_bucket([p for p, _ in mine], [gr for _, gr in mine], nonfinite)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def disable_overlap(self, reason: str) -> None:
+        if self.overlap:
+            logger.info("lowbit: Lion Cub synchronizes in optimizer.step(), not during backward: %s", reason)
+        self.overlap = False
 
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
         for opt in optimizers:
@@ -39,6 +66,7 @@ class LionSync(Sync):
                     "plain DDP for other optimizers (their gradients would otherwise never be synchronized)."
                 )
         self.optimizers = list(optimizers)
+        self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
         self._traffic = []
         section = self.config.lion
         for opt in self.optimizers:
@@ -47,8 +75,13 @@ class LionSync(Sync):
             self._traffic.append(comm.traffic)
             if section.momentum_sync_every:
                 opt.set_momentum_sync(section.momentum_sync_every, self.momentum_params)
+            params = [p for grp in opt.param_groups for p in grp["params"]]
+            # every rank, same order: auto measures its codecs once and plans with them
+            comm.calibrate(sum(p.numel() for p in params), section.momentum_sync_every,
+                           params[0].device if params else "cpu")
 
     def detach(self) -> None:
+        self._owner = {}
         for opt in self.optimizers:
             opt.attach_communicator(None)
             opt.set_momentum_sync(0, [])

@@ -27,14 +27,20 @@ through :mod:`lowbit_strategy.collectives` and lands in :attr:`traffic`.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from lowbit_strategy import buckets
-from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
-from lowbit_strategy.collectives import cost_model, full_allreduce, majority_vote, summed_allreduce, wire
+from lowbit_strategy.codecs import bits as lanes
+from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
+from lowbit_strategy.collectives import cost_model, full_allreduce, wire
+from lowbit_strategy.collectives.majority import majority_vote_start
+from lowbit_strategy.collectives.reference import full_allreduce_start
+from lowbit_strategy.collectives.summed import summed_allreduce_start
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 from lowbit_strategy.config import LowBitConfig
@@ -54,31 +60,46 @@ class Plan:
     levels: int = 0
 
 
-def resolve_mode(config: LowBitConfig, world_size: int, numel: int) -> Plan:
+def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: int | None = None) -> tuple[str, ...]:
+    """What ``auto`` may choose, in tie-break order (the first of equal costs wins):
+
+    * L_p codes (p from the config) at the narrowest lane that still gives every rank
+      :data:`AUTO_MIN_LEVELS` levels: Lion Cub's L1 quantization, which converges like
+      32-bit Lion without momentum sync (Table 2, Sec. 5.2, Fig. 8);
+    * only with momentum sync (``momentum_sync_every > 0``): the ``sign`` votes and the
+      ``1bit`` majority vote, which the paper pairs with periodic momentum sync to converge
+      (Sec. 5.2, 6.2, Fig. 5, 8);
+    * ``fp32``, the exact sum: it sends what DDP sends, so with codec costs counted
+      ``auto`` never plans anything slower than plain DDP + Lion.
+    """
+    every = config.lion.momentum_sync_every if momentum_sync_every is None else momentum_sync_every
+    lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
+    return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + ("fp32",)
+
+
+def resolve_mode(config: LowBitConfig, world_size: int, numel: int, codec_seconds: dict[str, float] | None = None,
+                 momentum_sync_every: int | None = None) -> Plan:
     """Turn the configured mode into a concrete :class:`Plan` for this world size.
 
-    ``auto`` minimizes the α–β cost model's predicted time for a bucket of ``numel``
-    elements on the configured link, over the modes that keep convergence:
-
-    * always eligible: L_p codes (p from the config) at the narrowest lane that still
-      gives every rank :data:`AUTO_MIN_LEVELS` levels: Lion Cub's L1 quantization, which
-      converges like 32-bit Lion without momentum sync (Table 2, Sec. 5.2, Fig. 8);
-    * eligible only when momentum sync is configured (``momentum_sync_every > 0``): the
-      ``sign`` votes and the ``1bit`` majority vote, which the paper pairs with periodic
-      momentum sync to converge (Sec. 5.2, 6.2, Fig. 5, 8).
-
-    Ties go to the lp codes (better quality at equal cost).
+    ``auto`` picks, among :func:`auto_candidates`, the smallest predicted time for a bucket
+    of ``numel`` elements: the α–β cost model's wire time on the configured link plus, when
+    given, ``codec_seconds[name]`` (the measured encode + decode time of that candidate for
+    ``numel`` elements, :func:`measure_codec_seconds`). The time is not discounted for
+    overlap with backward: on a CPU the codecs share the cores with backward, so only the
+    wire hides, and counting it in full keeps the choice on the safe side of DDP.
+    ``momentum_sync_every`` overrides the config's (the optimizer's effective setting).
     """
     lion = config.lion
     mode, bits = lion.mode, lion.bits
     if mode == "auto":
-        lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
-        candidates = (f"lp{lane}",) + (("sign", "1bit") if lion.momentum_sync_every else ())
         link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
-        best = cost_model.cheapest(world_size, numel, *link, candidates=candidates)
-        if best.algorithm == "1bit":
-            return Plan("1bit", 1)
-        mode, bits = ("lp", lane) if best.algorithm.startswith("lp") else ("sign", None)
+        costs = {name: cost_model.estimate(name, world_size, numel, *link).seconds + (codec_seconds or {}).get(name, 0.0)
+                 for name in auto_candidates(config, world_size, momentum_sync_every)}
+        best = min(costs, key=costs.get)  # first of equal costs: dicts keep the candidates' order
+        if best.startswith("lp"):
+            mode, bits = "lp", int(best[2:])
+        else:
+            mode, bits = best, None
     if mode == "1bit":
         return Plan("1bit", 1)
     if mode == "sign":
@@ -95,11 +116,78 @@ def resolve_mode(config: LowBitConfig, world_size: int, numel: int) -> Plan:
     return Plan(mode, 32 if mode == "fp32" else 16)
 
 
+def measure_codec_seconds(candidates: Sequence[str], world_size: int, numel: int, p: float,
+                          device: torch.device | str = "cpu", sample: int = 1 << 20, repeat: int = 3) -> dict[str, float]:
+    """This rank's encode + decode time of each candidate for ``numel`` elements, timed on
+    a sample of at most ``sample`` random values (median of ``repeat``) and scaled linearly.
+    Only the local work: the same passes the collectives make around the wire (the receive
+    side of P ranks decodes N values in all, whatever P)."""
+    m = max(1, min(numel, sample))
+    x = torch.randn(m, device=device)
+
+    def work(name: str):
+        if name == "fp32":
+            return torch.sign(x.clone())
+        if name == "1bit":
+            packed = sign_bits_packed(x, 1, check_nan=False)
+            return signs_from_bits(majority_bits(packed.view(1, -1), 1), m)
+        if name == "sign":
+            spec = lane_for(world_size, 1, signed=False)
+            words = lanes.pack(sign_bits(x, 1, check_nan=False), spec.bits, validate=False)
+            return torch.sign(2 * lanes.unpack(words, spec.bits, m).to(torch.int32) - world_size)
+        lane = int(name[2:])
+        levels = max_levels(world_size, lane)
+        codes = lp_quantize_levels(x, levels, p, validate=False)
+        spec = lane_for(world_size, levels, lane_bits=lane)
+        shifted = codes.to(spec.word_dtype) + levels if spec.word_dtype != torch.uint8 else \
+            codes.to(torch.uint8).add_(levels)
+        words = lanes.pack(shifted, spec.bits, validate=False)
+        return torch.sign(lanes.unpack(words, spec.bits, m).to(torch.int32) - levels * world_size)
+
+    out = {}
+    for name in candidates:
+        work(name)  # warm-up
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            work(name)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times) * numel / m
+    return out
+
+
 WARMUP_PLAN = Plan("fp32", 32)
 
 
+@dataclass
+class _InFlight:
+    """One bucket's collective, launched; finished by :meth:`LionCommunicator.finish`."""
+
+    params: list            # the parameters the bucket covers (overlap path), else empty
+    chunk: list             # this rank's update vectors c, in bucket order
+    plan: Plan
+    handle: object          # g.Pending or MajorityVote
+    flagged: bool           # a non-finite flag travels with the payload
+
+
 class LionCommunicator:
-    """Process group + config: synchronizes a distributed Lion's update vectors."""
+    """Process group + config: synchronizes a distributed Lion's update vectors.
+
+    Two ways in, with the same result bit for bit:
+
+    * :meth:`directions` (the optimizer's ``step()``): every bucket is started, then every
+      bucket finished;
+    * :meth:`launch` from the DDP communication hook, one bucket at a time as backward
+      produces it (the collective overlaps the rest of backward), then :meth:`collect` in
+      ``step()``. A non-finite flag travels inside each bucket's payload (an extra code, an
+      extra element, or one byte per peer of the majority vote's all-to-all), so the step
+      learns whether any rank saw NaN/Inf without another collective.
+
+    Collectives are launched in bucket order, which is the same on every rank (DDP hands
+    buckets over in the same order everywhere); a second collective that depends on the
+    first's result (the majority vote's all-gather) is launched in :meth:`finish`, again in
+    bucket order, never from a future's callback.
+    """
 
     def __init__(self, config: LowBitConfig | None = None, group=None):
         self.config = LowBitConfig() if config is None else config
@@ -110,8 +198,34 @@ class LionCommunicator:
         self.traffic = wire.TrafficLog()
         self.plan: Plan | None = None
         self.last_audit: dict[str, float] | None = None
+        self._inflight: dict[tuple[int, ...], _InFlight] = {}
+        self.codec_seconds: dict[str, float] | None = None
+        self.momentum_sync_every: int | None = None
 
-    # ---- the update direction --------------------------------------------------------
+    def calibrate(self, numel: int, momentum_sync_every: int, device: torch.device | str = "cpu") -> None:
+        """Before training, on every rank (a collective): measure the codec time of each
+        ``auto`` candidate and agree on it (the mean over ranks, so every rank resolves the
+        same plan), and note the optimizer's effective momentum-sync interval."""
+        self.momentum_sync_every = momentum_sync_every
+        if self.config.lion.mode != "auto" or self.world_size == 1 or numel == 0:
+            return
+        candidates = auto_candidates(self.config, self.world_size, momentum_sync_every)
+        size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
+        mine = measure_codec_seconds(candidates, self.world_size, size, self.config.lion.p, device)
+        times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64)
+        g.all_reduce_sum(times, self.group, "lion.calibrate", self.traffic)
+        self.codec_seconds = dict(zip(candidates, (times / self.world_size).tolist()))
+
+    def _plan(self, step: int, numel: int) -> Plan:
+        if self.plan is None:
+            size = buckets.bucket_numel(self.config.bucket_size_mb)
+            self.plan = resolve_mode(self.config, self.world_size, min(size, numel), self.codec_seconds,
+                                     self.momentum_sync_every)
+            logger.info("lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan,
+                        self.codec_seconds)
+        return self.plan if step > self.config.warmup_steps else WARMUP_PLAN
+
+    # ---- the update direction, at step time --------------------------------------------
     def directions(self, updates: Sequence[torch.Tensor], step: int, audit: bool = False) -> list[torch.Tensor]:
         """sign(Σ_ranks Q(c)) for each update vector ``c`` of this rank (same shapes)."""
         if self.world_size == 1:
@@ -120,45 +234,94 @@ class LionCommunicator:
         synced = [i for i, c in enumerate(updates) if c.numel()]
         if not synced:
             return out
+        plan = self._plan(step, sum(updates[i].numel() for i in synced))
         size = buckets.bucket_numel(self.config.bucket_size_mb)
-        if self.plan is None:
-            self.plan = resolve_mode(self.config, self.world_size, min(size, sum(updates[i].numel() for i in synced)))
-            logger.info("lowbit: Lion Cub synchronizes with %s", self.plan)
-        plan = self.plan if step > self.config.warmup_steps else WARMUP_PLAN
-        audits = []
-        for idx in buckets.plan([updates[i].numel() for i in synced], size):
-            chunk = [updates[synced[j]] for j in idx]
-            flat = self._bucket_direction(chunk, step, plan)
-            if audit:
-                audits.append(self._audit(chunk, flat))
-            for j, d in zip(idx, buckets.unflatten(flat, chunk)):
+        index = buckets.plan([updates[i].numel() for i in synced], size)
+        launched = [self.start([updates[synced[j]] for j in idx], step, plan) for idx in index]
+        flats, _ = self.finish(launched, audit)
+        for idx, flat, job in zip(index, flats, launched):
+            for j, d in zip(idx, buckets.unflatten(flat, job.chunk)):
                 out[synced[j]] = d
-        if audit:
-            total = sum(a[2] for a in audits)
-            self.last_audit = {
-                "sign_match": sum(a[0] for a in audits) / total,
-                "sign_flip": sum(a[1] for a in audits) / total,
-            }
         return out
 
-    def _bucket_direction(self, chunk: Sequence[torch.Tensor], step: int, plan: Plan) -> torch.Tensor:
-        check = self.config.debug
-        flat = buckets.flatten(chunk)
+    # ---- the update direction, overlapped with backward ----------------------------------
+    def launch(self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], step: int,
+               nonfinite: torch.Tensor) -> None:
+        """Start the collective of one DDP bucket (called from the communication hook):
+        ``updates`` are this rank's c for ``params`` (non-empty ones), ``nonfinite`` a
+        device-side bool saying whether this rank's gradients in the bucket have NaN/Inf."""
+        key = tuple(id(p) for p in params)
+        stale = self._inflight.pop(key, None)
+        if stale is not None:  # a second backward before step() (accumulation without no_sync)
+            self.finish([stale])
+        plan = self._plan(step, sum(c.numel() for c in updates))
+        self._inflight[key] = self.start(list(updates), step, plan, nonfinite, list(params))
+
+    def pending(self) -> bool:
+        """Whether buckets were launched since the last :meth:`collect`."""
+        return bool(self._inflight)
+
+    def collect(self, audit: bool = False) -> tuple[dict[int, torch.Tensor], bool]:
+        """Finish every launched bucket: ``({id(param): direction}, any rank non-finite)``."""
+        launched, self._inflight = list(self._inflight.values()), {}
+        flats, nonfinite = self.finish(launched, audit)
+        out: dict[int, torch.Tensor] = {}
+        for flat, job in zip(flats, launched):
+            for p, d in zip(job.params, buckets.unflatten(flat, job.chunk)):
+                out[id(p)] = d
+        return out, nonfinite
+
+    # ---- one bucket: encode + launch, then wait + decode ----------------------------------
+    def start(self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None,
+              params: list | None = None) -> _InFlight:
+        """Encode one bucket of update vectors and launch its (first) collective."""
+        check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
+        kw = dict(check=check, traffic=traffic)
         if plan.mode == "1bit":
-            return majority_vote(flat, step, self.group, check=check, validate=False, traffic=self.traffic)
-        if plan.mode in ("fp32", "bf16"):
+            flag = nonfinite.to(torch.uint8) if flagged else None
+            handle = majority_vote_start(buckets.flatten(chunk), step, self.group, flag=flag, validate=False, **kw)
+        elif plan.mode in ("fp32", "bf16"):
+            flat = buckets.flatten(chunk + ([nonfinite.to(chunk[0].dtype).reshape(1)] if flagged else []))
             dtype = torch.float32 if plan.mode == "fp32" else torch.bfloat16
-            return torch.sign(full_allreduce(flat, self.group, wire_dtype=dtype, check=check, traffic=self.traffic))
-        if plan.mode == "sign":
-            codes = sign_bits(flat, step, check_nan=False)
-            votes = summed_allreduce(codes, 1, self.group, signed=False, lane_bits=plan.bits,
-                                     validate=False, check=check, traffic=self.traffic)
-            return torch.sign(2 * votes - self.world_size).to(flat.dtype)
-        codes = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False)
-                           for c in chunk])
-        sums = summed_allreduce(codes, plan.levels, self.group, lane_bits=plan.bits,
-                                validate=False, check=check, traffic=self.traffic)
-        return torch.sign(sums).to(flat.dtype)
+            handle = full_allreduce_start(flat, self.group, wire_dtype=dtype, **kw)
+        elif plan.mode == "sign":
+            codes = sign_bits(buckets.flatten(chunk), step, check_nan=False)
+            if flagged:
+                codes = torch.cat([codes, nonfinite.to(torch.uint8).reshape(1)])
+            handle = summed_allreduce_start(codes, 1, self.group, signed=False, lane_bits=plan.bits,
+                                            validate=False, **kw)
+        else:
+            codes = [lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False) for c in chunk]
+            if flagged:
+                codes.append(nonfinite.to(codes[0].dtype).reshape(1))
+            handle = summed_allreduce_start(torch.cat(codes), plan.levels, self.group, lane_bits=plan.bits,
+                                            validate=False, **kw)
+        return _InFlight(params or [], chunk, plan, handle, flagged)
+
+    def finish(self, launched: Sequence[_InFlight], audit: bool = False) -> tuple[list[torch.Tensor], bool]:
+        """Wait for launched buckets (second collectives launched first, in order): their
+        flat directions, and whether any rank flagged a non-finite gradient."""
+        handles = [job.handle.gather() if job.plan.mode == "1bit" else job.handle for job in launched]
+        flats, bad = [], False
+        for job, handle in zip(launched, handles):
+            result = handle.wait()
+            n = sum(c.numel() for c in job.chunk)
+            if job.plan.mode == "1bit":
+                flat = result
+                bad = bad or (job.flagged and bool(job.handle.flags.sum() > 0))
+            else:
+                bad = bad or (job.flagged and bool(result[n] > 0))
+                result = result[:n]
+                if job.plan.mode == "sign":
+                    result = 2 * result - self.world_size
+                flat = torch.sign(result).to(job.chunk[0].dtype)
+            flats.append(flat)
+        if audit and not bad:
+            audits = [self._audit(job.chunk, flat) for job, flat in zip(launched, flats)]
+            total = sum(a[2] for a in audits)
+            self.last_audit = {"sign_match": sum(a[0] for a in audits) / total,
+                               "sign_flip": sum(a[1] for a in audits) / total}
+        return flats, bad
 
     def _audit(self, chunk: Sequence[torch.Tensor], direction: torch.Tensor) -> tuple[float, float, int]:
         """Compare with the full-precision direction (Lion Cub Fig. 4): (#match, #flip, #total)."""

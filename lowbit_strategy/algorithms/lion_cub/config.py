@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lowbit_strategy.config import Section
-from lowbit_strategy.validation import ConfigError, as_choice, as_int, as_patterns, is_none
+from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int, as_patterns, is_none
 
 MODES = ("auto", "1bit", "sign", "lp", "fp32", "bf16")
 WIRE_LANES = (2, 4, 8, 16, 32)
@@ -41,6 +41,11 @@ class LionConfig(Section):
         0 never does.
     momentum_sync_layers: which momenta: ``auto`` (input embedding and output head),
         ``all``, ``none`` or parameter-name patterns (fnmatch; each must match).
+    overlap: start each DDP bucket's collective from the communication hook, during
+        backward (True), or synchronize everything in ``optimizer.step()`` (False). Same
+        result bit for bit. Gradients changed between backward and ``step()`` (gradient
+        clipping) need ``False``: the Lightning strategy turns it off itself when
+        ``gradient_clip_val`` is set, and says so once.
     """
 
     name: ClassVar[str] = "lion"
@@ -50,6 +55,7 @@ class LionConfig(Section):
     p: float = 1.0
     momentum_sync_every: int = 0
     momentum_sync_layers: str | tuple[str, ...] = "auto"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         f = self.field_name
@@ -69,6 +75,7 @@ class LionConfig(Section):
         self._set("p", self._checked_p(self.p))
         self._set("momentum_sync_every", as_int(f("momentum_sync_every"), self.momentum_sync_every, 0))
         self._set("momentum_sync_layers", self._checked_layers(self.momentum_sync_layers))
+        self._set("overlap", as_bool(f("overlap"), self.overlap))
 
     @classmethod
     def _checked_p(cls, value: Any) -> float:

@@ -68,6 +68,7 @@ class Lion(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.communicator: LionCommunicator | None = None
         self.skipped_steps = 0
+        self.momentum_syncs = 0
         self.audit_next_step = False
         self._momentum_sync: tuple[int, list[torch.Tensor]] | None = None
 
@@ -97,30 +98,38 @@ class Lion(Optimizer):
         distributed = comm is not None and comm.world_size > 1
         audit, self.audit_next_step = self.audit_next_step, False
         params = [p for grp in self.param_groups for p in grp["params"]]
-        if not params:
-            return loss
-        has_grad = self._has_grad(params)
-        present = [p.grad for p, h in zip(params, has_grad) if h]
+        given: dict[int, torch.Tensor] = {}
+        nonfinite = False
+        rest = params
+        if distributed and comm.pending():
+            # buckets launched from the DDP hook during backward: wait for their directions;
+            # the non-finite flags came with the payloads. Parameters DDP did not bucket
+            # (the same on every rank) take the step-time path below.
+            given, nonfinite = comm.collect(audit)
+            rest = [p for p in params if id(p) not in given and p.requires_grad and p.numel()]
+        has_grad = self._has_grad(rest)
+        present = [p.grad for p, h in zip(rest, has_grad) if h]
         # one device-side flag for the whole step, read once (one host sync per step)
         bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
-        if distributed:
-            has_grad, nonfinite = comm.agree(has_grad, bad, params[0].device)
+        if distributed and rest:
+            has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
         else:
-            nonfinite = bool(bad) if bad is not None else False
-        if nonfinite:
+            bad_somewhere = bool(bad) if bad is not None else False
+        if nonfinite or bad_somewhere:
             self.skipped_steps += 1
             warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "
                           "parameter group, weights and momentum unchanged", RuntimeWarning, stacklevel=2)
             return loss
-        if not any(has_grad):
+        chosen = {id(p) for p, h in zip(rest, has_grad) if h}
+        chosen.update(k for k, p in ((id(p), p) for p in params) if k in given and p.grad is not None)
+        if not chosen:
             return loss
         step = self.global_step + 1
-        flags = iter(has_grad)
         for group in self.param_groups:
-            active = [p for p, h in zip(group["params"], flags) if h]
+            active = [p for p in group["params"] if id(p) in chosen]
             if active:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in active]
-                self._update(group, active, grads, comm if distributed else None, step, audit)
+                self._update(group, active, grads, comm if distributed else None, step, audit, given)
         for group in self.param_groups:
             group["lion_step"] = step
         if self._momentum_sync is not None and distributed:
@@ -128,6 +137,19 @@ class Lion(Optimizer):
             if step % every == 0:
                 self.sync_momentum(selected)
         return loss
+
+    @torch.no_grad()
+    def launch_bucket(self, params: list, grads: list, nonfinite: torch.Tensor) -> None:
+        """Form this rank's update vectors c = β1·m + (1-β1)·g for one DDP bucket's
+        parameters (called from the communication hook during backward) and hand them to
+        the communicator, which starts their collective at once; :meth:`step` finishes it.
+        ``nonfinite``: a device-side flag, whether this rank's bucket holds NaN/Inf."""
+        group_of = {id(p): grp for grp in self.param_groups for p in grp["params"]}
+        updates = []
+        for p, gr in zip(params, grads):
+            beta1 = group_of[id(p)]["betas"][0]
+            updates.append(self.momentum(p).mul(beta1).add_(gr.view_as(p), alpha=1 - beta1))
+        self.communicator.launch(params, updates, self.global_step + 1, nonfinite)
 
     @staticmethod
     def _has_grad(params: list) -> list[bool]:
@@ -145,16 +167,20 @@ class Lion(Optimizer):
         self._momentum_sync = (every, list(params)) if every else None
 
     def _update(self, group: dict, params: list, grads: list, comm: LionCommunicator | None, step: int,
-                audit: bool) -> None:
+                audit: bool, given: dict[int, torch.Tensor]) -> None:
+        """One Lion step for ``params`` of ``group``; ``given`` holds directions already
+        synchronized from the DDP hook, the others are computed here."""
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         moms = [self.momentum(p) for p in params]
-        updates = torch._foreach_mul(moms, beta1)
-        torch._foreach_add_(updates, grads, alpha=1 - beta1)
-        if comm is None:
-            directions = torch._foreach_sign(updates)
-        else:
-            directions = comm.directions(updates, step, audit=audit)
+        missing = [i for i, p in enumerate(params) if id(p) not in given]
+        directions = [given.get(id(p)) for p in params]
+        if missing:
+            updates = torch._foreach_mul([moms[i] for i in missing], beta1)
+            torch._foreach_add_(updates, [grads[i] for i in missing], alpha=1 - beta1)
+            computed = torch._foreach_sign(updates) if comm is None else comm.directions(updates, step, audit=audit)
+            for i, d in zip(missing, computed):
+                directions[i] = d
         if wd:
             torch._foreach_mul_(params, 1 - lr * wd)
         torch._foreach_add_(params, directions, alpha=-lr)
@@ -168,4 +194,5 @@ class Lion(Optimizer):
         tensors = [self.momentum(p) for grp in self.param_groups for p in grp["params"] if id(p) in selected]
         if self.communicator is not None:
             self.communicator.average_(tensors)
+            self.momentum_syncs += 1
         return len(tensors)

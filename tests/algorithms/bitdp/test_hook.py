@@ -298,16 +298,16 @@ def _ring_bytes(nbytes: int, p: int) -> int:
 
 
 def _check_bytes(traffic, buckets, state, p):
-    """Codes + scales all-gathered, the rest (and a 4-byte finite flag) ring-allreduced."""
+    """Codes all-gathered; scales all-gathered with one more float per bucket (the
+    non-finite flag); the rest ring-allreduced; nothing else."""
     infos = [[state.params[i] for i in ids] for ids in buckets.values()]
     mixed = [b for b in infos if any(i.quantized for i in b)]
     q = [i for b in mixed for i in b if i.quantized]
     fp = [sum(math.prod(i.shape) for i in b if not i.quantized) for b in infos]
     assert traffic.by_op() == {
         "gathered.codes.all_gather": (p - 1) * sum(-(-math.prod(i.shape) // 4) for i in q),
-        "gathered.scales.all_gather": (p - 1) * 4 * sum(i.shape[1 if i.transposed else 0] for i in q),
+        "gathered.scales.all_gather": (p - 1) * 4 * (sum(i.shape[1 if i.transposed else 0] for i in q) + len(mixed)),
         "bitdp.full.allreduce": sum(_ring_bytes(4 * n, p) for n in fp if n),
-        "bitdp.finite_check": len(mixed) * _ring_bytes(4, p),
     }
 
 
@@ -334,14 +334,17 @@ def _check_exact_and_compressed(base, rank, p, group):
                 assert torch.equal(got[n], want[n]), n
                 _close(got[n], exact[n], n)
             continue
-        # a bucket with a non-finite gradient on any rank goes at full precision, whole
+        # a bucket with a non-finite gradient on any rank: its quantized matrices are NaN on
+        # every rank (AMP skips the step), its other gradients the exact mean, as always
         names = {id(q): n for n, q in model.named_parameters()}
         bad = {n for n in got if any(not torch.isfinite(g[n]).all() for g in per)}
         nonfinite = {names[i] for ids in buckets.values() if bad & {names[i] for i in ids} for i in ids}
-        assert (it == 4) == bool(nonfinite) == ("bitdp.nonfinite.allreduce" in ops)
+        assert (it == 4) == bool(nonfinite) and not any("nonfinite" in op or "finite_check" in op for op in ops)
         assert it < 4 or inject in nonfinite
         for n in got:
-            if n in quantized and n not in nonfinite:
+            if n in quantized and n in nonfinite:
+                assert torch.isnan(got[n]).all(), n
+            elif n in quantized:
                 _close(got[n], torch.stack([_deq(n, g[n], bits) for g in per]).mean(0), n)
             else:
                 _close(got[n], exact[n], n)
@@ -387,6 +390,15 @@ def _check_error_feedback(base, rank, p, group):
                 residual[r][n] = c - deq[-1]
             _close(got[n], torch.stack(deq).mean(0), n)
             _close(state.residuals[id(model.get_parameter(n))], residual[rank][n], n)
+    # an Inf on the last rank: its bucket is flagged on every rank, and no rank keeps that
+    # bucket's residuals of this step (the other buckets go on as usual)
+    kept = {k: r.clone() for k, r in state.residuals.items()}
+    got = _step(model, ddp, rank, 4, "llama.up_proj.weight", p)
+    flagged = {n for n in QUANTIZED_TINY if torch.isnan(got[n]).all()}
+    assert "llama.up_proj.weight" in flagged and flagged != set(QUANTIZED_TINY)
+    for n in QUANTIZED_TINY:
+        key = id(model.get_parameter(n))
+        assert torch.equal(kept[key], state.residuals[key]) == (n in flagged), n
 
 
 def _check_bf16(rank, p, group):

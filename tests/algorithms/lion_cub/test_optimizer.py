@@ -9,6 +9,7 @@ from torch import nn
 
 from lowbit_strategy import LowBitConfig, Lion, LionCommunicator
 from lowbit_strategy.codecs import lp_quantize_levels
+from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.summed import max_levels
 from lowbit_strategy.algorithms.lion_cub import resolve_mode
 from tests.distributed import run_ranks
@@ -103,9 +104,11 @@ def _check_fp32_equals_ddp(rank, world_size):
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
+    """Every rank's copy of ``t`` (to compare replicas)."""
+    p = dist.get_world_size()
+    out = torch.empty(p * t.numel(), dtype=t.dtype)
+    g.all_gather(out, t.reshape(-1).contiguous(), None, "test.gather")
+    return list(out.view(p, *t.shape))
 
 
 def _check_nonfinite_and_unused(rank, world_size):
@@ -201,6 +204,73 @@ def _check_zero_element_params(rank, world_size):
             assert all(torch.equal(w, t.detach()) for w in _gather(t.detach())), mode
 
 
+def _run_ddp(rank, mode, bits, p, overlap, bucket_cap_mb=None):
+    """Lion Cub through the plain-DDP front end: the DDP hook hands buckets to Lion (overlap)
+    or keeps them for step()."""
+    import lowbit_strategy
+
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = nn.parallel.DistributedDataParallel(_model(), **kw)
+    opt = Lion(ddp.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    lowbit_strategy.attach(ddp, [opt], algorithm="lion", mode=mode, bits=bits, p=p, overlap=overlap)
+    for step in range(1, STEPS + 1):
+        ddp.zero_grad()
+        x, y = _batch(rank, step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return [t.detach() for t in ddp.module.parameters()], opt
+
+
+def _check_overlap(rank, world_size):
+    """The overlapped path (collectives started from the DDP hook, several buckets) equals
+    Algorithm 1 and the step-time path bit for bit, in every mode."""
+    for mode, bits, p in [("1bit", None, 1.0), ("sign", None, 1.0), ("lp", 8, 1.0), ("fp32", None, 1.0)]:
+        expected = _reference_lion_cub(world_size, mode, bits, p)
+        got, opt = _run_ddp(rank, mode, bits, p, overlap=True, bucket_cap_mb=0.0005)
+        step_path, _ = _run_ddp(rank, mode, bits, p, overlap=False)
+        assert all(torch.equal(a, b) for a, b in zip(got, step_path)), mode
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=mode)
+        ops = {r.op for r in opt.communicator.traffic.records}
+        assert "lion.agree" not in ops, ops  # flags travel with the payloads
+        assert opt.global_step == STEPS and opt.skipped_steps == 0
+    # bf16 sums round in an order that depends on where an element falls in the ring's
+    # chunks (so on the bucket layout): no bit-exact reference, but every replica agrees
+    got, opt = _run_ddp(rank, "bf16", None, 1.0, overlap=True, bucket_cap_mb=0.0005)
+    assert opt.global_step == STEPS and all(bool(torch.isfinite(t).all()) for t in got)
+    for t in got:
+        assert all(torch.equal(w, t) for w in _gather(t))
+
+
+def _check_overlap_nonfinite(rank, world_size):
+    """An Inf on one rank in the bucket the hook sees skips the step on every rank, in every
+    mode (the flag travels with the payload); weights stay equal across ranks."""
+    for mode in ("1bit", "sign", "lp", "fp32"):
+        model = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.0005)
+        opt = Lion(model.parameters(), lr=LR)
+        import lowbit_strategy
+
+        lowbit_strategy.attach(model, [opt], algorithm="lion", mode=mode)
+        for step in range(1, 4):
+            model.zero_grad()
+            x, y = _batch(rank, step)
+            if step == 2 and rank == world_size - 1:
+                x = x.clone()
+                model.module[0].weight.data[x[0, 0]] *= float("inf")  # Inf activations -> NaN/Inf grads
+            out = model(x)
+            nn.functional.cross_entropy(out, y).backward()
+            if step == 2 and rank == world_size - 1:
+                model.module[0].weight.data.nan_to_num_(0.0, 0.0, 0.0)
+            before = [t.detach().clone() for t in model.parameters()]
+            if step == 2:
+                with pytest.warns(RuntimeWarning, match="non-finite"):
+                    opt.step()
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), mode
+            else:
+                opt.step()
+        assert opt.skipped_steps == 1 and opt.global_step == 2, mode
+
+
 def _check_all(rank, world_size):
     """Every multi-process Lion check of one world size, in one process group."""
     _check_modes(rank, world_size)
@@ -210,6 +280,8 @@ def _check_all(rank, world_size):
         _check_nonfinite_and_unused(rank, world_size)
     _check_whole_step_skip_and_global_step(rank, world_size)
     _check_zero_element_params(rank, world_size)
+    _check_overlap(rank, world_size)
+    _check_overlap_nonfinite(rank, world_size)
 
 
 @pytest.mark.slow
@@ -296,3 +368,21 @@ def test_auto_mode_keeps_quality_and_follows_the_link():
     assert resolve_mode(LowBitConfig(mode="sign"), 16, 10).bits == 8
     with pytest.raises(OverflowError, match="wider lane"):
         resolve_mode(LowBitConfig(mode="lp", bits=8), 200, 10)
+    # the momentum-sync interval the optimizer really uses counts, not only the config's
+    assert resolve_mode(slow, 4, 10**7, momentum_sync_every=10).mode == "1bit"
+
+
+def test_auto_counts_measured_codec_time_and_never_plans_slower_than_fp32():
+    from lowbit_strategy.algorithms.lion_cub.communicator import auto_candidates, measure_codec_seconds
+
+    fast = LowBitConfig(link_bandwidth_gbps=10, link_latency_us=5)
+    n = 10**7
+    assert auto_candidates(fast, 4) == ("lp8", "fp32") and auto_candidates(fast, 4, 10)[-1] == "fp32"
+    measured = measure_codec_seconds(auto_candidates(fast, 4, 10), 4, n, 1.0, sample=1 << 16, repeat=1)
+    assert set(measured) == {"lp8", "sign", "1bit", "fp32"} and all(t > 0 for t in measured.values())
+    # a codec slower than the bytes it saves: fp32 (what DDP sends) wins ...
+    slow_codec = {"lp8": 1.0, "fp32": 0.001}
+    assert resolve_mode(fast, 4, n, slow_codec).mode == "fp32"
+    # ... but not on a slow link, where the wire dominates; without timings only bytes count
+    assert resolve_mode(fast.replace(link_bandwidth_gbps=0.01), 4, n, slow_codec).mode == "lp"
+    assert resolve_mode(fast, 4, n).mode == "lp"
