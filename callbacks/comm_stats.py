@@ -6,10 +6,10 @@ DDP's fp32 ring allreduce of every trainable gradient would send. Shown in the p
 bar (``comm_MB``, ``comm_x``) and logged (``comm/bytes_per_step``, ``comm/ratio_vs_fp32``,
 ``comm/seconds_per_step``).
 
-Read the seconds with care: for optimizer-level algorithms (Lion Cub) they are the wall
-time of blocking collectives inside ``step()``; for BitDP they are launch-to-completion
-times of asynchronous transfers that overlap each other and the backward pass, so they
-are not a share of the step. :attr:`bytes_per_step` averages over every step, warm-up
+Read the seconds with care: they are launch-to-completion times of the transfers, which
+(BitDP's, and Lion Cub's with ``overlap`` on, the default) run asynchronously, overlapping
+each other and the backward pass, so they are not a share of the step; only Lion Cub with
+``overlap=False`` blocks in ``step()`` for them. :attr:`bytes_per_step` averages over every step, warm-up
 iterations (sent at full precision) included.
 """
 from __future__ import annotations
