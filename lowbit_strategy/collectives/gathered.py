@@ -142,15 +142,33 @@ def encode(mats: Sequence[torch.Tensor], bits: int) -> tuple[Layout, torch.Tenso
     return layout, words, scales
 
 
+_DECODE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _decode_table(bits: int, device: torch.device) -> torch.Tensor:
+    """(256, 8 / bits) float32: the codes of every byte value as ±1 (1-bit) or 0/+1/-1
+    (2-bit), in the lane order of :func:`lowbit_strategy.codecs.bits.pack`."""
+    key = (bits, device)
+    table = _DECODE_TABLES.get(key)
+    if table is None:
+        per_byte = 8 // bits
+        shifts = torch.arange(per_byte, device=device) * bits
+        codes = (torch.arange(256, device=device).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+        if bits == 1:
+            table = codes.to(torch.float32) * 2 - 1
+        else:  # codes 0 / 1 / 2 mean 0 / +1 / -1
+            table = torch.where(codes == TERNARY_MINUS, -1.0, codes.to(torch.float32))
+        table = _DECODE_TABLES.setdefault(key, table.contiguous())
+    return table
+
+
 def _signs(words: torch.Tensor, bits: int, start: int, n: int) -> torch.Tensor:
-    """Codes ``start .. start+n`` of one packed matrix as float32 ±1 (1-bit) or ±1/0 (2-bit)."""
+    """Codes ``start .. start+n`` of one packed matrix as float32 ±1 (1-bit) or ±1/0 (2-bit):
+    one table lookup per byte (the same values the codes mean, exactly)."""
     k = lanes.lane(bits).per_word
     w0, w1 = start // k, -(-(start + n) // k)
-    codes = lanes.unpack(words[w0:w1], bits, (w1 - w0) * k)[start - w0 * k: start - w0 * k + n]
-    if bits == 1:
-        return codes.to(torch.float32).mul_(2).sub_(1)
-    # codes 0 / 1 / 2 mean 0 / +1 / -1: convert, then flip the -1s (asserted at import)
-    return codes.to(torch.float32).masked_fill_(codes == TERNARY_MINUS, -1.0)
+    table = _decode_table(bits, words.device)
+    return table.index_select(0, words[w0:w1].to(torch.int32)).view(-1)[start - w0 * k: start - w0 * k + n]
 
 
 def decode_reduce(
