@@ -492,5 +492,5 @@ def test_bitdp_hook_one_rank():
 
 @pytest.mark.slow
 def test_bitdp_hook_in_ddp():
-    """P = 2, 3, 4: DDP over gloo subgroups of one 4-process run (see tests.test_gathered)."""
+    """P = 2, 3, 4: DDP over gloo subgroups of one 4-process run (see tests.distributed.SUBGROUPS)."""
     run_ranks(len(SUBGROUPS[-1]), in_subgroups, _check_ddp)
