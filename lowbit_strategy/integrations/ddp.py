@@ -59,7 +59,12 @@ def attach(
 ) -> Sync:
     """Run ``config.algorithm`` on ``ddp_model``: registers its communication hook (call
     before the first backward) and wires ``optimizers``. ``config`` is a
-    :class:`LowBitConfig`, a dict or a YAML path; keyword arguments override its fields."""
+    :class:`LowBitConfig`, a dict or a YAML path; keyword arguments override its fields.
+
+    Optimizer-level algorithms (Lion Cub) form what they send from each bucket's gradients
+    during backward: if you change gradients between ``backward()`` and ``step()``
+    (``clip_grad_norm_``, manual scaling), pass ``overlap=False`` (or call
+    ``sync.disable_overlap(reason)``) so that synchronization waits for ``step()``."""
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"attach needs the DistributedDataParallel model, got {type(ddp_model).__name__}; "
                         "wrap it first: DistributedDataParallel(model)")

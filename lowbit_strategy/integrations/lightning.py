@@ -101,9 +101,23 @@ class LowBitStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.sync is not None:
             self.sync.attach([_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}")
-            if getattr(trainer, "gradient_clip_val", None):
-                self.sync.disable_overlap(f"gradient_clip_val={trainer.gradient_clip_val} clips the gradients after "
-                                          "backward, so the synchronized update must be formed after the clipping")
+            reason = self._gradients_change_after_backward(trainer)
+            if reason:
+                self.sync.disable_overlap(f"{reason} may change the gradients after backward, so the synchronized "
+                                          "update must be formed in optimizer.step()")
+
+    def _gradients_change_after_backward(self, trainer) -> str:
+        """Why gradients may change between backward and ``optimizer.step()``, or ''."""
+        import lightning.pytorch as pl
+
+        module = self.lightning_module
+        if getattr(trainer, "gradient_clip_val", None):
+            return f"gradient_clip_val={trainer.gradient_clip_val}"
+        if type(module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping:
+            return f"{type(module).__name__}.configure_gradient_clipping"
+        if not module.automatic_optimization:
+            return "manual optimization"
+        return ""
 
     def _registered_name(self) -> str:
         return f"'{getattr(self, '_lowbit_name', f'LowBitStrategy(algorithm={self.lowbit_config.algorithm!r})')}'"

@@ -43,11 +43,15 @@ class LionSync(Sync):
         buf = bucket.buffer()
         if self.overlap and self._owner:
             nonfinite = ~torch.isfinite(buf).all()  # stays on the device: no host sync here
-            params, grads = bucket.parameters(), bucket.gradients()
+            params = bucket.parameters()
             for opt in self.optimizers:  # the same order on every rank
-                mine = [(p, gr) for p, gr in zip(params, grads) if self._owner.get(id(p)) is opt and p.numel()]
+                mine = [p for p in params if self._owner.get(id(p)) is opt and p.numel()]
                 if mine and opt.communicator is not None and opt.communicator.world_size > 1:
-                    opt.launch_bucket([p for p, _ in mine], [gr for _, gr in mine], nonfinite)
+                    # p.grad, not the bucket's views: it holds this rank's gradient in the
+                    # parameter's own layout (a channels_last weight's bucket view would not);
+                    # a parameter unused on this rank counts as a zero gradient
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
+                    opt.launch_bucket(mine, grads, nonfinite)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut

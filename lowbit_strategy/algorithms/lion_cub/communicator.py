@@ -144,13 +144,18 @@ def measure_codec_seconds(candidates: Sequence[str], world_size: int, numel: int
         words = lanes.pack(shifted, spec.bits, validate=False)
         return torch.sign(lanes.unpack(words, spec.bits, m).to(torch.int32) - levels * world_size)
 
+    cuda = torch.device(device).type == "cuda"
     out = {}
     for name in candidates:
         work(name)  # warm-up
         times = []
         for _ in range(repeat):
+            if cuda:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             work(name)
+            if cuda:
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         out[name] = statistics.median(times) * numel / m
     return out
@@ -201,25 +206,27 @@ class LionCommunicator:
         self._inflight: dict[tuple[int, ...], _InFlight] = {}
         self.codec_seconds: dict[str, float] | None = None
         self.momentum_sync_every: int | None = None
+        self.plan_numel: int | None = None
 
     def calibrate(self, numel: int, momentum_sync_every: int, device: torch.device | str = "cpu") -> None:
         """Before training, on every rank (a collective): measure the codec time of each
         ``auto`` candidate and agree on it (the mean over ranks, so every rank resolves the
         same plan), and note the optimizer's effective momentum-sync interval."""
         self.momentum_sync_every = momentum_sync_every
+        size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
+        self.plan_numel = size or None  # both paths plan for this size, whatever bucket comes first
         if self.config.lion.mode != "auto" or self.world_size == 1 or numel == 0:
             return
         candidates = auto_candidates(self.config, self.world_size, momentum_sync_every)
-        size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
         mine = measure_codec_seconds(candidates, self.world_size, size, self.config.lion.p, device)
-        times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64)
+        times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64, device=device)  # NCCL: on the GPU
         g.all_reduce_sum(times, self.group, "lion.calibrate", self.traffic)
         self.codec_seconds = dict(zip(candidates, (times / self.world_size).tolist()))
 
     def _plan(self, step: int, numel: int) -> Plan:
         if self.plan is None:
-            size = buckets.bucket_numel(self.config.bucket_size_mb)
-            self.plan = resolve_mode(self.config, self.world_size, min(size, numel), self.codec_seconds,
+            size = self.plan_numel or min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
+            self.plan = resolve_mode(self.config, self.world_size, size, self.codec_seconds,
                                      self.momentum_sync_every)
             logger.info("lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan,
                         self.codec_seconds)
@@ -293,7 +300,9 @@ class LionCommunicator:
         else:
             codes = [lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False) for c in chunk]
             if flagged:
-                codes.append(nonfinite.to(codes[0].dtype).reshape(1))
+                # NaN/Inf input casts to arbitrary integers: keep them inside their lanes, so
+                # that they can never carry into the flag's
+                codes = [torch.cat(codes).clamp_(-plan.levels, plan.levels), nonfinite.to(codes[0].dtype).reshape(1)]
             handle = summed_allreduce_start(torch.cat(codes), plan.levels, self.group, lane_bits=plan.bits,
                                             validate=False, **kw)
         return _InFlight(params or [], chunk, plan, handle, flagged)

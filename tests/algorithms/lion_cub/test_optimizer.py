@@ -271,6 +271,30 @@ def _check_overlap_nonfinite(rank, world_size):
         assert opt.skipped_steps == 1 and opt.global_step == 2, mode
 
 
+def _check_channels_last(rank, world_size):
+    """A channels_last weight: DDP lays its bucket out in the weight's strides; the overlapped
+    path must read the gradient in the parameter's own layout (same result as step time)."""
+    import lowbit_strategy
+
+    results = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+        net = net.to(memory_format=torch.channels_last)
+        assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+        ddp = nn.parallel.DistributedDataParallel(net)
+        opt = Lion(ddp.parameters(), lr=LR)
+        lowbit_strategy.attach(ddp, [opt], algorithm="lion", mode="sign", overlap=overlap)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(2, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+            ddp.zero_grad()
+            ddp(x).square().sum().backward()
+            opt.step()
+        results.append([t.detach().clone() for t in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def _check_all(rank, world_size):
     """Every multi-process Lion check of one world size, in one process group."""
     _check_modes(rank, world_size)
@@ -282,6 +306,7 @@ def _check_all(rank, world_size):
     _check_zero_element_params(rank, world_size)
     _check_overlap(rank, world_size)
     _check_overlap_nonfinite(rank, world_size)
+    _check_channels_last(rank, world_size)
 
 
 @pytest.mark.slow
