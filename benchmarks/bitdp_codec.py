@@ -8,23 +8,17 @@ layers: attention 384x128 and 128x128, MLP 512x128 and 128x512 per layer).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from benchmarks.codecs import _time as median_seconds
 
 from lowbit_strategy.codecs import channel_encode
 from lowbit_strategy.collectives.gathered import Layout, decode_reduce, matrix_shape, pack_payload
 
 
 def _median_ms(fn, repeat: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeat, torch.device("cpu"))
 
 
 def main() -> None:

@@ -90,10 +90,6 @@ def owners(model: nn.Module) -> dict[int, list[Owner]]:
     return out
 
 
-def _own_params(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False)]
-
-
 def input_embedding(model: nn.Module) -> nn.Module | None:
     """The first Embedding / EmbeddingBag in module order, if any."""
     return next((m for m in unwrap(model).modules() if isinstance(m, EMBEDDINGS)), None)
@@ -127,13 +123,13 @@ def input_output_params(model: nn.Module) -> list[nn.Parameter]:
     a linear layer, the last one stands for the head.
     """
     model = unwrap(model)
-    modules = [m for m in model.modules() if _own_params(m)]
+    modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     if not modules:
         return []
     first = input_embedding(model) or modules[0]
     last = output_head(model) or modules[-1]
     out: list[nn.Parameter] = []
-    for p in _own_params(first) + _own_params(last):
+    for p in [*first.parameters(recurse=False), *last.parameters(recurse=False)]:
         if p.requires_grad and all(p is not q for q in out):
             out.append(p)
     return out

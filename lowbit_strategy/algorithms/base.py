@@ -70,9 +70,7 @@ class Sync:
     def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """One bucket's local gradients, ready during backward. The default keeps them
         local: the optimizer synchronizes in ``step()``."""
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
+        return keep_local_gradients(self, bucket)
 
     # ---- optimizers ----------------------------------------------------------------
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
@@ -103,6 +101,14 @@ def bucket_hook(state: Sync, bucket: dist.GradBucket) -> torch.futures.Future[to
     """DDP communication hook of optimizer-level algorithms: hands the bucket to
     ``state.bucket_ready`` (plain function: DDP wants a function, not a bound method)."""
     return state.bucket_ready(bucket)
+
+
+def keep_local_gradients(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook that sends nothing: each rank keeps its own gradient (for a
+    model whose optimizer synchronizes by itself)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _no_merge(states: list) -> dict:

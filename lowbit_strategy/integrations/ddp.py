@@ -21,25 +21,13 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy import algorithms, rank_state
-from lowbit_strategy.algorithms.base import Sync
+from lowbit_strategy.algorithms.base import Sync, keep_local_gradients
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.selection import unwrap
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["attach", "build_sync", "keep_local_gradients", "load_rank_states", "save_rank_states"]
-
-
-def keep_local_gradients(state, bucket):
-    """DDP communication hook that sends nothing: each rank keeps its own gradient (for a
-    model whose optimizer synchronizes by itself).
-
-    (Unannotated on purpose: DDP checks a hook's annotations against the real classes, and
-    this module's postponed annotations would be strings.)
-    """
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 def build_sync(config: LowBitConfig, module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> Sync:

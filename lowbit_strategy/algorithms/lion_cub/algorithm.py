@@ -40,9 +40,8 @@ class LionSync(Sync):
 
     def bucket_ready(self, bucket):
         """Keep the gradients local; with overlap, start the bucket's collective now."""
-        buf = bucket.buffer()
         if self.overlap and self._owner:
-            nonfinite = ~torch.isfinite(buf).all()  # stays on the device: no host sync here
+            nonfinite = ~torch.isfinite(bucket.buffer()).all()  # stays on the device: no host sync here
             params = bucket.parameters()
             for opt in self.optimizers:  # the same order on every rank
                 mine = [p for p in params if self._owner.get(id(p)) is opt and p.numel()]
@@ -52,9 +51,7 @@ class LionSync(Sync):
                     # a parameter unused on this rank counts as a zero gradient
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
                     opt.launch_bucket(mine, grads, nonfinite)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return super().bucket_ready(bucket)
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:

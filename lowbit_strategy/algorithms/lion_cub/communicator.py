@@ -300,10 +300,13 @@ class LionCommunicator:
         else:
             codes = [lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False) for c in chunk]
             if flagged:
+                codes.append(nonfinite.to(codes[0].dtype).reshape(1))
+            codes = torch.cat(codes)
+            if flagged:
                 # NaN/Inf input casts to arbitrary integers: keep them inside their lanes, so
                 # that they can never carry into the flag's
-                codes = [torch.cat(codes).clamp_(-plan.levels, plan.levels), nonfinite.to(codes[0].dtype).reshape(1)]
-            handle = summed_allreduce_start(torch.cat(codes), plan.levels, self.group, lane_bits=plan.bits,
+                codes[:-1].clamp_(-plan.levels, plan.levels)
+            handle = summed_allreduce_start(codes, plan.levels, self.group, lane_bits=plan.bits,
                                             validate=False, **kw)
         return _InFlight(params or [], chunk, plan, handle, flagged)
 

@@ -121,7 +121,7 @@ class Lion(Optimizer):
                           "parameter group, weights and momentum unchanged", RuntimeWarning, stacklevel=2)
             return loss
         chosen = {id(p) for p, h in zip(rest, has_grad) if h}
-        chosen.update(k for k, p in ((id(p), p) for p in params) if k in given and p.grad is not None)
+        chosen.update(id(p) for p in params if id(p) in given and p.grad is not None)
         if not chosen:
             return loss
         step = self.global_step + 1
