@@ -73,6 +73,8 @@ def run_config(net: Network, config: str, args, partial: Path, echo: bool) -> di
            "--warm", str(args.warm), "--out", str(partial), "--timeout", str(args.budget + 120)]
     for key in MODEL_ARGS:
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.lowbit:
+        cmd += ["--lowbit", args.lowbit]
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     result = net.run(cmd, timeout=args.budget + 240, env=env, echo=(0,) if echo else (), cwd=str(ROOT))
     wall = time.monotonic() - t0
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data-mb", type=float, default=6.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=2, help="loss-curve points every k steps")
+    parser.add_argument("--lowbit", default="", metavar="KEY=VALUE,...",
+                        help="LowBitConfig overrides for every lowbit_* configuration, e.g. bucket_size_mb=1")
     parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/e2e[_quick])")
     parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
     parser.add_argument("--report-only", action="store_true", help="rewrite .md/.png from the existing .json")
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
         "settings": {"world_sizes": world_sizes, "links": {l.name: " ".join(l.qdisc()) for l in links},
                      "configs": configs, "skipped_unregistered": skipped, "calibrations": calib,
-                     "budget_s": args.budget, "warm_steps": args.warm, "powersgd": POWERSGD, "mtu": 1500,
+                     "budget_s": args.budget, "warm_steps": args.warm,
+                     "lowbit_overrides": args.lowbit or None, "powersgd": POWERSGD, "mtu": 1500,
                      "model": {k: getattr(args, k) for k in MODEL_ARGS}},
         "records": records,
     }

@@ -43,6 +43,12 @@ How to read this (see `benchmarks/e2e.py` and `benchmarks/e2e_worker.py`):
     not run yet, so `recorded` comm includes CPU-contention wait and `recorded` compute is
     less than the calibration's (where all P ranks compute at once); step − calib can be
     slightly negative for the same reason (and run-to-run noise of a few %).
+- **of bound**: calib compute ÷ step ms — the fraction of the comm-free bound (the same
+  optimizer's calibration run, where no gradient crosses the wire) this configuration reaches.
+- **CPU ms/step**: CPU seconds per step of every thread of every rank (gloo's included),
+  summed over the P ranks (`getrusage`), in the steady-state window. Divided by the machine's
+  cores it is the step time of a run that is purely CPU-bound: where step ms is close to
+  that, the codecs and the collectives' CPU work, not the link, set the pace.
 - **wire kB/step**: bytes per step on the emulated link in the steady-state window, max over
   ranks and directions, from the shaping qdiscs' counters (Ethernet frames with TCP/IP
   headers and ACKs; 1 kB = 1000 B). **payload kB/step** is what the lowbit
@@ -112,20 +118,23 @@ def _f(x, scale=1.0, fmt="{:.1f}") -> str:
     return "–" if x is None else fmt.format(x * scale)
 
 
-HEADER = ("| config | optimizer | steps | step ms | compute ms | comm ms | split | calib compute ms | "
-          "step − calib ms | wire kB/step | payload kB/step | wire × | loss reached | val loss | speed-up | "
-          "other load |\n|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+HEADER = ("| config | optimizer | steps | step ms | of bound | compute ms | comm ms | split | calib compute ms | "
+          "step − calib ms | CPU ms/step | wire kB/step | payload kB/step | wire × | loss reached | val loss | "
+          "speed-up | other load |\n"
+          "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 
 
 def _row(r: dict) -> str:
     if r.get("failed"):
-        return f"| {r['config']} | – | FAILED{' (timed out)' if r.get('timed_out') else ''} |" + " – |" * 13
+        return f"| {r['config']} | – | FAILED{' (timed out)' if r.get('timed_out') else ''} |" + " – |" * 15
     name = r["config"] + (f" ({', '.join(_plan(x) for x in r['plan'])})" if r.get("plan") else "")
     if r["config"].startswith("calib_"):
         name += f" ({r['link']})"
-    return (f"| {name} | {r['optimizer']} | {r['steps']} | {_f(r['step_s'], 1e3)} | {_f(r['compute_s'], 1e3)} | "
+    bound = r["calib_compute_s"] / r["step_s"] if r["calib_compute_s"] else None
+    return (f"| {name} | {r['optimizer']} | {r['steps']} | {_f(r['step_s'], 1e3)} | {_f(bound, fmt='{:.2f}')} | "
+            f"{_f(r['compute_s'], 1e3)} | "
             f"{_f(r['comm_s'], 1e3)} | {r['split']} | {_f(r['calib_compute_s'], 1e3)} | "
-            f"{_f(r['step_minus_calib_s'], 1e3)} | "
+            f"{_f(r['step_minus_calib_s'], 1e3)} | {_f(r.get('cpu_s_per_step'), 1e3, '{:.0f}')} | "
             f"{_f(r['wire_bytes_per_step'], 1e-3)} | {_f(r['recorded_bytes_per_step'] or None, 1e-3)} | "
             f"{_f(r['wire_x_vs_ddp_lion'], fmt='{:.1f}×')} | {r['loss_reached']:.3f} | {r['val_loss']:.3f} | "
             f"{_f(r['speedup_vs_ddp_lion'], fmt='{:.2f}×')} | {_f(r.get('other_load'), 100, '{:.0f} %')} |")

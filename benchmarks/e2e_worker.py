@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import yaml
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +123,18 @@ class HookedDDP(DDPStrategy):
         self.model.register_comm_hook(self._make_state(), counted)
 
 
-def make_strategy(kind: str):
+def parse_overrides(text: str) -> dict:
+    """``"bucket_size_mb=1,lion_overlap=false"`` -> LowBitConfig keyword overrides (YAML values)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--lowbit: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def make_strategy(kind: str, overrides: dict | None = None):
     if kind == "ddp":
         return DDPStrategy()
     if kind == "fp16":
@@ -131,6 +144,9 @@ def make_strategy(kind: str):
                          lambda: powerSGD_hook.PowerSGDState(process_group=None, **POWERSGD), serialize=True)
     if kind == "local":
         return HookedDDP(keep_local_gradients)
+    if overrides:  # a registered name, with LowBitConfig overrides on top of its own
+        entry = StrategyRegistry[kind]
+        return entry["strategy"](**{**entry["init_params"], **overrides})
     return kind  # a registered name
 
 
@@ -163,8 +179,9 @@ class Probe(pl.Callback):
             dist.barrier()
             now = time.perf_counter()
         hooks = getattr(trainer.strategy, "hook_calls", 0)
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank (gloo's included)
         self.marks[name] = (step, now - self._t0, counters, self.stats.total_seconds, hooks,
-                            self.stats.total_bytes_sent)
+                            self.stats.total_bytes_sent, usage.ru_utime + usage.ru_stime)
         if name == "end":  # the communicators are detached at teardown: read their plans now
             self.plans = [str(plan) for plan in (getattr(getattr(getattr(o, "_optimizer", o), "communicator", None),
                                                          "plan", None) for o in trainer.strategy.optimizers)
@@ -228,6 +245,7 @@ def main() -> int:
     ap.add_argument("--schedule-steps", type=int, default=2000, help="cosine decay length (steps)")
     ap.add_argument("--warm", type=int, default=20, help="steps excluded from the steady-state window")
     ap.add_argument("--log-every", type=int, default=2)
+    ap.add_argument("--lowbit", default="", help="LowBitConfig overrides for lowbit_* strategies: KEY=VALUE,...")
     ap.add_argument("--val-batches", type=int, default=8, help="per rank")
     ap.add_argument("--data-mb", type=float, default=6.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -251,7 +269,7 @@ def main() -> int:
     stats = CommStats(prog_bar=False)
     probe = Probe(args.budget, args.warm, args.log_every, stats)
     trainer = pl.Trainer(
-        strategy=make_strategy(kind), accelerator="cpu", devices=p, num_nodes=1, max_epochs=-1,
+        strategy=make_strategy(kind, parse_overrides(args.lowbit)), accelerator="cpu", devices=p, num_nodes=1, max_epochs=-1,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[stats, probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -275,12 +293,12 @@ def main() -> int:
     delta = end[2] - start[2]
     mine = [n, end[1] - start[1], *(v / n for v in astuple(delta)), (end[3] - start[3]) / n,
             (end[4] - start[4]) / n, statistics.median(probe.in_step[start[0]:end[0]] or probe.in_step),
-            (end[5] - start[5]) / n]
+            (end[5] - start[5]) / n, (end[6] - start[6]) / n]
     every = [torch.empty(len(mine), dtype=torch.float64) for _ in range(p)]
     dist.all_gather(every, torch.tensor(mine, dtype=torch.float64))
     if rank == 0:
         keys = ("window_steps", "window_s", "if_tx", "if_rx", "wire_tx", "wire_rx", "comm_s", "hook_calls",
-                "in_step_s", "recorded_sent")
+                "in_step_s", "recorded_sent", "cpu_s")
         per_rank = [dict(zip(keys, t.tolist())) for t in every]
         rec = {
             "config": args.config, "strategy": kind if isinstance(kind, str) else "", "optimizer": optimizer,
@@ -292,6 +310,10 @@ def main() -> int:
             "in_step_s": per_rank[0]["in_step_s"],
             "comm_s_recorded": statistics.mean(r["comm_s"] for r in per_rank),
             "recorded_bytes_per_step": max(r["recorded_sent"] for r in per_rank),
+            # CPU seconds per step summed over ranks, spread over the machine's cores: the
+            # step time if the run were CPU-bound (it cannot run faster than this)
+            "cpu_s_per_step": sum(r["cpu_s"] for r in per_rank),
+            "cpu_floor_s": sum(r["cpu_s"] for r in per_rank) / (os.cpu_count() or 1),
             "wire_bytes_per_step": max(max(r["wire_tx"], r["wire_rx"]) for r in per_rank),
             "hook_calls_per_step": per_rank[0]["hook_calls"],
             "loss_reached": float(loss_reached) / p, "val_loss": val_loss,

@@ -91,6 +91,9 @@ class LowBitStrategy(DDPStrategy):
         atexit.register(_destroy_process_group)
 
     def configure_ddp(self) -> None:
+        # DDP's buckets are the units the hook compresses and launches during backward, so
+        # their size is the config's ``bucket_size_mb`` (an explicit ``bucket_cap_mb`` wins).
+        self._ddp_kwargs.setdefault("bucket_cap_mb", self.lowbit_config.bucket_size_mb)
         # A DDP model accepts one hook: register the algorithm's here, never through super().
         super().configure_ddp()
         self.sync = build_sync(self.lowbit_config, self.lightning_module, group=None)
