@@ -35,3 +35,12 @@ __all__ = [
     "channel_encode",
     "channel_decode",
 ]
+
+# Error-compensated 1-bit codes with one scale (1-bit LAMB / 1-bit Adam); appended, see scaled_signs.py.
+from lowbit_strategy.codecs.scaled_signs import (  # noqa: E402
+    scaled_sign_compress,
+    scaled_sign_decode,
+    scaled_sign_mean,
+)
+
+__all__ += ["scaled_sign_compress", "scaled_sign_decode", "scaled_sign_mean"]

@@ -1,0 +1,197 @@
+"""Error-compensated 1-bit codes with one scale: the compressor of 1-bit Adam / 1-bit LAMB.
+
+"1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with LAMB's
+Convergence Speed" (Li et al., arXiv:2104.06069), Algorithm 1, lines 7 and 10, compresses
+a vector ``v`` (the local momentum plus the previous compression error) into its signs and
+one scale, and keeps what the code could not say as the next step's error:
+
+    C[v]   = s · sign(v),        s = ‖v‖₂ / √n   (n = number of real elements)
+    error' = v − C[v]
+
+``s = ‖v‖₂/√n`` makes ``‖C[v]‖₂ = ‖v‖₂``. The same compressor runs twice in the compressed
+allreduce (:mod:`lowbit_strategy.collectives.compensated`): on every worker over its whole
+vector, and on every server over the chunk it owns. These functions are the pure parts:
+no process group, no host synchronization (the scale stays a device tensor).
+
+Rules:
+
+* **Zeros.** ``sign(v) = +1`` for ``v >= 0``, both ``+0.0`` and ``-0.0`` (DeepSpeed's
+  compressed allreduce maps 0 to +1 too). The fixed choice is harmless here, unlike in a
+  plain sign vote (:mod:`.signs`): a zero sent as ``+s`` leaves ``-s`` in the error, which
+  the next step adds back, so the bias does not accumulate. An all-zero ``v`` gets
+  ``s = 0`` and keeps a zero error.
+* **Arithmetic.** Everything is float32 whatever the input's dtype: ``v = float32(x) +
+  error`` (16-bit inputs convert exactly; float64 is rounded to float32 first), the error
+  buffer is float32, ``s`` is ``torch.linalg.vector_norm(v) / math.sqrt(n)`` in float32,
+  and ``error' = v − s·sign(v)`` is rounded once per element (``s·sign`` is exact).
+* **Bits.** Bit 1 means +1, 0 means −1, laid out like ``bits.pack(codes, 1)``: element
+  ``i`` at bit ``i % 8`` of byte ``i // 8``. Padding bits (past ``n``) are 0.
+* **Range.** The norm squares in float32 (as DeepSpeed's does), which is fast and exact to
+  float32 rounding while the squares stay in float32's range: elements below ~1e-19 add
+  nothing to it (a vector of only such values gets scale 0, and its error keeps carrying
+  them, never a NaN), and ``‖v‖₂`` above ~1.8e19 overflows to an infinite scale. Momenta
+  and gradients live far inside this range.
+* **Non-finite input** gives a NaN/inf scale, and with it a non-finite error buffer; check
+  the input before compressing (an optimizer skipping an overflowed step must skip this too).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit_strategy.codecs.bits import pack_bytes_into_lanes
+from lowbit_strategy.codecs.signs import compare_bytes, signs_from_bits
+
+#: dtypes accepted as input; the arithmetic and the error buffers are float32 for all.
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_PM1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _pm1_table(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32: the ±1 of the eight bits of every byte value (bit 1 -> +1)."""
+    table = _PM1_TABLES.get(device)
+    if table is None:
+        byte_values = torch.arange(256, dtype=torch.uint8, device=device)
+        table = _PM1_TABLES.setdefault(device, signs_from_bits(byte_values, 2048).view(256, 8))
+    return table
+
+
+def check_input(x, name: str, what: str) -> None:
+    """``TypeError`` unless ``x`` is a tensor of one of :data:`INPUT_DTYPES`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{what}: {name} must be a floating-point tensor ({', '.join(map(str, INPUT_DTYPES))}), "
+            f"got dtype {x.dtype}"
+        )
+
+
+def check_error_buffer(buf, numel: int, device: torch.device, name: str, what: str, sized_by: str) -> None:
+    """``TypeError``/``ValueError`` naming ``name`` unless ``buf`` is a contiguous float32
+    tensor of ``numel`` elements on ``device`` (``sized_by`` says where ``numel`` comes from)."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32:
+        raise TypeError(
+            f"{what}: {name} must be float32 (the error feedback is kept in float32 whatever "
+            f"the input's dtype), got dtype {buf.dtype}"
+        )
+    if buf.numel() != numel:
+        raise ValueError(
+            f"{what}: {name} must hold {sized_by} = {numel} elements, got {buf.numel()} "
+            f"(shape {tuple(buf.shape)})"
+        )
+    if buf.device != device:
+        raise ValueError(f"{what}: {name} is on {buf.device}, the input on {device}; keep them on one device")
+    if not buf.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous (it is updated in place)")
+
+
+@torch.no_grad()
+def scaled_sign_compress(
+    x: torch.Tensor, error: torch.Tensor, *, nbytes: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress ``v = x + error`` to sign bits and one scale; ``error`` becomes ``v − C[v]``.
+
+    1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 7 (worker) and line 10 (server), with
+    ``C[v] = ‖v‖₂/√n · sign(v)`` as in the module docstring (zeros count as +1).
+
+    ``x``: any shape, one of :data:`INPUT_DTYPES`, not modified. ``error``: float32,
+    contiguous, ``x.numel()`` elements, updated in place (it holds ``v`` on the way, so no
+    float32 copy of the input is made). ``nbytes``: length of the returned bit buffer, at
+    least ``ceil(n / 8)`` (the default); the bits past ``n`` are 0 — the collective uses it
+    to pad to whole chunks.
+
+    Returns ``(bits, scale)``: ``nbytes`` uint8 bytes and a float32 0-d tensor on ``x``'s
+    device. ``n = 0`` is allowed (a server chunk of padding only): scale 0, all bits 0.
+    """
+    what = "scaled_sign_compress"
+    check_input(x, "x", what)
+    n = x.numel()
+    check_error_buffer(error, n, x.device, "error", what, "x.numel()")
+    need = -(-n // 8)
+    if nbytes is None:
+        nbytes = need
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < need:
+        raise ValueError(f"{what}: nbytes must be an int of at least ceil(n / 8) = {need}, got {nbytes!r}")
+
+    v = error.view(-1)
+    v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
+    if n:
+        scale = torch.linalg.vector_norm(v) / math.sqrt(n)
+    else:
+        scale = torch.zeros((), dtype=torch.float32, device=x.device)
+
+    codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
+    codes[n:] = 0
+    compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
+    sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
+    v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
+    del sign
+    return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
+
+
+def _check_rows(bits: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits`` as (k, c) uint8 rows and ``scales`` as (k,) float32."""
+    if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or bits.dim() not in (1, 2):
+        raise TypeError(f"{what}: bits must be a 1-D or (k, c) uint8 tensor, got {getattr(bits, 'dtype', bits)!r}")
+    rows = bits.view(1, -1) if bits.dim() == 1 else bits
+    if not isinstance(scales, torch.Tensor) or not scales.dtype.is_floating_point:
+        raise TypeError(f"{what}: scales must be a floating-point tensor")
+    if scales.numel() != rows.shape[0]:
+        raise ValueError(f"{what}: {rows.shape[0]} rows of bits need as many scales, got {scales.numel()}")
+    if scales.device != bits.device:
+        raise ValueError(f"{what}: scales are on {scales.device}, bits on {bits.device}")
+    return rows, scales.reshape(-1).float()
+
+
+@torch.no_grad()
+def scaled_sign_decode(
+    bits: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``C[v]`` back from its code: row ``r`` of ``bits`` decodes to ``scales[r] · (±1)``.
+
+    ``bits``: ``(k, c)`` uint8, ``k`` chunks of ``c`` bytes laid out one after another (or
+    1-D: one chunk), ``scales``: ``k`` values. Returns the first ``n`` of the ``8·k·c``
+    decoded values, 1-D, as ``dtype``: the float32 value ``±scales[r]`` rounded to
+    ``dtype``. One gather per byte from a ``(k·256, 8)`` table of the scaled signs of every
+    byte value, so no per-bit unpacking and no separate scaling pass.
+    """
+    what = "scaled_sign_decode"
+    rows, scales = _check_rows(bits, scales, what)
+    k, c = rows.shape
+    if not 0 <= n <= 8 * k * c:
+        raise ValueError(f"{what}: cannot decode n={n} values from {k} x {c} bytes")
+    table = (scales.view(k, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * 256, 8)
+    index = torch.arange(0, 256 * k, 256, dtype=torch.int32, device=bits.device).view(k, 1) + rows
+    return table.index_select(0, index.view(-1)).view(-1)[:n]
+
+
+@torch.no_grad()
+def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The mean of ``k`` decoded codes: ``Σ_r (scales[r] / k) · (±1)_r`` for all ``8c`` bits.
+
+    1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 10: the server's average of the
+    ``m̂_t^(i)`` it receives. ``bits``: ``(k, c)`` uint8, one row per sender; ``scales``:
+    ``k`` values. Returns ``8c`` float32 values (padding bits included: the caller slices).
+
+    The order is fixed, so every run gives the same floats: weights ``w_r = scales[r] / k``
+    in float32, then ``((w_0·±1 + w_1·±1) + w_2·±1) + …`` in row order, one rounding per
+    addition. Row by row through a per-row ``(256, 8)`` table of ``±w_r``, so the extra
+    memory is one chunk of floats, independent of ``k``.
+    """
+    rows, scales = _check_rows(bits, scales, "scaled_sign_mean")
+    k, c = rows.shape
+    tables = (scales / k).view(k, 1, 1) * _pm1_table(bits.device)  # (k, 256, 8): ±w_r
+    index = rows.to(torch.int32)
+    acc = torch.empty(c, 8, dtype=torch.float32, device=bits.device)
+    torch.index_select(tables[0], 0, index[0], out=acc)
+    if k > 1:
+        term = torch.empty_like(acc)
+        for r in range(1, k):
+            torch.index_select(tables[r], 0, index[r], out=term)
+            acc.add_(term)
+    return acc.view(-1)
