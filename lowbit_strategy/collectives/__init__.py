@@ -41,3 +41,22 @@ __all__ += [
     "all_gather_async",
     "all_reduce_sum_async",
 ]
+
+# Error-compensated 1-bit allreduce (1-bit LAMB, Algorithm 1); appended, see compensated.py.
+from lowbit_strategy.collectives.compensated import (  # noqa: E402
+    CompensatedAllreduce,
+    compensated_allreduce,
+    compensated_allreduce_start,
+    compensated_error_buffers,
+    server_chunk_length,
+)
+from lowbit_strategy.collectives.reference import compensated_allreduce_reference  # noqa: E402
+
+__all__ += [
+    "CompensatedAllreduce",
+    "compensated_allreduce",
+    "compensated_allreduce_start",
+    "compensated_error_buffers",
+    "server_chunk_length",
+    "compensated_allreduce_reference",
+]

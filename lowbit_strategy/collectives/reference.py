@@ -6,6 +6,8 @@ collective is compared with, and Lion Cub's ``fp32`` / ``bf16`` modes.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lowbit_strategy.collectives import group as g
@@ -49,3 +51,58 @@ def full_allreduce_start(
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
     fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)
     return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
+
+
+def compensated_allreduce_reference(
+    inputs: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Single-process simulation of :func:`~lowbit_strategy.collectives.compensated.compensated_allreduce`
+    on ``P = len(inputs)`` ranks: the oracle its tests compare with, bit for bit.
+
+    A plain transcription of 1-bit LAMB (arXiv:2104.06069) Algorithm 1, lines 7-11, with no
+    bits, packing or process group: every rank's ``v = x + worker_error``, compressed to
+    ``s·sign(v)`` with ``s = ‖v‖₂/√n`` and ``sign(0) = +1``; then, for each chunk of
+    ``8·ceil(n/(8P))`` elements, the rank-ordered mean ``Σ_i (s_i/P)·sign_i`` over its real
+    elements, plus that chunk's server error, compressed the same way. Float32 throughout,
+    in the order the collective documents.
+
+    Arguments are not modified. Returns ``(outputs, new_worker_errors, new_server_errors)``:
+    every rank's result (all equal; ``x``'s dtype and shape), and the error buffers the
+    collective leaves on each rank (float32, ``n`` and ``8·ceil(n/(8P))`` elements).
+    """
+    p = len(inputs)
+    n = inputs[0].numel()
+    chunk = 8 * (-(-n // (8 * p)))
+
+    def compress(v: torch.Tensor):
+        sign = torch.where(v >= 0, 1.0, -1.0)
+        if v.numel() == 0:
+            scale = torch.zeros((), dtype=torch.float32, device=v.device)
+        else:
+            scale = torch.linalg.vector_norm(v) / math.sqrt(v.numel())
+        return scale * sign, scale, sign, v - scale * sign
+
+    signs, scales, new_worker_errors = [], [], []
+    for x, e in zip(inputs, worker_errors):
+        v = x.reshape(-1).to(torch.float32) + e.reshape(-1)
+        _, scale, sign, error = compress(v)
+        signs.append(sign)
+        scales.append(scale)
+        new_worker_errors.append(error)
+
+    pieces, new_server_errors = [], []
+    for r in range(p):
+        lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
+        mean = None
+        for i in range(p):  # rank order
+            term = (scales[i] / p) * signs[i][lo:hi]
+            mean = term if mean is None else mean + term
+        y = mean + server_errors[r].reshape(-1)[: hi - lo]
+        decoded, _, _, error = compress(y)
+        pieces.append(decoded)
+        server_error = torch.zeros(chunk, dtype=torch.float32, device=y.device)
+        server_error[: hi - lo] = error
+        new_server_errors.append(server_error)
+
+    result = torch.cat(pieces).to(inputs[0].dtype).view(inputs[0].shape)
+    return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
