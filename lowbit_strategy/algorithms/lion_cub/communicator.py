@@ -38,6 +38,7 @@ from lowbit_strategy import buckets
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
 from lowbit_strategy.collectives import cost_model, full_allreduce, wire
+from lowbit_strategy.collectives.agreement import agree
 from lowbit_strategy.collectives.majority import majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.summed import summed_allreduce_start
@@ -261,6 +262,15 @@ class LionCommunicator:
         stale = self._inflight.pop(key, None)
         if stale is not None:  # a second backward before step() (accumulation without no_sync)
             self.finish([stale])
+        # Defer-one rule: the majority vote's second collective (the all-gather of the votes)
+        # needs the first one's data. Every bucket's hook first starts the second phase of
+        # the buckets launched before it, in launch order, so it overlaps the rest of
+        # backward instead of waiting for step(); the order of collectives stays the same
+        # on every rank (the previous bucket's all-to-all is usually done by then: it had
+        # a bucket's worth of backward to finish in).
+        for job in self._inflight.values():
+            if job.plan.mode == "1bit":
+                job.handle.gather()
         plan = self._plan(step, sum(c.numel() for c in updates))
         self._inflight[key] = self.start(list(updates), step, plan, nonfinite, list(params))
 
@@ -345,19 +355,9 @@ class LionCommunicator:
     # ---- agreement and momentum --------------------------------------------------------
     def agree(self, has_grad: Sequence[bool], nonfinite: torch.Tensor | bool | None,
               device: torch.device | str = "cpu") -> tuple[list[bool], bool]:
-        """Which parameters have a gradient on *any* rank, and whether any rank saw NaN/Inf.
-
-        Gradients are local in optimizer mode, so both can differ across ranks; acting on
-        a local view would make ranks enter different collectives (a hang) or diverge.
-        ``device`` must be one the backend can reduce on (the parameters' device; NCCL
-        needs CUDA).
-        """
-        flags = torch.tensor(list(has_grad) + [0], dtype=torch.int32, device=device)
-        if nonfinite is not None:
-            flags[-1] = torch.as_tensor(nonfinite, device=device).to(torch.int32)
-        g.all_reduce_sum(flags, self.group, "lion.agree", self.traffic)
-        flags = flags.tolist()
-        return [f > 0 for f in flags[:-1]], flags[-1] > 0
+        """Which parameters have a gradient on *any* rank, and whether any rank saw NaN/Inf
+        (:func:`lowbit_strategy.collectives.agreement.agree`)."""
+        return agree(has_grad, nonfinite, self.group, "lion.agree", self.traffic, device)
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replace each tensor by its mean over ranks (fp32 on the wire), in place."""
