@@ -14,6 +14,7 @@ from lowbit_strategy.algorithms import REGISTRY as ALGORITHMS
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
 from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
+from lowbit_strategy.algorithms.onebit import OneBitAdam, OneBitLamb
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
@@ -26,6 +27,8 @@ __all__ = [
     "ConfigError",
     "Lion",
     "LionCommunicator",
+    "OneBitAdam",
+    "OneBitLamb",
     "LowBitConfig",
     "LowBitSetupError",
     "LowBitStrategy",

@@ -53,6 +53,10 @@ class TinyLM(pl.LightningModule):
     def configure_optimizers(self):
         if self.hparams.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.optimizer in ("onebit_adam", "onebit_lamb"):
+            # 4 steps an epoch on 2 ranks: epoch 1 is warm-up and switch, epoch 2 compresses
+            cls = lowbit_strategy.OneBitAdam if self.hparams.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
+            return cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, freeze_step=3)
         return lowbit_strategy.Lion(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
@@ -80,6 +84,9 @@ def fit_once(args) -> dict:
         # momentum sync every 5: the last step (8 with 2 ranks, 6 with 3) sends only the update,
         # whose bytes are the logged ratio
         cbs += [MomentumSync(every=5), DivergenceMonitor(every=2, sign_agreement=True)]
+    elif args.optimizer.startswith("onebit"):
+        # step 4 compresses; the monitor's own allreduce is counted in the next step's bytes, never the last one's
+        cbs += [DivergenceMonitor(every=4)]
     extra = {}
     if args.accumulate > 1:
         extra["accumulate_grad_batches"] = args.accumulate
@@ -120,7 +127,8 @@ def _run(strategy, devices, epochs, optimizer, overrides, ckpt=None, callbacks=(
 
 
 def _rank_states(ckpt: str, optimizer: str) -> dict:
-    """What the checkpoint keeps per rank: Lion's momenta or BitDP's iteration and residuals."""
+    """What the checkpoint keeps per rank: Lion's momenta, 1-bit Adam/LAMB's error buffers or
+    BitDP's iteration and residuals."""
     entry = torch.load(ckpt, weights_only=False).get(rank_state.KEY)
     if entry is None:
         return {"saved_world_size": None}
@@ -129,6 +137,11 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
     if optimizer == "lion":
         moms = [next(iter(st["optimizers"][0].values()))["exp_avg"] for st in states]
         return {**out, "rank_states_differ": not torch.equal(moms[0], moms[1])}
+    if optimizer.startswith("onebit"):
+        errors = [st["optimizers"][0]["errors"]["errors"] for st in states]
+        keys = sorted(errors[0])
+        return {**out, "error_buckets": len(keys), "rank_states_differ": bool(keys) and any(
+            not torch.equal(errors[0][k][0], errors[1][k][0]) for k in keys)}
     residuals = [st["residuals"] for st in states]
     return {**out, "saved_iters": [st["iter"] for st in states],
             "residual_names": sorted(residuals[0]) if residuals else [],

@@ -43,7 +43,10 @@ def test_every_name_is_registered_on_import():
 def test_trainer_runs_with_each_registered_name(tmp_path, name):
     devices = 3 if name.endswith("_notebook") else 2
     bitdp = name.startswith("lowbit_bitdp")
-    r = _fit(tmp_path, "--strategy", name, "--devices", str(devices), *(["--optimizer", "adamw"] if bitdp else []))
+    onebit = next((o for prefix, o in (("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"))
+                   if name.startswith(prefix)), None)
+    optimizer = "adamw" if bitdp else onebit or "lion"
+    r = _fit(tmp_path, "--strategy", name, "--devices", str(devices), "--optimizer", optimizer)
     assert "error" not in r, r.get("error")
     m = r["metrics"]
     assert m["train_loss"] < r["first_loss"], "loss must fall"
@@ -53,6 +56,10 @@ def test_trainer_runs_with_each_registered_name(tmp_path, name):
     assert (r["bytes_after_fit"] > 0) == (VARIANTS[suffix] == "popen"), r["bytes_after_fit"]
     if bitdp:  # only the MLP's linear weights are quantized in this tiny model (tied head stays fp32)
         assert m["comm/ratio_vs_fp32"] > 1.2, m
+        return
+    if onebit:  # the last step is in the compression stage: 1-bit momenta plus 8 bytes of scales per peer
+        assert m["comm/ratio_vs_fp32"] > 10, m
+        assert m["divergence/max"] > 0 and 0 < m["variance/max"] < float("inf"), m
         return
     if VARIANTS[suffix] == "popen":  # this process was rank 0: its strategy is the one that trained
         assert r["overlap"] is True, "Lion Cub starts each bucket's collective from the DDP hook by default"
@@ -83,6 +90,24 @@ def test_wrong_optimizer_is_a_clear_error(tmp_path):
     r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--optimizer", "adamw")
     assert "drives lowbit_strategy.Lion" in r["error"] and "torch.optim.adamw.AdamW" in r["error"]
     assert "'lowbit_lion_spawn'" in r["error"]
+
+
+@pytest.mark.slow
+def test_wrong_optimizer_under_1bit_adam_names_the_fix(tmp_path):
+    r = _fit(tmp_path, "--strategy", "lowbit_adam_spawn", "--optimizer", "adamw")
+    assert "drives lowbit_strategy.OneBitAdam" in r["error"] and "'lowbit_adam_spawn'" in r["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, optimizer", [("lowbit_adam_spawn", "onebit_adam"), ("lowbit_lamb_spawn", "onebit_lamb")])
+def test_1bit_resume_is_bit_exact_and_keeps_every_ranks_errors(tmp_path, name, optimizer):
+    # 4 steps an epoch, freeze_step=3: the checkpoint after epoch 1 is one step into compression
+    work = tmp_path / "ckpt"
+    work.mkdir()
+    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--resume-check", str(work), timeout=400)
+    assert "error" not in r, r.get("error")
+    assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": optimizer, "error_buckets": 1,
+                 "rank_states_differ": True, "other_world_finite": True, "is_global_zero": True}
 
 
 def test_16_mixed_is_refused_with_the_fix():
@@ -132,8 +157,10 @@ def test_direct_construction():
     assert LowBitStrategy(algorithm="bitdp", bits=1).lowbit_config.bitdp.bits == 1
     assert LowBitStrategy(lion={"mode": "1bit"}, find_unused_parameters=True)._ddp_kwargs == {
         "find_unused_parameters": True}
-    with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.algorithm: got 'onebit_adam'; allowed: lion, bitdp"):
-        LowBitStrategy(algorithm="onebit_adam")
+    assert LowBitStrategy(algorithm="onebit_lamb", overlap=False).lowbit_config.onebit_lamb.overlap is False
+    with pytest.raises(lowbit_strategy.ConfigError,
+                       match=r"LowBitConfig\.algorithm: got 'turboquant'; allowed: lion, bitdp, onebit_adam, onebit_lamb"):
+        LowBitStrategy(algorithm="turboquant")
     with pytest.raises(lowbit_strategy.ConfigError, match=r"LowBitConfig\.lion\.bits"):
         LowBitStrategy(mode="1bit", bits=8)
 

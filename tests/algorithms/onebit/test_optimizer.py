@@ -1,0 +1,199 @@
+"""OneBitAdam / OneBitLamb in one process: the warm-up against torch.optim.AdamW and a
+plainly written LAMB, the compression stage against a plainly written Algorithm 1 without
+communication, the switch, validation and NaN safety."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lowbit_strategy import OneBitAdam, OneBitLamb
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.05
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _grads(step: int, params) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen) * (1 + i) for i, p in enumerate(params)]
+
+
+def _run(opt_cls, steps, **kw):
+    model = _model()
+    params = list(model.parameters())
+    opt = opt_cls(params, **kw)
+    for step in range(1, steps + 1):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+def test_onebit_adam_warmup_is_adamw_bit_for_bit():
+    ours, opt = _run(OneBitAdam, 6, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=6)
+    ref, _ = _run(torch.optim.AdamW, 6, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert opt.global_step == 6 and opt.stage == "compression"
+
+
+def _reference_adam(steps, freeze):
+    """Algorithm 1 of 1-bit Adam in one process, written out: AdamW, then frozen variance."""
+    params = [p.detach().clone() for p in _model().parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    b1, b2 = BETAS
+    for t in range(1, steps + 1):
+        for i, g in enumerate(_grads(t, params)):
+            params[i] = params[i] * (1 - LR * WD)
+            m[i] = b1 * m[i] + (1 - b1) * g
+            if t <= freeze:
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            vt = freeze if t > freeze else t
+            m_hat = m[i] / (1 - b1 ** t)
+            v_hat = v[i] / (1 - b2 ** vt)
+            params[i] = params[i] - LR * m_hat / (v_hat.sqrt() + EPS)
+    return params
+
+
+def test_onebit_adam_single_process_compression_stage():
+    ours, opt = _run(OneBitAdam, 9, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=4)
+    for a, b in zip(ours, _reference_adam(9, 4)):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+    # the variance stopped moving at the switch
+    frozen = [opt.state[p]["exp_avg_sq"].clone() for p in ours]
+    for p, g in zip(ours, _grads(50, ours)):
+        p.grad = g * 100
+    opt.step()
+    assert all(torch.equal(opt.state[p]["exp_avg_sq"], f) for p, f in zip(ours, frozen))
+
+
+def _reference_lamb(steps, freeze, min_coeff=0.01, max_coeff=10.0, beta3=0.9, fmin=0.5, fmax=4.0, thr=0.1):
+    """LAMB (bias-corrected, whole-ratio clip) then 1-bit LAMB's compression stage in one
+    process (exact momentum), written out per parameter with Python scalars."""
+    params = [p.detach().clone().double() for p in _model().parameters()]
+    n = len(params)
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    c_avg = [0.0] * n
+    b1, b2 = BETAS
+    fresh, c_frozen, last, scale = [None] * n, [None] * n, [1.0] * n, [1.0] * n
+    for t in range(1, steps + 1):
+        grads = [g.double() for g in _grads(t, params)]
+        for i, g in enumerate(grads):
+            m_prev = m[i]
+            m_local = b1 * m[i] + (1 - b1) * g
+            if t <= freeze:
+                m[i] = m_local
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+                u = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + EPS) + WD * params[i]
+                wn, un = params[i].norm().item(), u.norm().item()
+                c = min(max(wn / un, min_coeff), max_coeff) if wn > 0 and un > 0 else min(max(1.0, min_coeff), max_coeff)
+                c_avg[i] = beta3 * c_avg[i] + (1 - beta3) * c
+                params[i] = params[i] - LR * c * u
+            else:
+                # momentum scaled and unscaled around the (here exact) allreduce: a no-op up to rounding
+                m[i] = (m_local * scale[i]) / scale[i]
+                g_rec = (m[i] - b1 * m_prev) / (1 - b1)
+                fresh[i] = b2 * fresh[i] + (1 - b2) * g_rec * g_rec
+                den_frozen = (v[i] / (1 - b2 ** freeze)).sqrt() + EPS
+                den_fresh = (fresh[i] / (1 - b2 ** t)).sqrt() + EPS
+                r = (den_frozen / den_fresh).max().item()
+                r = min(max(r, last[i] * (1 - thr)), last[i] * (1 + thr))
+                r = min(max(r, fmin), fmax)
+                last[i] = r
+                u = (m[i] / (1 - b1 ** t)) / den_frozen + WD * params[i]
+                params[i] = params[i] - LR * r * c_frozen[i] * u
+        if t == freeze:
+            rms = [mi.norm().item() / math.sqrt(mi.numel()) for mi in m]
+            united = sum(rms) / n
+            for i in range(n):
+                fresh[i] = v[i].clone()
+                c_frozen[i] = c_avg[i] / (1 - beta3 ** freeze)
+                scale[i] = united / rms[i]
+    return params
+
+
+def test_onebit_lamb_against_reference_lamb_both_stages():
+    ours, opt = _run(OneBitLamb, 10, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=5)
+    for a, b in zip(ours, _reference_lamb(10, 5)):
+        torch.testing.assert_close(a.detach().double(), b, rtol=1e-5, atol=1e-6)
+    state = opt.state[ours[0]]
+    assert {"exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff"} <= set(state)
+    assert 0.5 <= float(state["last_factor"]) <= 4.0
+
+
+def test_ratio_clips_in_the_papers_order():
+    from lowbit_strategy.algorithms.onebit.update import clip_ratio
+
+    last = torch.tensor(3.9)
+    # rate clip first (3.9 * 1.1 = 4.29), then the hard bound 4.0
+    assert float(clip_ratio(torch.tensor(10.0), last, factor_min=0.5, factor_max=4.0, factor_threshold=0.1)) == 4.0
+    assert float(clip_ratio(torch.tensor(0.1), torch.tensor(1.0), factor_min=0.5, factor_max=4.0,
+                            factor_threshold=0.1)) == pytest.approx(0.9)
+
+
+def test_never_seen_coordinates_get_no_update_after_the_switch():
+    emb = nn.Embedding(5, 3)
+    opt = OneBitAdam(emb.parameters(), lr=0.1, freeze_step=2)
+    before = emb.weight.detach().clone()
+    for _ in range(4):
+        opt.zero_grad()
+        emb(torch.tensor([0, 1])).sum().backward()  # rows 2..4 never get a gradient
+        opt.step()
+    assert torch.equal(emb.weight[2:], before[2:])
+    assert not torch.equal(emb.weight[:2], before[:2])
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
+def test_nan_step_is_skipped(cls):
+    params, opt = _run(cls, 3, lr=LR, freeze_step=2)
+    snapshot = [p.detach().clone() for p in params]
+    states = {k: v.clone() for k, v in opt.state[params[0]].items() if isinstance(v, torch.Tensor)}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    params[1].grad[0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.global_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(params, snapshot))
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in states.items())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(freeze_step=0), "freeze_step must be an int >= 1"),
+    (dict(freeze_step=2.5), "freeze_step"),
+    (dict(lr=-1.0), "lr must be"),
+    (dict(betas=(0.9,)), "betas must be a pair"),
+    (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
+    (dict(eps=0.0), "eps must be"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OneBitAdam(_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_coeff=1.0, max_coeff=0.5), "max_coeff"),
+    (dict(factor_min=2.0, factor_max=1.0), "factor_max"),
+    (dict(factor_threshold=1.5), "factor_threshold"),
+    (dict(coeff_beta=1.0), "coeff_beta"),
+])
+def test_bad_lamb_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OneBitLamb(_model().parameters(), **kwargs)
+
+
+def test_lr_scheduler_is_read_every_step():
+    params, opt = _run(OneBitAdam, 1, lr=LR, freeze_step=1)
+    before = [p.detach().clone() for p in params]
+    for grp in opt.param_groups:
+        grp["lr"] = 0.0
+    for p, g in zip(params, _grads(2, params)):
+        p.grad = g
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))  # wd 0, lr 0: nothing moves
