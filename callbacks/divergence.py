@@ -1,9 +1,18 @@
-"""DivergenceMonitor: how far the ranks' momenta drift apart, and how well the compressed
-update agrees with the full-precision one.
+"""DivergenceMonitor: how far the ranks' views drift apart, how well the compressed update
+agrees with the full-precision one, and how far a frozen variance is from a fresh one.
+
+Works with every optimizer-level algorithm through two optional optimizer methods (no
+per-algorithm branch here): ``divergence_tensors()`` and ``variance_ratios()``.
 
 * ``divergence/<param>``: the maximum over elements of the standard deviation across ranks
-  of the momentum (Lion Cub Fig. 6), from one fp32 allreduce of [m, m²];
+  of the optimizer's rank-local tensor (one fp32 allreduce of [x, x²]): Lion Cub's momentum
+  (Fig. 6); for 1-bit Adam/LAMB in the compression stage, the local part (1-β1)·g_i of the
+  momentum each rank sends (its spread is what the compressed allreduce has to average);
   ``divergence/max`` over all parameters.
+* ``variance/<param>`` (1-bit Adam/LAMB, compression stage): the ratio r of frozen to fresh
+  variance (1-bit LAMB Algorithm 1 line 17, before clipping), 1 while the frozen variance
+  still fits; ``variance/max``. 1-bit LAMB computes it anyway; for ``OneBitAdam`` the
+  monitor switches on ``track_variance`` at the start of training (one more buffer).
 * with ``sign_agreement=True``: ``sign/match`` and ``sign/flip``, the fractions of elements
   whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
   costs one extra fp32 allreduce of the update vector on monitored steps.
@@ -20,7 +29,6 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics.aggregation import MeanMetric
 
-from lowbit_strategy import Lion
 from lowbit_strategy.collectives import full_allreduce
 from lowbit_strategy.selection import param_names
 
@@ -39,12 +47,25 @@ class DivergenceMonitor(pl.Callback):
         # the rates are global (identical on every rank): no hidden cross-rank sync in compute()
         self.match, self.flip = MeanMetric(sync_on_compute=False), MeanMetric(sync_on_compute=False)
 
-    def _lions(self, trainer):
-        return [o for o in trainer.optimizers if isinstance(o, Lion) and o.communicator is not None]
+    @staticmethod
+    def _auditable(trainer):
+        """Optimizers that can audit a step against the full-precision direction (Lion Cub)."""
+        return [o for o in trainer.optimizers if getattr(o, "communicator", None) is not None
+                and hasattr(o, "audit_next_step")]
+
+    @staticmethod
+    def _monitored(trainer):
+        return [o for o in trainer.optimizers if getattr(o, "communicator", None) is not None
+                and hasattr(o, "divergence_tensors")]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for opt in self._monitored(trainer):
+            if hasattr(opt, "track_variance"):
+                opt.track_variance = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.sign_agreement and (trainer.global_step + 1) % self.every == 0:
-            for opt in self._lions(trainer):
+            for opt in self._auditable(trainer):
                 opt.audit_next_step = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -52,8 +73,10 @@ class DivergenceMonitor(pl.Callback):
             return
         names = param_names(pl_module)
         values: dict[str, float] = {}
-        for opt in self._lions(trainer):
-            values.update(self._momentum_std(opt, names))
+        for opt in self._monitored(trainer):
+            values.update(self._spread(opt, names))
+            values.update(self._ratios(opt, names))
+        for opt in self._auditable(trainer):
             audit = opt.communicator.last_audit
             if self.sign_agreement and audit is not None and self.match is not None:
                 self.match.update(audit["sign_match"])
@@ -65,18 +88,26 @@ class DivergenceMonitor(pl.Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False)
         self.last = values
 
-    def _momentum_std(self, opt: Lion, names: dict[int, str]) -> dict[str, float]:
-        params = [p for grp in opt.param_groups for p in grp["params"] if "exp_avg" in opt.state[p]]
-        if not params:
+    def _spread(self, opt, names: dict[int, str]) -> dict[str, float]:
+        pairs = opt.divergence_tensors()  # the same parameters on every rank
+        if not pairs:
             return {}
-        moms = [opt.state[p]["exp_avg"].float().reshape(-1) for p in params]
-        flat = torch.cat(moms)
+        parts = [t.detach().float().reshape(-1) for _, t in pairs]
+        flat = torch.cat(parts)
         both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group,
                               traffic=opt.communicator.traffic)
         world = opt.communicator.world_size
         mean, mean_sq = (both / world).split(flat.numel())
         std = (mean_sq - mean * mean).clamp_min(0).sqrt()
         out = {f"divergence/{names.get(id(p), 'param')}": float(s.max())
-               for p, s in zip(params, std.split([m.numel() for m in moms]))}
+               for (p, _), s in zip(pairs, std.split([t.numel() for t in parts]))}
         out["divergence/max"] = max(out.values())
+        return out
+
+    @staticmethod
+    def _ratios(opt, names: dict[int, str]) -> dict[str, float]:
+        pairs = opt.variance_ratios() if hasattr(opt, "variance_ratios") else []
+        out = {f"variance/{names.get(id(p), 'param')}": float(r) for p, r in pairs}
+        if out:
+            out["variance/max"] = max(out.values())
         return out

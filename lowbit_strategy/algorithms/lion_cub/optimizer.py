@@ -187,6 +187,13 @@ class Lion(Optimizer):
         torch._foreach_mul_(moms, beta2)
         torch._foreach_add_(moms, grads, alpha=1 - beta2)
 
+    def divergence_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, momentum)`` for every parameter (zeros before its first step): the
+        rank-local tensors whose spread across ranks ``callbacks.DivergenceMonitor`` reports
+        (Lion Cub Fig. 6)."""
+        return [(p, self.state[p].get("exp_avg", torch.zeros_like(p))) for grp in self.param_groups
+                for p in grp["params"] if p.numel()]
+
     def sync_momentum(self, params: Iterable[torch.Tensor]) -> int:
         """Average the momentum of ``params`` across ranks (Lion Cub Sec. 5). Returns how
         many momenta were averaged; a no-op without a distributed communicator."""
