@@ -61,14 +61,21 @@ class MajorityVote:
     depending on the first's result, so the caller launches the second: :meth:`gather`
     waits for the all-to-all, votes on this rank's chunk and starts the all-gather (call it
     on every rank in the same order as the starts); ``.gather().wait()`` gives the signs.
-    :attr:`flags` holds every rank's flag once the all-to-all is done (with ``flag=``)."""
+    :attr:`flags` holds every rank's flag once the all-to-all is done (with ``flag=``).
+    :meth:`gather` runs once; later calls return the same pending all-gather."""
 
     def __init__(self, x, step, group, p, c, flagged, received, fut, traffic):
         self.x, self.step, self.group, self.p, self.c = x, step, group, p, c
         self.flagged, self.received, self.fut, self.traffic = flagged, received, fut, traffic
         self.flags: torch.Tensor | None = None
+        self._pending: g.Pending | None = None
 
     def gather(self) -> g.Pending:
+        if self._pending is None:
+            self._pending = self._gather()
+        return self._pending
+
+    def _gather(self) -> g.Pending:
         self.fut.wait()
         p, c, stride = self.p, self.c, self.c + self.flagged
         received = self.received.view(p, stride)
