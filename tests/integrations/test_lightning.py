@@ -125,12 +125,18 @@ def test_16_mixed_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-def test_bf16_mixed_with_accumulation_and_clipping(tmp_path):
-    r = _fit(tmp_path, "--strategy", "lowbit_lion_8bit", "--precision", "bf16-mixed",
+@pytest.mark.parametrize("name, optimizer", [("lowbit_lion_8bit", "lion"), ("lowbit_adam", "onebit_adam"),
+                                             ("lowbit_lamb", "onebit_lamb")])
+def test_bf16_mixed_with_accumulation_and_clipping(tmp_path, name, optimizer):
+    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--precision", "bf16-mixed",
              "--accumulate", "2", "--clip", "0.5", "--epochs", "3")
     assert "error" not in r, r.get("error")
     assert r["metrics"]["train_loss"] < r["first_loss"]
     assert r["overlap"] is False, "clipping changes gradients after backward: the sync must wait for step()"
+    # 64 samples / (8 x 2 ranks) = 4 batches an epoch, 2 per optimizer step: one sync per real step
+    assert r["global_step"] == 6
+    if optimizer != "lion":  # steps 4-6 are past freeze_step=3: 1-bit momenta
+        assert r["metrics"]["comm/ratio_vs_fp32"] > 10, r["metrics"]
 
 
 @pytest.mark.slow

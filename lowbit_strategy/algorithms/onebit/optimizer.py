@@ -123,7 +123,6 @@ class _OneBitOptimizer(Optimizer):
             order = [i for i, p in reversed(list(enumerate(self._params()))) if p.requires_grad and p.numel()]
             numels = [self._params()[i].numel() for i in order]
             self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)]
-            self._bucket_of = {i: key for key in self._layout for i in key}
         return self._layout
 
     # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
@@ -134,10 +133,13 @@ class _OneBitOptimizer(Optimizer):
         gradients are now all ready (DDP calls the hook in the same order on every rank,
         so every rank starts the same buckets in the same order); :meth:`step` finishes
         them and synchronizes the rest."""
-        self.layout()
+        layout = self.layout()
         index = {id(p): i for i, p in enumerate(self._params())}
-        self._ready.update(index[id(p)] for p in params if id(p) in index)
-        for key in dict.fromkeys(self._bucket_of[i] for i in list(self._ready) if i in self._bucket_of):
+        now = {index[id(p)] for p in params if id(p) in index}
+        if now & self._ready:  # a second backward before step(): its gradients supersede the first's
+            self._ready, self._launched = set(), set()
+        self._ready |= now
+        for key in layout:  # layout order: the same on every rank
             if key not in self._launched and all(i in self._ready for i in key):
                 self._launched.add(key)
                 self.communicator.launch(key, self._momenta(key))

@@ -29,8 +29,9 @@ def _loss(model, rank, step):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def _train(rank, cls, cfg, steps, start=1, resume=None, nan_at=None, after_step=None, **opt_kw):
-    ddp = nn.parallel.DistributedDataParallel(_model())
+def _train(rank, cls, cfg, steps, start=1, resume=None, nan_at=None, after_step=None, dtype=torch.float32,
+           twice=False, **opt_kw):
+    ddp = nn.parallel.DistributedDataParallel(_model().to(dtype))
     opt = cls(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=FREEZE, **opt_kw)
     sync = lowbit_strategy.attach(ddp, [opt], cfg)
     if resume is not None:
@@ -44,6 +45,8 @@ def _train(rank, cls, cfg, steps, start=1, resume=None, nan_at=None, after_step=
         if nan_at == step and rank == 1:  # an overflow in rank 1's backward
             loss = loss * float("inf")
         loss.backward()
+        if twice:  # accumulation without no_sync: DDP's hooks run again, the second gradient counts
+            _loss(ddp, rank, step + 100).backward()
         opt.step()
         if after_step is not None:
             after_step(step, ddp, opt)
@@ -156,6 +159,16 @@ def _check_adam(rank, world_size):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), errors.pop("weights")))
     assert all(torch.equal(opt.communicator.errors[k][0], w) and torch.equal(opt.communicator.errors[k][1], s)
                for k, (w, s) in errors.items())
+
+    # two backward passes before one step: the second launch supersedes the first, as in step()
+    twice = [_train(rank, OneBitAdam, LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005,
+                                                   onebit_adam_overlap=o), STEPS, twice=True)[0] for o in (True, False)]
+    assert all(torch.equal(a, b) for a, b in zip(twice[0].parameters(), twice[1].parameters()))
+
+    # bf16 parameters (and momenta): both stages, replicas identical, weights finite
+    model, _, _ = _train(rank, OneBitAdam, LowBitConfig(algorithm="onebit_adam"), STEPS, dtype=torch.bfloat16,
+                         after_step=lambda s, m, o: _same_on_every_rank(m))
+    assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in model.parameters())
 
     # a non-1-bit optimizer under this algorithm: a clear error naming OneBitAdam
     ddp = nn.parallel.DistributedDataParallel(_model())

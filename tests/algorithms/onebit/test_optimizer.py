@@ -197,3 +197,18 @@ def test_lr_scheduler_is_read_every_step():
         p.grad = g
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, before))  # wd 0, lr 0: nothing moves
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
+def test_bf16_parameters_through_both_stages(cls):
+    model = _model().to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = cls(params, lr=LR, freeze_step=2)
+    before = [p.detach().clone() for p in params]
+    for step in range(1, 6):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g.to(torch.bfloat16)
+        opt.step()
+    assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in params)
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
+    assert not any(torch.equal(a, b) for a, b in zip(params, before))
