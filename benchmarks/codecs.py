@@ -25,6 +25,8 @@ from lowbit_strategy.codecs import (
     channel_encode,
     lp_quantize,
     majority_bits,
+    scaled_sign_compress,
+    scaled_sign_decode,
     sign_bits,
     sign_bits_packed,
     signs_from_bits,
@@ -62,6 +64,8 @@ def cases(n: int, device: torch.device):
     x = torch.randn(n, device=device)
     rows = x.view(-1, 1024)
     packed_signs = sign_bits_packed(x, 1)
+    error = torch.zeros(n, device=device)
+    scale1 = torch.ones(1, device=device)
     out = [
         (YARDSTICK, lambda: x.clone(), x.nbytes),
         ("sign_bits", lambda: sign_bits(x, 1), x.nbytes),
@@ -72,6 +76,9 @@ def cases(n: int, device: torch.device):
         ("lp_quantize p=inf 8bit", lambda: lp_quantize(x, 8, float("inf")), x.nbytes),
         ("channel_encode 1bit", lambda: channel_encode(rows, 1), x.nbytes),
         ("channel_encode 2bit", lambda: channel_encode(rows, 2), x.nbytes),
+        # 1-bit Adam/LAMB's worker step: error added, signs + scale, error updated in place
+        ("scaled_sign_compress", lambda: scaled_sign_compress(x, error), x.nbytes),
+        ("scaled_sign_decode (fp32 out)", lambda: scaled_sign_decode(packed_signs, scale1, n), x.nbytes),
     ]
     out += _vote_cases(n, device)
     for b in (1, 2, 4, 8, 16):

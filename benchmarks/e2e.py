@@ -41,8 +41,9 @@ MODEL_ARGS = ("d_model", "layers", "heads", "seq", "batch", "val_batches", "data
 
 def calibrations(configs: list[str]) -> list[str]:
     """The calibration runs the DDP-hook configurations need (one per optimizer)."""
-    opts = {CONFIGS[c][1] for c in configs if CONFIGS[c][0] in ("ddp", "fp16", "powersgd", "lowbit_bitdp",
-                                                               "lowbit_bitdp_1bit")}
+    opts = {report.CALIBRATION_OF.get(CONFIGS[c][1], CONFIGS[c][1]) for c in configs
+            if CONFIGS[c][0] in ("ddp", "fp16", "powersgd", "lowbit_bitdp", "lowbit_bitdp_1bit", "lowbit_adam",
+                                 "lowbit_lamb")}
     opts |= {CONFIGS[c][1] for c in configs if c.startswith("lowbit_lion")}  # codec overhead reference
     return [f"calib_{o}" for o in ("lion", "adamw") if o in opts]
 

@@ -88,6 +88,12 @@ def _key(r: dict):
     return (r["P"], link, r["link"], cfg)
 
 
+#: optimizers without a calibration run of their own: their comm-free bound is AdamW's (the
+#: same model and data; 1-bit Adam's compression stage costs less than AdamW per step, 1-bit
+#: LAMB's slightly more: two norms per parameter)
+CALIBRATION_OF = {"onebit_adam": "adamw", "onebit_lamb": "adamw"}
+
+
 def annotate(data: dict) -> dict:
     """Add compute/comm split, speed-up and wire ratio to every finished record (in place)."""
     ok = [r for r in data["records"] if not r.get("failed")]
@@ -95,7 +101,8 @@ def annotate(data: dict) -> dict:
     calib.update({(r["P"], r["link"], r["optimizer"]): r for r in ok if r["config"].startswith("calib_")})
     base = {(r["P"], r["link"]): r for r in ok if r["config"] == BASELINE}
     for r in ok:
-        c = calib.get((r["P"], r["link"], r["optimizer"]), calib.get((r["P"], r["optimizer"])))
+        opt = CALIBRATION_OF.get(r["optimizer"], r["optimizer"])
+        c = calib.get((r["P"], r["link"], opt), calib.get((r["P"], opt)))
         r["calib_compute_s"] = c["step_s"] if c else None
         if r["config"].startswith("calib_"):
             r.update(compute_s=r["step_s"], comm_s=0.0, split="calibration")
@@ -156,7 +163,8 @@ def _headline(records: list[dict]) -> str:
         got = {r["config"]: r for r in records if r["P"] == p and r["link"] == link and not r.get("failed")}
         b = got.get(BASELINE)
         for name in ("lowbit_lion", "lowbit_lion_1bit", "lowbit_lion_4bit", "ddp_fp16_adamw",
-                     "ddp_powersgd_adamw", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw"):
+                     "ddp_powersgd_adamw", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
+                     "lowbit_lamb"):
             r = got.get(name)
             if r and b:
                 at = max(1, min(r["steps"], b["steps"]) - 10)

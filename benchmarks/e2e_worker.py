@@ -76,6 +76,8 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lowbit_lion_fp32": ("lowbit_lion_fp32", "lion"),
     "lowbit_bitdp_adamw": ("lowbit_bitdp", "adamw"),
     "lowbit_bitdp_1bit_adamw": ("lowbit_bitdp_1bit", "adamw"),
+    "lowbit_adam": ("lowbit_adam", "onebit_adam"),
+    "lowbit_lamb": ("lowbit_lamb", "onebit_lamb"),
     "calib_lion": ("local", "lion"),
     "calib_adamw": ("local", "adamw"),
 }
@@ -245,6 +247,8 @@ def main() -> int:
     ap.add_argument("--schedule-steps", type=int, default=2000, help="cosine decay length (steps)")
     ap.add_argument("--warm", type=int, default=20, help="steps excluded from the steady-state window")
     ap.add_argument("--log-every", type=int, default=2)
+    ap.add_argument("--freeze-step", type=int, default=10,
+                    help="1-bit Adam/LAMB warm-up steps (before the steady-state window)")
     ap.add_argument("--lowbit", default="", help="LowBitConfig overrides for lowbit_* strategies: KEY=VALUE,...")
     ap.add_argument("--val-batches", type=int, default=8, help="per rank")
     ap.add_argument("--data-mb", type=float, default=6.0)
@@ -265,6 +269,7 @@ def main() -> int:
     train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch, shuffle=True, drop_last=True)
     lr = args.lr_lion if optimizer == "lion" else args.lr_adamw
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=lr, optimizer=optimizer,
+                freeze_step=args.freeze_step,
                 warmup=args.warmup_steps, total_steps=args.schedule_steps)
     stats = CommStats(prog_bar=False)
     probe = Probe(args.budget, args.warm, args.log_every, stats)

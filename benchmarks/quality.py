@@ -6,6 +6,8 @@ and step count; two CPU processes over loopback) and writes one JSON per run und
 
 * ``lion``: Lion Cub's modes. The paper's ordering to compare with (Table 2, Fig. 8):
   8-bit L1 ≈ 32-bit < sign votes ("4-bit") < 1-bit, 1-bit recovering with momentum sync.
+* ``onebit``: AdamW under DDP fp32 against 1-bit Adam and 1-bit LAMB (warm-up for the first
+  20 % of the steps). "last step" is the bytes of the final step, in the compression stage.
 * ``bitdp``: AdamW under DDP fp32 and under BitDP. The paper (Table 2): fine-grained 2-bit
   costs +0.032 training loss at 350M, 1-bit more; quantizing everything ("full 2-bit") or
   the embeddings too diverges.
@@ -51,6 +53,13 @@ SUITES = {
                                                 f"bitdp_quantize={LINEAR},wte.weight,wpe.weight"]),
         ("full 2-bit (everything)", "lowbit_bitdp", ["--optimizer", "adamw", "--lowbit", "bitdp_quantize=*"]),
     ],
+    # 1-bit Adam / LAMB: full-precision warm-up for the first 20 % of the steps, then 1-bit
+    # momenta; the goal is AdamW's loss within 1 % at >= 25x fewer bytes after the warm-up
+    "onebit": [
+        ("DDP fp32 AdamW", "ddp", ["--optimizer", "adamw"]),
+        ("1-bit Adam", "lowbit_adam", ["--optimizer", "onebit_adam"]),
+        ("1-bit LAMB", "lowbit_lamb", ["--optimizer", "onebit_lamb"]),
+    ],
 }
 
 
@@ -85,8 +94,9 @@ def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "", lr:
 
 
 def report(suite: str, tag: str = "", devices: int = 2, lr: float | None = None) -> str:
-    rows = ["| configuration | strategy | steps | val loss | train loss | KiB/step/rank | vs DDP fp32 | steps/s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| configuration | strategy | steps | val loss | train loss | KiB/step/rank | vs DDP fp32 | "
+            "last step KiB | last step vs fp32 | steps/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, strategy, _ in SUITES[suite]:
         path = _file(suite, label, tag)
         if not path.exists():
@@ -96,15 +106,18 @@ def report(suite: str, tag: str = "", devices: int = 2, lr: float | None = None)
         ratio = f"{d['fp32_bytes_per_step'] / sent:.1f}× less" if sent else "1.0× (modeled)"
         kib = sent / 1024 if sent else d["fp32_bytes_per_step"] / 1024
         loss = "diverged" if not math.isfinite(d["val_loss"]) else f"{d['val_loss']:.4f}"
+        last = d.get("last_bytes_per_step")
+        last_cells = (f"{last / 1024:.2f} | {d['fp32_bytes_per_step'] / last:.1f}× less" if last and
+                      math.isfinite(last) else "– | –")
         rows.append(f"| {label} | `{strategy}` | {d['steps']} | {loss} | {d['train_loss']:.4f} | "
-                    f"{kib:.1f} | {ratio} | {d['steps_per_s']:.2f} |")
+                    f"{kib:.1f} | {ratio} | {last_cells} | {d['steps_per_s']:.2f} |")
     table = "\n".join(rows)
     command = f"python -m benchmarks.quality --suite {suite}" + (f" ... --tag {tag}" if tag else "")
     (RESULTS / f"quality_{suite}{tag}.md").write_text(
         f"# Quality: {suite}{tag}\n\n`{command}` — examples/gpt_lion.py, "
         f"1.85M parameters, {devices} CPU processes (gloo over loopback), seed 0, batch 16 x 128 bytes per rank, "
         + (f"warm-up + cosine LR peaking at {lr:g} for every configuration" if lr else
-           "warm-up + cosine LR (Lion 1e-3, AdamW 3e-3; a configuration may set its own)")
+           "warm-up + cosine LR (Lion 1e-3, AdamW and 1-bit Adam/LAMB 3e-3; a configuration may set its own)")
         + ".\n\n" + table + "\n")
     return table
 

@@ -6,6 +6,7 @@ for validation. Model: a GPT of a few million parameters with tied embeddings.
 
     python examples/gpt_lion.py --devices 2 --max-minutes 3
     python examples/gpt_lion.py --strategy lowbit_lion_8bit --max-steps 300 --out r.json
+    python examples/gpt_lion.py --strategy lowbit_adam --optimizer onebit_adam --max-steps 300
 
 At the end the global-zero process prints the validation loss, steps/s, and the bytes it
 sent per step next to what DDP's fp32 allreduce would have sent.
@@ -82,7 +83,7 @@ class Block(nn.Module):
 
 class GPT(pl.LightningModule):
     def __init__(self, vocab=256, seq=128, d=192, layers=4, heads=4, lr=1e-3, weight_decay=0.1,
-                 optimizer="lion", warmup=50, total_steps=1000):
+                 optimizer="lion", warmup=50, total_steps=1000, freeze_step=None):
         super().__init__()
         self.save_hyperparameters()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
@@ -121,6 +122,11 @@ class GPT(pl.LightningModule):
         hp = self.hparams
         if hp.optimizer == "adamw":
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        elif hp.optimizer in ("onebit_adam", "onebit_lamb"):
+            # 1-bit Adam/LAMB: full-precision warm-up, then 1-bit momenta (freeze at 20 % by default)
+            cls = lowbit_strategy.OneBitAdam if hp.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
+            opt = cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                      freeze_step=hp.freeze_step or max(1, hp.total_steps // 5))
         else:
             opt = lowbit_strategy.Lion(self.parameters(), lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
 
@@ -153,8 +159,10 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="lowbit_lion")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--optimizer", default="lion", choices=["lion", "adamw"])
-    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for AdamW")
+    p.add_argument("--optimizer", default="lion", choices=["lion", "adamw", "onebit_adam", "onebit_lamb"],
+                   help="onebit_* need strategy lowbit_adam / lowbit_lamb")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
+    p.add_argument("--freeze-step", type=int, default=None, help="1-bit Adam/LAMB warm-up steps (default 20 %%)")
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
@@ -182,7 +190,8 @@ def main(argv=None) -> dict:
     val = DataLoader(Windows(tokens[split:], args.seq), batch_size=args.batch_size)
     steps = args.max_steps if args.max_steps > 0 else 2000
     lr = args.lr or (1e-3 if args.optimizer == "lion" else 3e-3)
-    model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=args.optimizer, total_steps=steps)
+    model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=args.optimizer, total_steps=steps,
+                freeze_step=args.freeze_step)
     stats, clock = CommStats(), Throughput()
     cbs = [stats, clock] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
     trainer = pl.Trainer(
@@ -201,6 +210,7 @@ def main(argv=None) -> dict:
         "train_loss": train_loss,
         "steps_per_s": clock.steps / clock.seconds if clock.seconds else 0.0,
         "bytes_per_step": stats.bytes_per_step, "fp32_bytes_per_step": stats.fp32_bytes_per_step,
+        "last_bytes_per_step": float(trainer.callback_metrics.get("comm/bytes_per_step", float("nan"))),
         "comm_s_per_step": stats.total_seconds / max(1, stats.steps),
     }
     if trainer.is_global_zero:
