@@ -1,4 +1,4 @@
-"""Error-compensated 1-bit codes with one scale: the compressor of 1-bit Adam / 1-bit LAMB.
+"""Error-compensated 1-bit codes with one scale (or one per block): the compressor of 1-bit Adam / 1-bit LAMB.
 
 "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with LAMB's
 Convergence Speed" (Li et al., arXiv:2104.06069), Algorithm 1, lines 7 and 10, compresses
@@ -13,6 +13,18 @@ allreduce (:mod:`lowbit_strategy.collectives.compensated`): on every worker over
 vector, and on every server over the chunk it owns. These functions are the pure parts:
 no process group, no host synchronization (the scale stays a device tensor).
 
+**Block scales** (``block=``): the same compressor on every block of ``block`` consecutive
+elements, each with its own ``s_b = ‖v_b‖₂/√n_b`` (``n_b`` = the real elements of the
+block; the last block may be partial). One scale for a whole vector is dominated by its
+largest entries: a layer whose momenta are 1000x smaller than its neighbour's is sent as
+``±s`` of the neighbour's size, and its error buffer has to carry almost all of it. The
+1-bit LAMB paper (arXiv:2104.06069, Sec. 4.3) makes the same observation about layers of
+different magnitudes sharing one scale; per-block scales make the scale granularity a
+setting of the codec rather than a side effect of how many vectors are sent. ``block``
+is a positive multiple of 8, so every byte of sign bits belongs to one block. With
+``chunk=``, blocks restart at every ``chunk`` elements (the collective's layout: no block
+straddles two ranks' chunks). ``block=None`` is the one-scale code, unchanged.
+
 Rules:
 
 * **Zeros.** ``sign(v) = +1`` for ``v >= 0``, both ``+0.0`` and ``-0.0`` (DeepSpeed's
@@ -22,8 +34,10 @@ Rules:
   ``s = 0`` and keeps a zero error.
 * **Arithmetic.** Everything is float32 whatever the input's dtype: ``v = float32(x) +
   error`` (16-bit inputs convert exactly; float64 is rounded to float32 first), the error
-  buffer is float32, ``s`` is ``torch.linalg.vector_norm(v) / math.sqrt(n)`` in float32,
-  and ``error' = v − s·sign(v)`` is rounded once per element (``s·sign`` is exact).
+  buffer is float32, ``s`` is ``torch.linalg.vector_norm(v) / math.sqrt(n)`` in float32
+  (per block: the row norms of a view of the blocks, which on CPU is the same kernel, and
+  the same floats, as the norm of each block alone), and ``error' = v − s·sign(v)`` is
+  rounded once per element (``s·sign`` is exact).
 * **Bits.** Bit 1 means +1, 0 means −1, laid out like ``bits.pack(codes, 1)``: element
   ``i`` at bit ``i % 8`` of byte ``i // 8``. Padding bits (past ``n``) are 0.
 * **Range.** The norm squares in float32 (as DeepSpeed's does), which is fast and exact to
@@ -90,11 +104,50 @@ def check_error_buffer(buf, numel: int, device: torch.device, name: str, what: s
         raise ValueError(f"{what}: {name} must be contiguous (it is updated in place)")
 
 
+def check_block(block, what: str) -> None:
+    """``ValueError`` naming ``block`` unless it is None or a positive multiple of 8."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8):
+        raise ValueError(
+            f"{what}: block must be None or a positive multiple of 8 (elements per scale; a byte of "
+            f"sign bits must not straddle two blocks), got {block!r}"
+        )
+
+
+def _block_pieces(n: int, length: int, block: int):
+    """The real elements of ``rows`` rows of ``length`` elements, cut into blocks that
+    restart at every row, as at most four strided ``(rows, blocks, block length)`` pieces:
+    ``(offset, size, stride, rows slice, blocks slice)``. Full rows' whole blocks, full
+    rows' partial last block, the partial row's whole blocks, its partial last block. A
+    constant number of pieces whatever the number of blocks: no Python loop over blocks."""
+    full_rows, rest = divmod(n, length)
+    whole, tail = divmod(length, block)
+    rest_whole, rest_tail = divmod(rest, block)
+    pieces = [
+        (0, (full_rows, whole, block), (length, block, 1), slice(0, full_rows), slice(0, whole)),
+        (whole * block, (full_rows, 1, tail), (length, tail, 1), slice(0, full_rows), slice(whole, whole + 1)),
+        (full_rows * length, (1, rest_whole, block), (length, block, 1),
+         slice(full_rows, full_rows + 1), slice(0, rest_whole)),
+        (full_rows * length + rest_whole * block, (1, 1, rest_tail), (length, rest_tail, 1),
+         slice(full_rows, full_rows + 1), slice(rest_whole, rest_whole + 1)),
+    ]
+    return [piece for piece in pieces if math.prod(piece[1])]
+
+
+def _piece(t: torch.Tensor, offset: int, size, stride) -> torch.Tensor:
+    """A strided view of 1-D contiguous ``t`` starting ``offset`` elements into it."""
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
 @torch.no_grad()
 def scaled_sign_compress(
-    x: torch.Tensor, error: torch.Tensor, *, nbytes: int | None = None
+    x: torch.Tensor,
+    error: torch.Tensor,
+    *,
+    nbytes: int | None = None,
+    block: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress ``v = x + error`` to sign bits and one scale; ``error`` becomes ``v − C[v]``.
+    """Compress ``v = x + error`` to sign bits and scales; ``error`` becomes ``v − C[v]``.
 
     1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 7 (worker) and line 10 (server), with
     ``C[v] = ‖v‖₂/√n · sign(v)`` as in the module docstring (zeros count as +1).
@@ -105,8 +158,18 @@ def scaled_sign_compress(
     least ``ceil(n / 8)`` (the default); the bits past ``n`` are 0 — the collective uses it
     to pad to whole chunks.
 
-    Returns ``(bits, scale)``: ``nbytes`` uint8 bytes and a float32 0-d tensor on ``x``'s
-    device. ``n = 0`` is allowed (a server chunk of padding only): scale 0, all bits 0.
+    ``block`` (a positive multiple of 8, or None): elements per scale. None: one scale for
+    the whole vector. Otherwise block ``b`` covers elements ``[b·block, min((b+1)·block,
+    n))`` and gets ``s_b = ‖v_b‖₂/√(its real elements)``. ``chunk`` (only with ``block``; a
+    positive multiple of 8 dividing ``8·nbytes``): blocks restart at every ``chunk``
+    elements — block ``b`` of chunk ``r`` covers ``[chunk·r + b·block, min(chunk·r +
+    (b+1)·block, chunk·(r+1), n))`` — and every chunk of the ``8·nbytes`` padded elements
+    has ``ceil(chunk/block)`` scales, 0 for blocks of padding only.
+
+    Returns ``(bits, scales)``: ``nbytes`` uint8 bytes and float32 scales on ``x``'s
+    device: a 0-d tensor (``block=None``), ``ceil(n/block)`` values (``block``), or
+    ``(8·nbytes/chunk, ceil(chunk/block))`` (``block`` and ``chunk``). ``n = 0`` is allowed
+    (a server chunk of padding only): scales 0, all bits 0.
     """
     what = "scaled_sign_compress"
     check_input(x, "x", what)
@@ -117,40 +180,93 @@ def scaled_sign_compress(
         nbytes = need
     elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < need:
         raise ValueError(f"{what}: nbytes must be an int of at least ceil(n / 8) = {need}, got {nbytes!r}")
+    check_block(block, what)
+    if chunk is not None:
+        if block is None:
+            raise ValueError(f"{what}: chunk needs block (blocks restart at every chunk)")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8 or (8 * nbytes) % chunk:
+            raise ValueError(
+                f"{what}: chunk must be a positive multiple of 8 dividing 8 * nbytes = {8 * nbytes}, got {chunk!r}"
+            )
 
     v = error.view(-1)
     v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
-    if n:
-        scale = torch.linalg.vector_norm(v) / math.sqrt(n)
+    pieces = ()
+    if block is None:
+        if n:
+            scale = torch.linalg.vector_norm(v) / math.sqrt(n)
+        else:
+            scale = torch.zeros((), dtype=torch.float32, device=x.device)
     else:
-        scale = torch.zeros((), dtype=torch.float32, device=x.device)
+        length = chunk if chunk is not None else max(n, 1)
+        rows = 8 * nbytes // chunk if chunk is not None else 1
+        per_row = -(-length // block) if n or chunk is not None else 0
+        grid = torch.zeros(rows, per_row, dtype=torch.float32, device=x.device)  # blocks of padding: 0
+        pieces = _block_pieces(n, length, block) if n else []
+        for offset, size, stride, rs, bs in pieces:
+            grid[rs, bs] = torch.linalg.vector_norm(_piece(v, offset, size, stride), dim=-1) / math.sqrt(size[2])
+        scale = grid if chunk is not None else grid.view(-1)
 
     codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
     codes[n:] = 0
     compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
     sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
-    v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
+    if block is None:
+        v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
+    else:
+        for offset, size, stride, rs, bs in pieces:  # the same, each block with its own scale
+            _piece(v, offset, size, stride).addcmul_(_piece(sign, offset, size, stride), grid[rs, bs, None], value=-1)
     del sign
     return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
 
 
-def _check_rows(bits: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bits`` as (k, c) uint8 rows and ``scales`` as (k,) float32."""
+def _check_rows(
+    bits: torch.Tensor, scales: torch.Tensor, what: str, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits`` as (k, c) uint8 rows and ``scales`` as (k,) float32, or as (k, nb) with
+    ``nb = ceil(8c / block)`` block scales per row."""
+    check_block(block, what)
     if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or bits.dim() not in (1, 2):
         raise TypeError(f"{what}: bits must be a 1-D or (k, c) uint8 tensor, got {getattr(bits, 'dtype', bits)!r}")
     rows = bits.view(1, -1) if bits.dim() == 1 else bits
     if not isinstance(scales, torch.Tensor) or not scales.dtype.is_floating_point:
         raise TypeError(f"{what}: scales must be a floating-point tensor")
-    if scales.numel() != rows.shape[0]:
-        raise ValueError(f"{what}: {rows.shape[0]} rows of bits need as many scales, got {scales.numel()}")
+    k, c = rows.shape
+    if block is None:
+        if scales.numel() != k:
+            raise ValueError(f"{what}: {k} rows of bits need as many scales, got {scales.numel()}")
+    else:
+        nb = -(-8 * c // block)
+        if scales.numel() != k * nb:
+            raise ValueError(
+                f"{what}: {k} rows of {c} bytes need {k} x ceil({8 * c}/block={block}) = {k * nb} block scales, "
+                f"got {scales.numel()}"
+            )
     if scales.device != bits.device:
         raise ValueError(f"{what}: scales are on {scales.device}, bits on {bits.device}")
-    return rows, scales.reshape(-1).float()
+    scales = scales.reshape(-1).float()
+    return rows, scales if block is None else scales.view(k, -1)
+
+
+def _byte_blocks(c: int, block: int, device: torch.device) -> torch.Tensor:
+    """(c,) int64: the block of every byte of a row (``8j // block`` for byte ``j``)."""
+    return torch.arange(0, 8 * c, 8, device=device).div_(block, rounding_mode="floor")
+
+
+def _block_tables(c: int, nb: int) -> bool:
+    """Whether a ``(256, 8)`` table per block (2048 floats) is cheap next to the ``8c``
+    floats of a row: at most an eighth of them (blocks of >= 16384 elements). Then one gather
+    per byte from the tables; otherwise a gather of ±1 times each byte's scale. Same floats."""
+    return 0 < 2048 * nb <= c
 
 
 @torch.no_grad()
 def scaled_sign_decode(
-    bits: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    dtype: torch.dtype = torch.float32,
+    block: int | None = None,
 ) -> torch.Tensor:
     """``C[v]`` back from its code: row ``r`` of ``bits`` decodes to ``scales[r] · (±1)``.
 
@@ -159,19 +275,39 @@ def scaled_sign_decode(
     decoded values, 1-D, as ``dtype``: the float32 value ``±scales[r]`` rounded to
     ``dtype``. One gather per byte from a ``(k·256, 8)`` table of the scaled signs of every
     byte value, so no per-bit unpacking and no separate scaling pass.
+
+    ``block`` (a positive multiple of 8): per-block scales, ``(k, nb)`` or ``k·nb`` values
+    with ``nb = ceil(8c/block)``; block ``b`` of row ``r`` (elements ``[b·block,
+    (b+1)·block)`` of the row, the last one partial) decodes to ``scales[r, b] · (±1)``,
+    rounded to ``dtype`` the same way. For blocks of 16384+ elements one gather per byte
+    from a table per (row, block), as without blocks; for smaller ones (where such tables
+    would outweigh the output) a gather of ±1 per byte times each byte's block scale.
     """
     what = "scaled_sign_decode"
-    rows, scales = _check_rows(bits, scales, what)
+    rows, scales = _check_rows(bits, scales, what, block)
     k, c = rows.shape
     if not 0 <= n <= 8 * k * c:
         raise ValueError(f"{what}: cannot decode n={n} values from {k} x {c} bytes")
+    if block is not None:
+        nb = scales.shape[1]
+        byte_blocks = _byte_blocks(c, block, bits.device)
+        if not _block_tables(c, nb):
+            per_byte = scales[:, byte_blocks].to(dtype)  # (k, c); ±1 · round(s) = round(±s)
+            pm1 = _pm1_table(bits.device).to(dtype)
+            out = pm1.index_select(0, rows.reshape(-1).to(torch.int32)).view(k * c, 8)
+            return out.mul_(per_byte.view(k * c, 1)).view(-1)[:n]
+        # one table per (row, block): index = (row·nb + block of the byte)·256 + byte
+        table = (scales.view(k * nb, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * nb * 256, 8)
+        index = torch.arange(0, k * nb, nb, dtype=torch.int32, device=bits.device).view(k, 1) + byte_blocks.int()
+        index = index.mul_(256).add_(rows)
+        return table.index_select(0, index.view(-1)).view(-1)[:n]
     table = (scales.view(k, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * 256, 8)
     index = torch.arange(0, 256 * k, 256, dtype=torch.int32, device=bits.device).view(k, 1) + rows
     return table.index_select(0, index.view(-1)).view(-1)[:n]
 
 
 @torch.no_grad()
-def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The mean of ``k`` decoded codes: ``Σ_r (scales[r] / k) · (±1)_r`` for all ``8c`` bits.
 
     1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 10: the server's average of the
@@ -182,12 +318,38 @@ def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     in float32, then ``((w_0·±1 + w_1·±1) + w_2·±1) + …`` in row order, one rounding per
     addition. Row by row through a per-row ``(256, 8)`` table of ``±w_r``, so the extra
     memory is one chunk of floats, independent of ``k``.
+
+    ``block`` (a positive multiple of 8): per-block scales, ``(k, nb)`` or ``k·nb`` values
+    with ``nb = ceil(8c/block)``: row ``r``'s block ``b`` weighs ``w_rb = scales[r, b] / k``.
+    Same order and roundings (``w_rb·±1`` is exact), through a table of ``±w_rb`` per
+    block (blocks of 16384+ elements) or a ±1 gather per byte times each byte's weight.
     """
-    rows, scales = _check_rows(bits, scales, "scaled_sign_mean")
+    rows, scales = _check_rows(bits, scales, "scaled_sign_mean", block)
     k, c = rows.shape
-    tables = (scales / k).view(k, 1, 1) * _pm1_table(bits.device)  # (k, 256, 8): ±w_r
     index = rows.to(torch.int32)
     acc = torch.empty(c, 8, dtype=torch.float32, device=bits.device)
+    if block is not None and _block_tables(c, scales.shape[1]):
+        # a (256, 8) table of ±w per (row, block), as below with one per row
+        nb = scales.shape[1]
+        tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(bits.device)).view(k, nb * 256, 8)
+        offsets = _byte_blocks(c, block, bits.device).to(torch.int32).mul_(256)
+        term = torch.empty_like(acc)
+        torch.index_select(tables[0], 0, offsets + index[0], out=acc)
+        for r in range(1, k):
+            torch.index_select(tables[r], 0, offsets + index[r], out=term)
+            acc.add_(term)
+        return acc.view(-1)
+    if block is not None:
+        weights = (scales / k)[:, _byte_blocks(c, block, bits.device)].unsqueeze(-1)  # (k, c, 1)
+        pm1 = _pm1_table(bits.device)
+        term = torch.empty_like(acc)
+        torch.index_select(pm1, 0, index[0], out=term)
+        torch.mul(term, weights[0], out=acc)
+        for r in range(1, k):
+            torch.index_select(pm1, 0, index[r], out=term)
+            acc.addcmul_(term, weights[r])  # acc + w·(±1): the product is exact, one rounding
+        return acc.view(-1)
+    tables = (scales / k).view(k, 1, 1) * _pm1_table(bits.device)  # (k, 256, 8): ±w_r
     torch.index_select(tables[0], 0, index[0], out=acc)
     if k > 1:
         term = torch.empty_like(acc)

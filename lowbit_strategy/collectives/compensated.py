@@ -18,6 +18,23 @@ estimate of the **mean** ``(1/P)·Σ_i x_i``:
 4. *scatter* (line 11, Sec. 5 step 3): all-gather of the packed server chunks and the P
    server scales; every rank decodes the whole result, ``s_r·sign`` chunk by chunk.
 
+**Block scales** (``block=``, a positive multiple of 8 elements): one scale per block
+instead of one per vector (worker) or chunk (server). A single scale is set by the
+largest entries it covers, so a layer whose momenta are much smaller than its
+neighbours' is sent far too large and its error buffer carries almost all of it; the
+1-bit LAMB paper (Sec. 4.3) observes this across layers. Blocks make the scale
+granularity independent of how many allreduces run (bucket size). Blocks never straddle
+chunks: block ``b`` of chunk ``r`` covers elements ``[8cr + b·block, min(8cr +
+(b+1)·block, 8c(r+1)))``, so each chunk has ``nb = ceil(8c/block)`` blocks, and a block
+scale is ``‖v_b‖₂/√(its real elements)`` (padding never counts; a block of padding only
+has scale 0). The worker compresses its vector block by block (``P·nb`` scales) and sends
+chunk r's ``nb`` scales to rank r with the signs: an **all-to-all** of the scales,
+``(P−1)·nb·4`` bytes, where an all-gather of all ``P·nb`` would send ``(P−1)·P·nb·4`` —
+P times more, for scales of chunks the receiver does not own. The server averages each
+block over ranks with that rank's block scale, adds its error, compresses each block
+again, and all-gathers signs and its ``nb`` block scales. ``block=None`` is exactly the
+one-scale collective above.
+
 The errors carry what the 1-bit codes could not say into the next call (error feedback),
 so over many calls the sum of the results tracks the sum of the true means: for inputs
 fed ``T`` times, ``Σ_t result_t = T·mean(x) − mean_i(worker_error_i) − server_error``
@@ -40,22 +57,27 @@ float32 and the scales travel as float32. The result is float32 rounded to the d
 exact values whose rounding error the error feedback has accounted for.
 
 Bytes per rank (sent = received): ``(P−1)·c`` for each of the two sign phases and
-``(P−1)·4`` for each of the two scale phases, ``2(P−1)(c+4)`` in all, about 1/32 of a
-float32 ring allreduce (``2(P−1)·4n/P``). With ``P = 1`` nothing is sent, and the same
-arithmetic runs (a 1-rank result equals the P = 1 simulation).
+``(P−1)·4·nb`` for each of the two scale phases (4 bytes per block per peer per phase;
+``nb = 1`` without blocks), ``2(P−1)(c + 4·nb)`` in all, about 1/32 of a float32 ring
+allreduce (``2(P−1)·4n/P``) plus ``1/block`` of it for the scales. With ``P = 1`` nothing
+is sent, and the same arithmetic runs (a 1-rank result equals the P = 1 simulation).
 
 State: ``worker_error`` and ``server_error`` are this rank's own (save them per rank);
 ``server_error`` describes chunk r of the vector, so it only means something for the
-same ``n`` and P. Start both as zeros (:func:`compensated_error_buffers`).
+same ``n`` and P. Start both as zeros (:func:`compensated_error_buffers`). Their sizes
+do not depend on ``block``; every rank must pass the same ``block`` (``check=True``
+compares lengths, not ``block``).
 
-Non-finite input gives non-finite scales, results and errors on every rank; check the
-input first (1-bit Adam/LAMB skip an overflowed step before compressing).
+Non-finite input gives non-finite scales, results and errors on every rank (with
+blocks: in the blocks holding it); check the input first (1-bit Adam/LAMB skip an
+overflowed step before compressing).
 """
 from __future__ import annotations
 
 import torch
 
 from lowbit_strategy.codecs.scaled_signs import (
+    check_block,
     check_error_buffer,
     check_input,
     scaled_sign_compress,
@@ -99,6 +121,7 @@ def compensated_allreduce(
     out: torch.Tensor | None = None,
     check: bool = False,
     traffic=None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """The error-compensated 1-bit estimate of the rank mean of ``x`` (module docstring).
 
@@ -110,9 +133,11 @@ def compensated_allreduce(
     ``x``'s), bit-identical on every rank. ``check=True`` adds one small collective that
     makes every rank raise when any rank passed a different length or invalid arguments
     (without it a rank raising alone leaves its peers waiting until the group's timeout).
+    ``block``: elements per scale (a positive multiple of 8, the same on every rank), or
+    None for one scale per vector and per chunk (module docstring, "Block scales").
     """
     return compensated_allreduce_start(
-        x, worker_error, server_error, group, out=out, check=check, traffic=traffic
+        x, worker_error, server_error, group, out=out, check=check, traffic=traffic, block=block
     ).wait()
 
 
@@ -126,16 +151,21 @@ class CompensatedAllreduce:
     :meth:`wait` — returns the result.
 
     :attr:`worker_scales` (after :meth:`gather`) and :attr:`server_scales` (after the
-    result is waited for) hold the P float32 scales of each phase, identical on every rank.
-    A NaN or inf in any rank's input makes its worker scale, and with it every server scale
-    of a chunk with real elements, non-finite: ``torch.isfinite(server_scales).all()`` is
+    result is waited for) hold the float32 scales of each phase. Without blocks: the P
+    worker scales and the P server scales, identical on every rank. With ``block``:
+    ``worker_scales`` is ``(P, nb)``, row i = rank i's block scales of *this* rank's chunk
+    (what the all-to-all delivered: it differs from rank to rank), and ``server_scales`` is
+    ``(P, nb)``, row r = chunk r's server block scales, identical on every rank.
+    A NaN or inf in any rank's input makes its worker scale non-finite, and with it every
+    server scale of a chunk with real elements (with blocks: the scale of the element's
+    block, and the server scale of that block): ``torch.isfinite(server_scales).all()`` is
     the same verdict on every rank, an agreement on "skip this step" with no extra
     collective (the errors have moved by then: pass copies if a skipped step must not move
     them).
     """
 
-    def __init__(self, x, server_error, out, group, p, rank, c, received, scales, futures, traffic):
-        self._shape, self._n, self._dtype = x.shape, x.numel(), x.dtype
+    def __init__(self, x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block=None):
+        self._shape, self._n, self._dtype, self._block = x.shape, x.numel(), x.dtype, block
         self._server_error, self._out, self._group = server_error, out, group
         self._p, self._rank, self._c = p, rank, c
         self._received, self._scales, self._futures, self._traffic = received, scales, futures, traffic
@@ -150,18 +180,21 @@ class CompensatedAllreduce:
             return self._pending
         for f in self._futures:
             f.wait()  # re-raises a failed collective
-        p, c, rank, n = self._p, self._c, self._rank, self._n
+        p, c, rank, n, block = self._p, self._c, self._rank, self._n, self._block
         self.worker_scales = self._scales
         # server (Algorithm 1, line 10): mean of the P decoded chunks, + error, compress again
-        mean = scaled_sign_mean(self._received.view(p, c), self._scales)
+        mean = scaled_sign_mean(self._received.view(p, c), self._scales, block)
         real = max(0, min(8 * c, n - 8 * c * rank))  # elements of this chunk that are not padding
-        bits, scale = scaled_sign_compress(mean[:real], self._server_error.view(-1)[:real], nbytes=c)
+        bits, scale = scaled_sign_compress(
+            mean[:real], self._server_error.view(-1)[:real], nbytes=c, block=block,
+            chunk=None if block is None else 8 * c,  # (1, nb): padding blocks get 0
+        )
         del mean
         every_bits = torch.empty(p * c, dtype=torch.uint8, device=bits.device)
-        every_scales = torch.empty(p, dtype=torch.float32, device=bits.device)
+        every_scales = torch.empty(p, scale.numel(), dtype=torch.float32, device=bits.device)
         f_bits = g.all_gather_async(every_bits, bits, self._group, "compensated.server_signs", self._traffic)
         f_scales = g.all_gather_async(
-            every_scales, scale.reshape(1), self._group, "compensated.server_scales", self._traffic
+            every_scales.view(-1), scale.reshape(-1), self._group, "compensated.server_scales", self._traffic
         )
         shape, out = self._shape, self._out
         dtype = self._dtype if out is None else out.dtype
@@ -169,8 +202,8 @@ class CompensatedAllreduce:
         def finish() -> torch.Tensor:
             f_bits.value()  # re-raise either failure
             f_scales.value()
-            self.server_scales = every_scales
-            result = scaled_sign_decode(every_bits.view(p, c), every_scales, n, dtype)
+            self.server_scales = every_scales if block is not None else every_scales.view(p)
+            result = scaled_sign_decode(every_bits.view(p, c), every_scales, n, dtype, block)
             if out is None:
                 return result.view(shape)
             out.view(-1).copy_(result)
@@ -185,7 +218,8 @@ class CompensatedAllreduce:
         return self.gather().wait()
 
 
-def _validate(x, worker_error, server_error, out, p: int) -> None:
+def _validate(x, worker_error, server_error, out, p: int, block) -> None:
+    check_block(block, _WHAT)
     check_input(x, "x", _WHAT)
     n = x.numel()
     if n == 0:
@@ -214,6 +248,7 @@ def compensated_allreduce_start(
     out: torch.Tensor | None = None,
     check: bool = False,
     traffic=None,
+    block: int | None = None,
 ) -> CompensatedAllreduce:
     """Start :func:`compensated_allreduce`: compress this rank's ``x`` (``worker_error`` is
     updated before this returns, ``x`` is no longer needed) and launch the all-to-all of
@@ -226,7 +261,7 @@ def compensated_allreduce_start(
     """
     p = g.world_size(group)
     try:
-        _validate(x, worker_error, server_error, out, p)
+        _validate(x, worker_error, server_error, out, p, block)
     except (TypeError, ValueError) as e:
         if not check:
             raise
@@ -244,11 +279,15 @@ def compensated_allreduce_start(
     rank = g.rank(group)
     c = chunk_bytes(x.numel(), p)
     # worker (Algorithm 1, line 7), padded to P chunks of c bytes
-    bits, scale = scaled_sign_compress(x, worker_error, nbytes=p * c)
+    bits, scale = scaled_sign_compress(x, worker_error, nbytes=p * c, block=block,
+                                       chunk=None if block is None else 8 * c)
     received = torch.empty_like(bits)
-    scales = torch.empty(p, dtype=torch.float32, device=bits.device)
-    futures = (
-        g.all_to_all_async(received, bits, group, "compensated.signs", traffic),
-        g.all_gather_async(scales, scale.reshape(1), group, "compensated.scales", traffic),
-    )
-    return CompensatedAllreduce(x, server_error, out, group, p, rank, c, received, scales, futures, traffic)
+    f_signs = g.all_to_all_async(received, bits, group, "compensated.signs", traffic)
+    if block is None:  # one scale: every rank needs it
+        scales = torch.empty(p, dtype=torch.float32, device=bits.device)
+        f_scales = g.all_gather_async(scales, scale.reshape(1), group, "compensated.scales", traffic)
+    else:  # (P, nb) block scales: rank r needs chunk r's row only, so an all-to-all
+        scales = torch.empty_like(scale)
+        f_scales = g.all_to_all_async(scales.view(-1), scale.view(-1), group, "compensated.scales", traffic)
+    futures = (f_signs, f_scales)
+    return CompensatedAllreduce(x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block)

@@ -54,7 +54,10 @@ def full_allreduce_start(
 
 
 def compensated_allreduce_reference(
-    inputs: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor]
+    inputs: list[torch.Tensor],
+    worker_errors: list[torch.Tensor],
+    server_errors: list[torch.Tensor],
+    block: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Single-process simulation of :func:`~lowbit_strategy.collectives.compensated.compensated_allreduce`
     on ``P = len(inputs)`` ranks: the oracle its tests compare with, bit for bit.
@@ -66,10 +69,20 @@ def compensated_allreduce_reference(
     elements, plus that chunk's server error, compressed the same way. Float32 throughout,
     in the order the collective documents.
 
+    ``block``: the collective's block scales, by plain loops over ranks, chunks and
+    blocks: block ``b`` of chunk ``r`` is elements ``[chunk·r + b·block, min(chunk·r +
+    (b+1)·block, chunk·(r+1), n))``, compressed on its own (``s = ‖v_b‖₂/√(its length)``)
+    on every worker and again on the server of chunk ``r``, the mean of a block weighting
+    each rank's signs by that rank's scale of the block. A block with no real element
+    sends nothing. Bit-exact with the collective on CPU, where the norm of one block alone
+    and the row norms the codec takes of many blocks run the same kernel.
+
     Arguments are not modified. Returns ``(outputs, new_worker_errors, new_server_errors)``:
     every rank's result (all equal; ``x``'s dtype and shape), and the error buffers the
     collective leaves on each rank (float32, ``n`` and ``8·ceil(n/(8P))`` elements).
     """
+    if block is not None:
+        return _compensated_blocks_reference(inputs, worker_errors, server_errors, block)
     p = len(inputs)
     n = inputs[0].numel()
     chunk = 8 * (-(-n // (8 * p)))
@@ -105,4 +118,58 @@ def compensated_allreduce_reference(
         new_server_errors.append(server_error)
 
     result = torch.cat(pieces).to(inputs[0].dtype).view(inputs[0].shape)
+    return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
+
+
+def _compensated_blocks_reference(inputs, worker_errors, server_errors, block: int):
+    """:func:`compensated_allreduce_reference` with block scales: one loop iteration per
+    rank, chunk and block, each block a separate 1-D vector."""
+    p = len(inputs)
+    n = inputs[0].numel()
+    chunk = 8 * (-(-n // (8 * p)))
+    blocks = -(-chunk // block)
+    device = inputs[0].device
+
+    def spans(r: int):
+        """The real elements of every block of chunk r: (block index, lo, hi) with lo < hi."""
+        for b in range(blocks):
+            lo = r * chunk + b * block
+            hi = min(lo + block, (r + 1) * chunk, n)
+            if lo < hi:
+                yield b, lo, hi
+
+    def compress(v: torch.Tensor):
+        sign = torch.where(v >= 0, 1.0, -1.0)
+        scale = torch.linalg.vector_norm(v) / math.sqrt(v.numel())
+        return scale * sign, scale, sign, v - scale * sign
+
+    # worker: every rank, every chunk, every block on its own
+    signs, scales, new_worker_errors = [], [], []
+    for x, e in zip(inputs, worker_errors):
+        v = x.reshape(-1).to(torch.float32) + e.reshape(-1)
+        sign = torch.empty(n, device=device)
+        error = torch.empty(n, device=device)
+        block_scales = {}
+        for r in range(p):
+            for b, lo, hi in spans(r):
+                _, block_scales[r, b], sign[lo:hi], error[lo:hi] = compress(v[lo:hi])
+        signs.append(sign)
+        scales.append(block_scales)
+        new_worker_errors.append(error)
+
+    # server of chunk r: per block, the rank-ordered mean weighted by each rank's block scale
+    result = torch.empty(n, device=device)
+    new_server_errors = []
+    for r in range(p):
+        server_error = torch.zeros(chunk, dtype=torch.float32, device=device)
+        for b, lo, hi in spans(r):
+            mean = None
+            for i in range(p):  # rank order
+                term = (scales[i][r, b] / p) * signs[i][lo:hi]
+                mean = term if mean is None else mean + term
+            y = mean + server_errors[r].reshape(-1)[lo - r * chunk: hi - r * chunk]
+            result[lo:hi], _, _, server_error[lo - r * chunk: hi - r * chunk] = compress(y)
+        new_server_errors.append(server_error)
+
+    result = result.to(inputs[0].dtype).view(inputs[0].shape)
     return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors

@@ -193,3 +193,186 @@ def test_bad_inputs_name_the_argument():
         scaled_sign_mean(torch.zeros(2, 1, dtype=torch.uint8), torch.ones(3))
     with pytest.raises(ValueError, match="cannot decode n=17"):
         scaled_sign_decode(torch.zeros(2, dtype=torch.uint8), torch.ones(1), 17)
+
+
+# ---- block scales ------------------------------------------------------------------------
+
+def brute_block_spans(n: int, block: int, chunk: int | None, nbytes: int):
+    """(row, block, lo, hi) of every block, written out: blocks restart at every chunk."""
+    length = chunk if chunk is not None else n
+    rows = 8 * nbytes // chunk if chunk is not None else 1
+    per_row = -(-length // block) if chunk is not None or n else 0
+    return [(r, b, r * length + b * block, min(r * length + (b + 1) * block, (r + 1) * length, n))
+            for r in range(rows) for b in range(per_row)]
+
+
+BLOCKS = [8, 16, 24, 64, 1024]
+
+
+@settings(max_examples=200)
+@given(vectors, st.data(), st.sampled_from(BLOCKS), st.sampled_from([None, 8, 16, 24, 40]),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_block_compress_matches_brute_force(xs, data, block, chunk, dtype):
+    n = len(xs)
+    x = torch.tensor(xs, dtype=torch.float32).to(dtype)
+    e = torch.tensor(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=torch.float32)
+    e_before = e.clone()
+    nbytes = -(-n // 8)
+    if chunk is not None:  # a whole number of chunks, sometimes one more of padding only
+        nbytes = (-(-nbytes * 8 // chunk) + data.draw(st.integers(0, 1))) * chunk // 8
+        nbytes = max(nbytes, chunk // 8)
+
+    bits, scales = scaled_sign_compress(x, e, nbytes=nbytes, block=block, chunk=chunk)
+
+    v, signs, packed, _ = brute_compress(x.float().tolist(), e_before.tolist(), nbytes)
+    assert bits.tolist() == packed  # the signs do not depend on the scales
+    spans = brute_block_spans(n, block, chunk, nbytes)
+    if chunk is None:
+        assert scales.shape == (-(-n // block),)
+        grid = scales.view(1, -1)
+    else:
+        assert scales.shape == (8 * nbytes // chunk, -(-chunk // block))
+        grid = scales
+    assert scales.dtype == torch.float32
+    expected = [0.0] * n
+    for r, b, lo, hi in spans:
+        s = grid[r, b].item()
+        if lo >= hi:  # padding only
+            assert s == 0.0
+            continue
+        block_v = torch.tensor(v[lo:hi])
+        # the same float32 as this block's norm on its own (the collective's oracle relies on it)
+        assert s == (torch.linalg.vector_norm(block_v) / math.sqrt(hi - lo)).item()
+        assert s == pytest.approx(math.sqrt(sum(a * a for a in v[lo:hi]) / (hi - lo)), rel=(hi - lo + 2) * 2.0**-24)
+        for i in range(lo, hi):
+            expected[i] = f32(v[i] - s * signs[i])
+    assert e.tolist() == expected
+    # decoding gives s_b·sign back: the error is v minus exactly that
+    rows = bits.view(-1, chunk // 8) if chunk is not None else bits
+    decoded = scaled_sign_decode(rows, scales, n, block=block)
+    assert decoded.tolist() == [grid[r, b].item() * signs[i] for r, b, lo, hi in spans for i in range(lo, hi)]
+
+
+def test_block_none_keeps_one_0d_scale_and_a_block_covering_everything_gives_the_same_code():
+    x, e1, e2 = torch.randn(100), torch.zeros(100), torch.zeros(100)
+    bits1, scale = scaled_sign_compress(x, e1)
+    bits2, scales = scaled_sign_compress(x, e2, block=104)
+    assert scale.dim() == 0 and scales.shape == (1,)
+    assert torch.equal(bits1, bits2) and torch.equal(scale, scales[0]) and torch.equal(e1, e2)
+    assert torch.equal(scaled_sign_decode(bits1, scale, 100), scaled_sign_decode(bits2, scales, 100, block=104))
+
+
+def test_block_scales_beat_one_scale_when_magnitudes_differ():
+    """A vector whose halves differ 1000x in magnitude (two layers in one bucket): one scale
+    is set by the large half and sends the small half ~1000x too large; a scale per half
+    sends each half at its own size."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(512, generator=gen) * 1000, torch.randn(512, generator=gen)])
+    e_one, e_blocks = torch.zeros(1024), torch.zeros(1024)
+    scaled_sign_compress(x, e_one)
+    _, scales = scaled_sign_compress(x, e_blocks, block=512)
+    assert scales[0] > 500 * scales[1]
+    # e = v - C[v]: the compression error, overall and on the small half
+    assert e_blocks.norm() < 0.75 * e_one.norm()
+    small = x[512:].norm()
+    assert e_blocks[512:].norm() < small  # about 0.6·‖x_small‖
+    assert e_one[512:].norm() > 300 * small  # the large scale, sent where it does not belong
+
+
+@st.composite
+def block_coded_rows(draw):
+    k = draw(st.integers(1, 5))
+    c = draw(st.integers(0, 9))
+    block = draw(st.sampled_from([8, 16, 24, 64]))
+    nb = -(-8 * c // block)
+    rows = [draw(st.lists(st.integers(0, 255), min_size=c, max_size=c)) for _ in range(k)]
+    scales = [draw(st.lists(st.floats(0, 1e6, width=32), min_size=nb, max_size=nb)) for _ in range(k)]
+    return rows, scales, block
+
+
+def _expand(scales_row: list[float], c: int, block: int) -> list[float]:
+    """One scale per element of a row of c bytes: element j is in block j // block."""
+    return [scales_row[j // block] for j in range(8 * c)]
+
+
+def brute_decode_blocks(rows, scales, block, n):
+    out = []
+    for row, srow in zip(rows, scales):
+        per = _expand(srow, len(row), block)
+        bits_ = [byte >> bit & 1 for byte in row for bit in range(8)]
+        out += [s if b else -s for s, b in zip(per, bits_)]
+    return out[:n]
+
+
+@given(block_coded_rows(), st.data(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_block_decode_matches_brute_force(coded, data, dtype):
+    rows, scales, block = coded
+    k, c = len(rows), len(rows[0])
+    n = data.draw(st.integers(0, 8 * k * c))
+    bits = torch.tensor(rows, dtype=torch.uint8).view(k, c)
+    expected = torch.tensor(brute_decode_blocks(rows, scales, block, n), dtype=torch.float32).to(dtype)
+    grid = torch.tensor(scales, dtype=torch.float32).view(k, -1)
+    for s in (grid, grid.view(-1)):  # (k, nb) or flat
+        got = scaled_sign_decode(bits, s, n, dtype, block=block)
+        assert got.dtype == dtype and got.shape == (n,)
+        assert torch.equal(got, expected)
+
+
+@given(block_coded_rows())
+def test_block_mean_matches_brute_force_in_rank_order(coded):
+    rows, scales, block = coded
+    k, c = len(rows), len(rows[0])
+    got = scaled_sign_mean(torch.tensor(rows, dtype=torch.uint8).view(k, c),
+                           torch.tensor(scales, dtype=torch.float32).view(k, -1), block=block)
+    assert got.dtype == torch.float32 and got.shape == (8 * c,)
+    decoded = [brute_decode_blocks([row], [[f32(s / k) for s in srow]], block, 8 * c)
+               for row, srow in zip(rows, scales)]
+    expected = []
+    for i in range(8 * c):
+        acc = decoded[0][i]
+        for r in range(1, k):
+            acc = f32(acc + decoded[r][i])
+        expected.append(acc)
+    assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("block", [0, -8, 4, 12, 8.0, True, "8"])
+def test_bad_block_names_block(block):
+    match = "block must be None or a positive multiple of 8"
+    with pytest.raises(ValueError, match=match):
+        scaled_sign_compress(torch.ones(16), torch.zeros(16), block=block)
+    with pytest.raises(ValueError, match=match):
+        scaled_sign_decode(torch.zeros(2, dtype=torch.uint8), torch.ones(2), 16, block=block)
+    with pytest.raises(ValueError, match=match):
+        scaled_sign_mean(torch.zeros(1, 2, dtype=torch.uint8), torch.ones(2), block=block)
+
+
+def test_bad_chunk_and_block_scale_counts():
+    with pytest.raises(ValueError, match="chunk needs block"):
+        scaled_sign_compress(torch.ones(16), torch.zeros(16), chunk=8)
+    with pytest.raises(ValueError, match=r"chunk must be a positive multiple of 8 dividing 8 \* nbytes = 24"):
+        scaled_sign_compress(torch.ones(16), torch.zeros(16), nbytes=3, block=8, chunk=16)
+    with pytest.raises(ValueError, match=r"2 rows of 3 bytes need 2 x ceil\(24/block=16\) = 4 block scales, got 2"):
+        scaled_sign_decode(torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2), 48, block=16)
+    with pytest.raises(ValueError, match="need 2 x"):
+        scaled_sign_mean(torch.zeros(2, 3, dtype=torch.uint8), torch.ones(3), block=16)
+
+
+@pytest.mark.parametrize("c, block", [(10_000, 65_536), (700, 64)])  # tables per block / ±1 times each byte's scale
+def test_large_blocks_decode_and_mean_the_same_floats(c, block):
+    """Blocks of 16384+ elements decode through a table per block, smaller ones through a
+    ±1 gather times each byte's scale: both give the per-element formula's floats exactly
+    (here with a partial last block: 80000 = 65536 + 14464)."""
+    gen = torch.Generator().manual_seed(1)
+    k, nb = 3, -(-8 * c // block)
+    rows = torch.randint(0, 256, (k, c), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(k, nb, generator=gen) * 10
+    signs = ((rows.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(k, 8 * c).float() * 2 - 1
+    per_element = scales.repeat_interleave(block, dim=1)[:, : 8 * c]
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = (per_element * signs).view(-1).to(dtype)
+        assert torch.equal(scaled_sign_decode(rows, scales, k * 8 * c - 5, dtype, block=block), expected[:-5])
+    acc = (per_element[0] / k) * signs[0]
+    for r in range(1, k):
+        acc = acc + (per_element[r] / k) * signs[r]
+    assert torch.equal(scaled_sign_mean(rows, scales, block=block), acc)

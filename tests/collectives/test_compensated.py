@@ -1,5 +1,6 @@
 """compensated_allreduce on real gloo process groups, P = 1, 2, 3, 4, against the
-single-process simulation ``compensated_allreduce_reference``.
+single-process simulation ``compensated_allreduce_reference``, with one scale per vector
+and chunk (``block=None``) and with block scales.
 
 One 4-process world serves every P: subgroups of 1, 2 and 3 ranks (with ranks that are not
 0..P-1) and the default group. Every rank rebuilds all ranks' inputs from a seed, runs the
@@ -43,13 +44,19 @@ def _zeros(p: int, n: int):
     return [torch.zeros(n) for _ in range(p)], [torch.zeros(chunk) for _ in range(p)]
 
 
-def _expected_traffic(n: int, p: int) -> dict[str, int]:
+#: block sizes: one byte, two, a non-power of two, a few bytes, more than most n here
+BLOCKS = (8, 16, 24, 64, 1024)
+
+
+def _expected_traffic(n: int, p: int, block: int | None = None) -> dict[str, int]:
+    """The documented bytes: (P-1)·c per sign phase, 4 bytes per block per peer per scale phase."""
     c = -(-n // (8 * p))
+    nb = 1 if block is None else -(-8 * c // block)
     return {
         "compensated.signs": (p - 1) * c,
-        "compensated.scales": (p - 1) * 4,
+        "compensated.scales": (p - 1) * 4 * nb,
         "compensated.server_signs": (p - 1) * c,
-        "compensated.server_scales": (p - 1) * 4,
+        "compensated.server_scales": (p - 1) * 4 * nb,
     }
 
 
@@ -85,6 +92,56 @@ def _check_matches_simulation(rank, p, group):
         chunk = server_chunk_length(n, p)
         real = max(0, min(chunk, n - rank * chunk))
         assert not server_error[real:].any(), f"n={n}: padding error must stay 0"
+
+
+def _check_blocks_match_simulation(rank, p, group):
+    for block in BLOCKS:
+        for n in LENGTHS:  # all of them < 1024: one partial block per chunk
+            ref_worker, ref_server = _zeros(p, n)
+            worker_error, server_error = compensated_error_buffers(torch.zeros(n), group)
+            for call in range(2):  # the errors carry over
+                inputs = _inputs(n * 10 + call + 7, p, n)
+                outputs, ref_worker, ref_server = compensated_allreduce_reference(
+                    inputs, ref_worker, ref_server, block=block)
+                with recording() as traffic:
+                    handle = compensated_allreduce_start(inputs[rank], worker_error, server_error, group, block=block)
+                    got = handle.wait()
+                where = f"block={block} n={n} call={call}"
+                assert torch.equal(got, outputs[rank]), where
+                assert torch.equal(worker_error, ref_worker[rank]), where
+                assert torch.equal(server_error, ref_server[rank]), where
+                assert traffic.by_op() == _expected_traffic(n, p, block), where
+            nb = -(-server_chunk_length(n, p) // block)
+            assert handle.worker_scales.shape == (p, nb) and handle.server_scales.shape == (p, nb), where
+            assert _same_on_every_rank(handle.server_scales, p, group), where
+            assert _same_on_every_rank(got, p, group), where
+            chunk = server_chunk_length(n, p)
+            real = max(0, min(chunk, n - rank * chunk))
+            assert not server_error[real:].any(), f"{where}: padding error must stay 0"
+            # scales of blocks with no real element are 0 (the last chunks of a short vector)
+            blocks_real = -(-real // block)
+            assert not handle.worker_scales[:, blocks_real:].any(), where
+
+    # one scale set by the large half of every vector vs. a scale per half: a smaller error
+    n, block = 1024 * p, 512
+    big = torch.arange(n) % 1024 < 512
+    inputs = [x * torch.where(big, 1000.0, 1.0) for x in _inputs(5, p, n)]
+    target = torch.stack(inputs).mean(0)
+    results = {}
+    for b in (None, block):
+        we, se = compensated_error_buffers(inputs[rank], group)
+        results[b] = compensated_allreduce(inputs[rank], we, se, group, block=b)
+    err_one, err_blocks = ((results[b] - target)[~big].norm() for b in (None, block))
+    assert err_blocks < target[~big].norm() < err_one / 100, (err_blocks, err_one)
+
+    # a NaN on one rank: the block scales still tell every rank
+    x = torch.randn(777)
+    if rank == p - 1:
+        x[700] = float("nan")
+    handle = compensated_allreduce_start(x, *compensated_error_buffers(x, group), group, block=24)
+    handle.wait()
+    assert not torch.isfinite(handle.server_scales).all()
+    assert torch.isfinite(handle.server_scales).sum() == handle.server_scales.numel() - 1  # one block only
 
 
 def _check_traffic_ratio(rank, p, group):
@@ -126,6 +183,13 @@ def _check_async_out_and_bf16(rank, p, group):
     handle.wait()
     assert not torch.isfinite(handle.worker_scales).all() and not torch.isfinite(handle.server_scales).all()
 
+    # one-scale and block allreduces in flight together, gathered in start order
+    start_a = compensated_allreduce_start(a[rank], *compensated_error_buffers(a[rank], group), group, block=16)
+    start_b = compensated_allreduce_start(b[rank], *compensated_error_buffers(b[rank], group), group)
+    start_a.gather(), start_b.gather()
+    assert torch.equal(start_b.wait(), compensated_allreduce_reference(b, *_zeros(p, n))[0][rank])
+    assert torch.equal(start_a.wait(), compensated_allreduce_reference(a, *_zeros(p, n), block=16)[0][rank])
+
     # out= the input itself (a momentum buffer updated in place)
     inputs = _inputs(3, p, n)
     x = inputs[rank].clone()
@@ -150,7 +214,7 @@ def _check_async_out_and_bf16(rank, p, group):
     assert torch.equal(got16, ref32[rank].bfloat16())
 
 
-def _running_mean_error(rank, p, group, n, iterations, feedback):
+def _running_mean_error(rank, p, group, n, iterations, feedback, block=None):
     """Relative distance of the running mean of the results from the exact input mean after
     each of ``iterations`` calls on the same inputs, and the final error buffers."""
     inputs = _inputs(99, p, n, torch.float32)
@@ -162,14 +226,15 @@ def _running_mean_error(rank, p, group, n, iterations, feedback):
         if not feedback:
             worker_error.zero_()
             server_error.zero_()
-        total += compensated_allreduce(inputs[rank], worker_error, server_error, group).double()
+        total += compensated_allreduce(inputs[rank], worker_error, server_error, group, block=block).double()
         errors.append(float((total / t - target).norm() / target.norm()))
     return errors, target, total, worker_error, server_error
 
 
-def _check_error_feedback(rank, p, group):
+def _check_error_feedback(rank, p, group, block=None):
     n, iterations = 1000, 200
-    errors, target, total, worker_error, server_error = _running_mean_error(rank, p, group, n, iterations, True)
+    errors, target, total, worker_error, server_error = _running_mean_error(
+        rank, p, group, n, iterations, True, block)
     # telescoping: sum of results = T·mean(x) − mean_i(worker_error_i) − server errors (real parts)
     every_worker = torch.empty(p * n)
     g.all_gather(every_worker, worker_error, group, "test.worker_errors")
@@ -181,7 +246,7 @@ def _check_error_feedback(rank, p, group):
     # the running mean converges like 1/T; without error feedback it stays ~half the mean away
     assert errors[-1] < 0.03, errors[-1]
     assert errors[-1] < errors[19] / 5, (errors[19], errors[-1])
-    plain, *_ = _running_mean_error(rank, p, group, n, 20, False)
+    plain, *_ = _running_mean_error(rank, p, group, n, 20, False, block)
     assert plain[-1] > 0.3 and plain[-1] > 10 * errors[-1], (plain[-1], errors[-1])
 
 
@@ -206,6 +271,10 @@ def _check_bad_input(rank, p, group):
     assert not we.any() and not se.any(), "rejected calls must not touch the error buffers"
     with pytest.raises(ValueError, match="n must be a positive int"):
         server_chunk_length(0, 2)
+    for block in (0, 12, -8, 8.0, True):
+        with pytest.raises(ValueError, match="block must be None or a positive multiple of 8"):
+            compensated_allreduce(x, we, se, group, block=block)
+    assert not we.any() and not se.any(), "rejected calls must not touch the error buffers"
     if p > 1:
         # check=True: a different length on one rank, or a bad buffer on one rank, raises on all
         n = 10 + (rank == 1)
@@ -215,16 +284,20 @@ def _check_bad_input(rank, p, group):
         bad = torch.zeros(se.numel() + 8) if rank == 1 else se
         with pytest.raises(ValueError, match="server_error must hold" if rank == 1 else r"rank\(s\) \[1\]"):
             compensated_allreduce(x, we, bad, group, check=True)
+        with pytest.raises(ValueError, match="block must be None" if rank == 1 else r"rank\(s\) \[1\]"):
+            compensated_allreduce(x, we, se, group, check=True, block=12 if rank == 1 else 16)
 
 
 #: name -> (check, the P it runs on). Error feedback runs 220 calls: on P = 1 and P = 3
-#: (non-power of two, padding in the last chunk) to keep the test fast.
+#: (non-power of two, padding in the last chunk), with blocks on P = 2, to keep the test fast.
 SUITES = {
     "matches simulation": (_check_matches_simulation, (1, 2, 3, 4)),
+    "blocks match simulation": (_check_blocks_match_simulation, (1, 2, 3, 4)),
     "traffic ratio": (_check_traffic_ratio, (1, 2, 3, 4)),
     "async, out and bf16": (_check_async_out_and_bf16, (1, 2, 3, 4)),
     "bad input": (_check_bad_input, (1, 2, 3, 4)),
     "error feedback": (_check_error_feedback, (1, 3)),
+    "error feedback, blocks": (lambda rank, p, group: _check_error_feedback(rank, p, group, block=64), (2,)),
 }
 
 

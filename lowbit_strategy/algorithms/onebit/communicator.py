@@ -13,7 +13,10 @@ Algorithm 1 lines 7-13). Two ways in, with the same result bit for bit:
 
 Buckets are the optimizer's own fixed layout (not DDP's buckets, which DDP rebuilds after
 its first iteration): the compressed result depends on which elements share a scale, so a
-fixed layout keeps overlap on and off, and a resumed run, bit for bit the same. Error
+fixed layout keeps overlap on and off, and a resumed run, bit for bit the same. ``block``
+(elements per scale, a multiple of 8; None: one scale per bucket) cuts every bucket into
+blocks with their own scales, so the scale granularity does not depend on the bucket
+size (the collective's "Block scales"). Error
 buffers are rank-local state, one (worker, server) pair per bucket, keyed by the bucket's
 parameter indices in the optimizer. A step's new errors are only *committed*
 (:meth:`commit`) once the optimizer has decided to apply the step: a skipped step (NaN/Inf
@@ -30,6 +33,7 @@ import torch
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.codecs.scaled_signs import check_block
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.compensated import compensated_allreduce_start, compensated_error_buffers
 
@@ -50,8 +54,11 @@ class _Job:
 class OneBitCommunicator:
     """Process group + error buffers: synchronizes momenta with the compensated 1-bit allreduce."""
 
-    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False):
+    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, block: int | None = None):
+        check_block(block, "OneBitCommunicator")
         self.group = group
+        #: elements per scale block of the compressed allreduce (None: one scale per bucket)
+        self.block = block
         self.world_size = g.world_size(group)
         #: elements per bucket of the optimizer's fixed layout
         self.bucket_numel = buckets.bucket_numel(bucket_size_mb)
@@ -74,7 +81,7 @@ class OneBitCommunicator:
             # work on copies: the step may still be skipped, and then the errors must not move
             worker, server = saved[0].clone(), saved[1].clone()
         handle = compensated_allreduce_start(flat, worker, server, self.group, out=flat, check=self.debug,
-                                             traffic=self.traffic)
+                                             traffic=self.traffic, block=self.block)
         return _Job(key, list(momenta), flat, (worker, server), handle)
 
     def _finish(self, jobs: Sequence[_Job]) -> tuple[list[list[torch.Tensor]], bool]:
