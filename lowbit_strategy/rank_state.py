@@ -7,7 +7,8 @@ Each algorithm's :meth:`~lowbit_strategy.algorithms.Sync.state_dict` is this ran
 stored in the checkpoint under :data:`KEY`; :func:`pick` hands each rank its own back.
 Same world size: each rank gets exactly its own buffers, so a resume continues bit for
 bit. Another world size: the algorithm's ``merge_states`` builds one state for every rank
-(the mean, for momenta and residuals), with a logged warning; never a silent mismatch.
+(the mean, for momenta and residuals; 1-bit Adam/LAMB restart their errors at 0), with a
+logged warning quoting its rule; never a silent mismatch.
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def gather(obj: Any, group=None) -> dict[str, Any] | None:
 
 def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any], what: str) -> Any:
     """This rank's own state from a :func:`gather` entry; at another world size
-    ``merge(states)`` of all saved ranks, with a warning naming ``what``."""
+    ``merge(states)`` of all saved ranks, with a warning naming ``what`` and quoting the
+    merge's docstring (its rule)."""
     if entry["world_size"] == world_size:
         return entry["states"][rank]
-    logger.warning(
-        "lowbit: checkpoint written with world size %d, resuming with %d; %s are reset to their "
-        "mean over the saved ranks", entry["world_size"], world_size, what,
-    )
+    rule = " ".join((merge.__doc__ or "merged by the algorithm's rule").split())
+    logger.warning("lowbit: checkpoint written with world size %d, resuming with %d; %s: %s",
+                   entry["world_size"], world_size, what, rule)
     return merge(entry["states"])

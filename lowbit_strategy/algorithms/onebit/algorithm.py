@@ -80,7 +80,8 @@ class OneBitSync(Sync):
         self.optimizers = list(optimizers)
         self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
         for opt in self.optimizers:
-            opt.attach_communicator(OneBitCommunicator(self.group, self.config.bucket_size_mb, self.config.debug))
+            opt.attach_communicator(OneBitCommunicator(self.group, self.config.bucket_size_mb, self.config.debug,
+                                                       block=self.section.scale_block))
 
     def detach(self) -> None:
         self._owner = {}

@@ -53,7 +53,7 @@ def _train(rank, cls, cfg, steps, start=1, resume=None, nan_at=None, after_step=
     return ddp, opt, sync
 
 
-def _simulate(world_size, cls, layout, steps, switch, **opt_kw):
+def _simulate(world_size, cls, layout, steps, switch, block=None, **opt_kw):
     """Algorithm 1's compression stage in one process, from ``switch`` = (weights, optimizer
     state) of the run at the end of its warm-up (which is checked against DDP + AdamW on its
     own: gloo's summation order of 3 ranks cannot be replayed here). ``layout`` = the
@@ -85,7 +85,8 @@ def _simulate(world_size, cls, layout, steps, switch, **opt_kw):
                 if worker[key][r] is None:
                     worker[key][r] = torch.zeros(n)
                     server[key][r] = torch.zeros(server_chunk_length(n, world_size))
-            outs, worker[key], server[key] = compensated_allreduce_reference(local, worker[key], server[key])
+            outs, worker[key], server[key] = compensated_allreduce_reference(local, worker[key], server[key],
+                                                                             block=block)
             with torch.no_grad():  # the optimizer's own per-parameter update, as its step() runs it
                 for i, m in zip(bucket, torch.split(outs[0], [params[i].numel() for i in bucket])):
                     opt._compressed(opt.param_groups[0], params[i], m.view_as(params[i]), step)
@@ -116,7 +117,8 @@ def _check_adam(rank, world_size):
 
     finals = []
     for overlap in (False, True):
-        cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005, onebit_adam_overlap=overlap)
+        cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005, onebit_adam_overlap=overlap,
+                           onebit_adam_scale_block=16)
         sent, switch = [], []
 
         def count(step, model, o):
@@ -130,15 +132,17 @@ def _check_adam(rank, world_size):
         layout = [list(k) for k in opt.layout()]
         assert len(layout) > 1 and set(map(tuple, layout)) == set(comm.errors)
         finals.append([p.detach().clone() for p in model.parameters()])
-        params, worker, server = _simulate(world_size, OneBitAdam, layout, STEPS, switch)
+        params, worker, server = _simulate(world_size, OneBitAdam, layout, STEPS, switch, block=16)
         for a, b in zip(model.parameters(), params):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
         for key, (w, s) in comm.errors.items():  # this rank's error buffers are the simulation's
             assert torch.equal(w, worker[key][rank]) and torch.equal(s, server[key][rank])
         # bytes per compression step: the formula, ~1/32 of an fp32 ring allreduce plus scales
         per_step = sent[-1] - sent[-2]
-        expect = sum(2 * (world_size - 1) * (server_chunk_length(len_, world_size) // 8 + 4)
-                     for len_ in (sum(opt.param_groups[0]["params"][i].numel() for i in b) for b in layout))
+        # 2(P-1)(c + 4·nb) per bucket: c bytes of signs per chunk, nb = ceil(8c / 16) block scales
+        chunks = [server_chunk_length(sum(opt.param_groups[0]["params"][i].numel() for i in b), world_size)
+                  for b in layout]
+        expect = sum(2 * (world_size - 1) * (c // 8 + 4 * -(-c // 16)) for c in chunks)
         assert per_step == expect, (per_step, expect, sent, layout)
         assert sent[FREEZE - 1] == 0  # warm-up: gradients averaged by the hook, no momentum sent
     # the optimizer's own fixed layout: started during backward or in step(), the same bits
@@ -200,7 +204,8 @@ def _check_lamb(rank, world_size):
             switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
 
     model, opt, _ = _train(rank, OneBitLamb, cfg, STEPS, after_step=check)
-    params, _, _ = _simulate(world_size, OneBitLamb, [list(k) for k in opt.layout()], STEPS, switch)
+    params, _, _ = _simulate(world_size, OneBitLamb, [list(k) for k in opt.layout()], STEPS, switch,
+                             block=cfg.onebit_lamb.scale_block)
     for a, b in zip(model.parameters(), params):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
 

@@ -212,3 +212,21 @@ def test_bf16_parameters_through_both_stages(cls):
     assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in params)
     assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
     assert not any(torch.equal(a, b) for a, b in zip(params, before))
+
+
+def test_another_world_size_keeps_rank0_state_and_restarts_errors(caplog):
+    import logging
+
+    from lowbit_strategy import rank_state
+    from lowbit_strategy.algorithms.onebit.algorithm import merge_states
+
+    states = [{"optimizers": [{"state": {0: {"exp_avg": torch.full((2,), float(r))}},
+                               "errors": {"world_size": 3, "errors": {"0": (torch.ones(2), torch.ones(8))}}}]}
+              for r in range(3)]
+    entry = {"world_size": 3, "states": states}
+    with caplog.at_level(logging.WARNING, logger="lowbit_strategy.rank_state"):
+        merged = rank_state.pick(entry, 0, 2, merge_states, "onebit_adam rank-local buffers")
+    assert "world size 3, resuming with 2; onebit_adam rank-local buffers: Another world size" in caplog.text
+    assert "error feedback restarts from 0" in caplog.text
+    own = merged["optimizers"][0]
+    assert torch.equal(own["state"][0]["exp_avg"], torch.zeros(2)) and own["errors"] == {}
