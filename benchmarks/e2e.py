@@ -76,6 +76,7 @@ def run_config(net: Network, config: str, args, partial: Path, echo: bool) -> di
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.lowbit:
         cmd += ["--lowbit", args.lowbit]
+    cmd += ["--freeze-step", str(args.freeze_step)]
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     result = net.run(cmd, timeout=args.budget + 240, env=env, echo=(0,) if echo else (), cwd=str(ROOT))
     wall = time.monotonic() - t0
@@ -120,6 +121,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data-mb", type=float, default=6.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=2, help="loss-curve points every k steps")
+    parser.add_argument("--freeze-step", type=int, default=100,
+                        help="1-bit Adam/LAMB warm-up steps; keep --warm past it to time the compression stage")
     parser.add_argument("--lowbit", default="", metavar="KEY=VALUE,...",
                         help="LowBitConfig overrides for every lowbit_* configuration, e.g. bucket_size_mb=1")
     parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/e2e[_quick])")
@@ -158,7 +161,8 @@ def main(argv=None) -> int:
         "settings": {"world_sizes": world_sizes, "links": {l.name: " ".join(l.qdisc()) for l in links},
                      "configs": configs, "skipped_unregistered": skipped, "calibrations": calib,
                      "budget_s": args.budget, "warm_steps": args.warm,
-                     "lowbit_overrides": args.lowbit or None, "powersgd": POWERSGD, "mtu": 1500,
+                     "lowbit_overrides": args.lowbit or None, "freeze_step": args.freeze_step,
+                     "powersgd": POWERSGD, "mtu": 1500,
                      "model": {k: getattr(args, k) for k in MODEL_ARGS}},
         "records": records,
     }

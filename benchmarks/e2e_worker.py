@@ -247,8 +247,8 @@ def main() -> int:
     ap.add_argument("--schedule-steps", type=int, default=2000, help="cosine decay length (steps)")
     ap.add_argument("--warm", type=int, default=20, help="steps excluded from the steady-state window")
     ap.add_argument("--log-every", type=int, default=2)
-    ap.add_argument("--freeze-step", type=int, default=10,
-                    help="1-bit Adam/LAMB warm-up steps (before the steady-state window)")
+    ap.add_argument("--freeze-step", type=int, default=100,
+                    help="1-bit Adam/LAMB warm-up steps (keep --warm past it to time the compression stage)")
     ap.add_argument("--lowbit", default="", help="LowBitConfig overrides for lowbit_* strategies: KEY=VALUE,...")
     ap.add_argument("--val-batches", type=int, default=8, help="per rank")
     ap.add_argument("--data-mb", type=float, default=6.0)

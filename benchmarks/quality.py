@@ -59,6 +59,10 @@ SUITES = {
         ("DDP fp32 AdamW", "ddp", ["--optimizer", "adamw"]),
         ("1-bit Adam", "lowbit_adam", ["--optimizer", "onebit_adam"]),
         ("1-bit LAMB", "lowbit_lamb", ["--optimizer", "onebit_lamb"]),
+        # the same optimizer never leaving its warm-up: plain LAMB on DDP-averaged gradients,
+        # the reference that separates LAMB's own loss from what compression costs
+        ("LAMB uncompressed", "lowbit_lamb", ["--optimizer", "onebit_lamb", "--freeze-step", "100000000"]),
+        ("Adam uncompressed", "lowbit_adam", ["--optimizer", "onebit_adam", "--freeze-step", "100000000"]),
     ],
 }
 

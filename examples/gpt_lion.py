@@ -202,6 +202,7 @@ def main(argv=None) -> dict:
     )
     trainer.fit(model, train, val)
     train_loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+    last_bytes = float(trainer.callback_metrics.get("comm/bytes_per_step", float("nan")))  # validate() clears it
     trainer.validate(model, val, verbose=False)
     summary = {
         "strategy": args.strategy, "optimizer": args.optimizer, "world_size": trainer.world_size,
@@ -210,7 +211,7 @@ def main(argv=None) -> dict:
         "train_loss": train_loss,
         "steps_per_s": clock.steps / clock.seconds if clock.seconds else 0.0,
         "bytes_per_step": stats.bytes_per_step, "fp32_bytes_per_step": stats.fp32_bytes_per_step,
-        "last_bytes_per_step": float(trainer.callback_metrics.get("comm/bytes_per_step", float("nan"))),
+        "last_bytes_per_step": last_bytes,
         "comm_s_per_step": stats.total_seconds / max(1, stats.steps),
     }
     if trainer.is_global_zero:

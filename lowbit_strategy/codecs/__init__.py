@@ -36,7 +36,7 @@ __all__ = [
     "channel_decode",
 ]
 
-# Error-compensated 1-bit codes with one scale (1-bit LAMB / 1-bit Adam); appended, see scaled_signs.py.
+# Error-compensated 1-bit codes with one scale per vector or per block (1-bit LAMB / 1-bit Adam); see scaled_signs.py.
 from lowbit_strategy.codecs.scaled_signs import (  # noqa: E402
     scaled_sign_compress,
     scaled_sign_decode,
