@@ -44,3 +44,18 @@ from lowbit_strategy.codecs.scaled_signs import (  # noqa: E402
 )
 
 __all__ += ["scaled_sign_compress", "scaled_sign_decode", "scaled_sign_mean"]
+
+# TurboQuant: randomized Hadamard rotation + Lloyd–Max levels (hadamard.py, lloyd_max.py, turboquant.py).
+from lowbit_strategy.codecs.hadamard import hadamard_rotate, hadamard_signs, hadamard_unrotate  # noqa: E402
+from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook, lloyd_max_mse  # noqa: E402
+from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload  # noqa: E402
+
+__all__ += [
+    "hadamard_rotate",
+    "hadamard_unrotate",
+    "hadamard_signs",
+    "lloyd_max_codebook",
+    "lloyd_max_mse",
+    "TurboQuantCodec",
+    "TurboQuantPayload",
+]

@@ -1,0 +1,239 @@
+"""TurboQuant codec: Hadamard rotation + Lloyd–Max levels, a few bits per element.
+
+"TurboQuant-Adam" compresses a tensor by rotating it (:mod:`.hadamard`), which makes its
+coordinates close to Gaussian, dividing by a scale, and rounding each coordinate to the
+nearest level of the ``2**bits``-level Lloyd–Max codebook for N(0, 1)
+(:mod:`.lloyd_max`). Decoding looks the levels up, multiplies by the scale and rotates
+back. Pure: no process group, no host synchronization on the hot path.
+
+::
+
+    encode: y = H·D·x  (blocks of `block`)   z = y / s   code = bucketize(z, midpoints)   pack
+    decode: unpack     level[code] · s       x̂ = D·H·(level · s)   reshape, cast
+
+Choices (the paper's formulas for these steps did not survive; documented here):
+
+* **Scale.** One float32 scale per *scale group*: ``block`` consecutive elements of the
+  rotated vector (the last group partial; ``ceil(n / block)`` scales). By default each
+  group's scale is its RMS ``sqrt(mean(y²))`` computed from the data, so a fresh codec is
+  accurate at once (the rotated coordinates are ~N(0, RMS²), which is what the codebook is
+  for). ``encode(x, scale=s)`` uses a given scale instead — a number, a 0-d/1-element
+  tensor (one scale for every group, stored once) or ``ceil(n / block)`` values — which is
+  how an optimizer keeping an EMA of the scale per bucket (as in the paper) drives it.
+  A group whose scale is 0 is encoded as if its scale were 1 and decodes to zeros.
+* **Clamping.** Values beyond the codebook's range (``|z|`` past the outer levels, e.g.
+  with a given scale that is too small) get the outer levels: nothing overflows.
+* **Ties.** ``torch.bucketize(z, midpoints)`` with ``right=False``: a value exactly on a
+  midpoint between levels ``i`` and ``i + 1`` gets level ``i`` (the lower one).
+* **Packing.** Codes are ``bits.pack`` lanes in uint8: 2, 4 and 8 bits are tight (4 codes,
+  2 codes, 1 code per byte); 3 bits use 4-bit lanes and 5–7 bits 8-bit lanes.
+* **Dtypes.** Arithmetic is float32 (as in :mod:`.hadamard`); ``decode`` returns ``x``'s
+  shape and dtype. Non-finite inputs give unspecified codes and a non-finite scale.
+* **Rotation off.** ``rotate=False`` skips the rotation (the Lloyd–Max quantizer on the raw
+  values, with the same scale groups): an ablation, not the paper's codec.
+
+``backend``: ``"auto"`` or ``"torch"``; both are this module's torch code until GPU kernels
+exist (``"auto"`` will pick them then).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lowbit_strategy.codecs.bits import lane, pack, unpack
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _blocked_fwht, check_block, hadamard_signs
+from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook
+
+#: accepted values of ``backend``
+BACKENDS = ("auto", "torch")
+
+#: dtypes accepted as input
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_MAX_CACHED_SIGNS = 8
+
+
+def _lane_bits(bits: int) -> int:
+    return 2 if bits == 2 else 4 if bits <= 4 else 8
+
+
+@dataclass(frozen=True)
+class TurboQuantPayload:
+    """An encoded tensor.
+
+    ``codes``: uint8, the packed level indices (``lane(lane_bits).words_for(numel)`` bytes);
+    ``scales``: float32, ``ceil(numel / block)`` values or 1 (one shared scale);
+    ``shape``/``dtype``/``numel``: of the original tensor; ``bits``/``block``: the codec's.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    numel: int
+    bits: int
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the codes and the scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+
+class TurboQuantCodec:
+    """``TurboQuantCodec(bits=4, seed=0, block=1024, backend="auto", rotate=True)``.
+
+    ``bits``: 2..8; ``seed``: the rotation's sign seed (the same on every rank);
+    ``block``: a power of two, the rotation block and the scale group; see the module
+    docstring for the rules. ``encode(x, scale=None)`` → :class:`TurboQuantPayload`,
+    ``decode(payload)`` → a tensor shaped and typed like ``x``.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        seed: int = 0,
+        block: int = DEFAULT_BLOCK,
+        backend: str = "auto",
+        *,
+        rotate: bool = True,
+    ) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.bits = bits
+        self.seed = seed
+        self.block = check_block(block)
+        self.backend = backend
+        self.rotate = bool(rotate)
+        self.lane_bits = _lane_bits(bits)
+        self._levels = lloyd_max_codebook(bits)
+        self._midpoints = (self._levels[:-1] + self._levels[1:]) / 2
+        self._device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._signs: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"TurboQuantCodec(bits={self.bits}, seed={self.seed}, block={self.block}, "
+            f"backend={self.backend!r}, rotate={self.rotate})"
+        )
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """The codebook (a copy): ``2**bits`` ascending float32 levels for N(0, 1)."""
+        return self._levels.clone()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._device_tables.get(device)
+        if t is None:
+            t = self._device_tables[device] = (self._levels.to(device), self._midpoints.to(device))
+        return t
+
+    def signs(self, n: int, device: torch.device) -> torch.Tensor:
+        """The rotation's ±1 signs for ``n`` elements (kept for the last few lengths)."""
+        key = (n, torch.device(device))
+        s = self._signs.get(key)
+        if s is None:
+            if len(self._signs) >= _MAX_CACHED_SIGNS:
+                self._signs.pop(next(iter(self._signs)))
+            s = self._signs[key] = hadamard_signs(n, self.seed, device)
+        return s
+
+    def _groups(self, n: int) -> int:
+        return -(-n // self.block)
+
+    def _apply_scales(self, v: torch.Tensor, scales: torch.Tensor, op) -> torch.Tensor:
+        """``op(v_group, scale_group)`` in place on every scale group of flat ``v``."""
+        n, b = v.numel(), self.block
+        if scales.numel() == 1:
+            op(v, scales.view(()))
+            return v
+        q = n // b
+        if q:
+            op(v[: q * b].view(q, b), scales[:q].view(q, 1))
+        if n > q * b:
+            op(v[q * b :], scales[q])
+        return v
+
+    def _rms(self, y: torch.Tensor) -> torch.Tensor:
+        n, b = y.numel(), self.block
+        q = n // b
+        parts = []
+        if q:
+            parts.append(torch.linalg.vector_norm(y[: q * b].view(q, b), dim=1).div_(math.sqrt(b)))
+        if n > q * b:
+            parts.append((torch.linalg.vector_norm(y[q * b :]) / math.sqrt(n - q * b)).view(1))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _check_scale(self, scale, n: int, device: torch.device) -> torch.Tensor:
+        if isinstance(scale, torch.Tensor):
+            s = scale.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            s = torch.tensor([float(scale)], dtype=torch.float32, device=device)
+        else:
+            raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
+        if s.numel() not in (1, self._groups(n)):
+            raise ValueError(
+                f"scale must hold 1 or ceil(n / block) = {self._groups(n)} values, got {s.numel()}"
+            )
+        return s.clone()
+
+    # -- API -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, scale=None) -> TurboQuantPayload:
+        """Encode ``x`` (any shape, a floating dtype); ``scale``: ``None`` (the RMS of every
+        rotated group), a number, or 1 or ``ceil(numel / block)`` values."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"TurboQuantCodec.encode: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in INPUT_DTYPES:
+            raise TypeError(f"TurboQuantCodec.encode: x must be a floating-point tensor, got dtype {x.dtype}")
+        n = x.numel()
+        v = x.reshape(-1).to(torch.float32)
+        if self.rotate:
+            y = _blocked_fwht(v * self.signs(n, x.device), self.block)
+        else:
+            y = v.clone() if v.data_ptr() == x.data_ptr() else v.contiguous()
+        if n == 0:
+            scales = torch.zeros(1 if scale is not None else 0, dtype=torch.float32, device=x.device)
+            codes = torch.zeros(0, dtype=torch.uint8, device=x.device)
+            return TurboQuantPayload(codes, scales, x.shape, x.dtype, 0, self.bits, self.block)
+        scales = self._rms(y) if scale is None else self._check_scale(scale, n, x.device)
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        self._apply_scales(y, safe, torch.Tensor.div_)
+        _, mids = self._tables(x.device)
+        idx = torch.bucketize(y, mids, out_int32=True)  # right=False: a tie goes to the lower level
+        codes = pack(idx.to(torch.uint8), self.lane_bits, validate=False)
+        return TurboQuantPayload(codes, scales, x.shape, x.dtype, n, self.bits, self.block)
+
+    @torch.no_grad()
+    def decode(self, payload: TurboQuantPayload) -> torch.Tensor:
+        """The tensor ``payload`` stands for: ``x``'s shape and dtype, on the payload's device."""
+        if not isinstance(payload, TurboQuantPayload):
+            raise TypeError(f"payload must be a TurboQuantPayload, got {type(payload).__name__}")
+        if payload.bits != self.bits or payload.block != self.block:
+            raise ValueError(
+                f"payload was encoded with bits={payload.bits}, block={payload.block}; "
+                f"this codec has bits={self.bits}, block={self.block}"
+            )
+        n, device = payload.numel, payload.codes.device
+        if n == 0:
+            return torch.zeros(payload.shape, dtype=payload.dtype, device=device)
+        idx = unpack(payload.codes, self.lane_bits, n)
+        levels, _ = self._tables(device)
+        y = levels.index_select(0, idx.to(torch.int32))
+        self._apply_scales(y, payload.scales.to(device), torch.Tensor.mul_)
+        if self.rotate:
+            y = _blocked_fwht(y, self.block).mul_(self.signs(n, device))
+        return y.view(payload.shape).to(payload.dtype)
+
+    def roundtrip(self, x: torch.Tensor, scale=None) -> torch.Tensor:
+        """``decode(encode(x, scale))``."""
+        return self.decode(self.encode(x, scale))

@@ -1,0 +1,67 @@
+"""Lloyd–Max codebooks for N(0, 1) against the known values of Max's table."""
+import pytest
+import torch
+
+from lowbit_strategy.codecs import lloyd_max_codebook, lloyd_max_mse
+
+FAST_BITS = [2, 3, 4, 5, 6]  # 7 and 8 bits take seconds (slow tier)
+
+
+@pytest.mark.parametrize("bits", FAST_BITS)
+def test_sorted_symmetric_float32(bits):
+    c = lloyd_max_codebook(bits)
+    assert c.dtype == torch.float32 and c.shape == (2**bits,)
+    assert torch.all(c[1:] > c[:-1])
+    assert torch.equal(c, -c.flip(0))
+
+
+def test_two_bit_levels_match_max():
+    c = lloyd_max_codebook(2)
+    assert c.tolist() == pytest.approx([-1.510, -0.4528, 0.4528, 1.510], abs=5e-4)
+    assert lloyd_max_mse(c) == pytest.approx(0.1175, abs=1e-4)
+
+
+def test_four_bit_mse_matches_max():
+    # Max (1960) tabulates 0.009497; the exact fixed point (same levels to 4 digits) is 0.009501
+    c = lloyd_max_codebook(4)
+    assert lloyd_max_mse(c) == pytest.approx(0.009497, abs=1e-5)
+    assert c[8:].tolist() == pytest.approx([0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], abs=5e-4)
+
+
+@pytest.mark.parametrize("bits", FAST_BITS)
+def test_fixed_point_levels_are_centroids(bits):
+    # perturbing any level raises the MSE: the returned levels are a (local) optimum
+    c = lloyd_max_codebook(bits).double()
+    base = lloyd_max_mse(c)
+    for i in (0, len(c) // 2, len(c) - 1):
+        for d in (1e-3, -1e-3):
+            p = c.clone()
+            p[i] += d
+            assert lloyd_max_mse(p) > base
+
+
+def test_mse_decreases_about_four_fold_per_bit():
+    mses = [lloyd_max_mse(lloyd_max_codebook(b)) for b in FAST_BITS]
+    for a, b in zip(mses, mses[1:]):
+        assert 3.0 < a / b < 4.5
+
+
+def test_callers_cannot_corrupt_the_cache():
+    c = lloyd_max_codebook(4)
+    c.zero_()
+    assert lloyd_max_codebook(4)[-1].item() == pytest.approx(2.7326, abs=1e-4)
+
+
+@pytest.mark.parametrize("bad", [1, 9, 0, -4, 4.0, "4", True, None])
+def test_bad_bits_raise(bad):
+    with pytest.raises(ValueError, match="bits"):
+        lloyd_max_codebook(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [7, 8])
+def test_wide_codebooks(bits):
+    c = lloyd_max_codebook(bits)
+    assert torch.all(c[1:] > c[:-1]) and torch.equal(c, -c.flip(0))
+    ratio = lloyd_max_mse(lloyd_max_codebook(bits - 1)) / lloyd_max_mse(c)
+    assert 3.5 < ratio < 4.2
