@@ -23,8 +23,9 @@ Choices (the paper's formulas for these steps did not survive; documented here):
   A group whose scale is 0 is encoded as if its scale were 1 and decodes to zeros.
 * **Clamping.** Values beyond the codebook's range (``|z|`` past the outer levels, e.g.
   with a given scale that is too small) get the outer levels: nothing overflows.
-* **Ties.** ``torch.bucketize(z, midpoints)`` with ``right=False``: a value exactly on a
-  midpoint between levels ``i`` and ``i + 1`` gets level ``i`` (the lower one).
+* **Ties.** The code is the number of midpoints strictly below ``z``
+  (``torch.bucketize(z, midpoints)``, ``right=False``): a value exactly on a midpoint
+  between levels ``i`` and ``i + 1`` gets level ``i`` (the lower one).
 * **Packing.** Codes are ``bits.pack`` lanes in uint8: 2, 4 and 8 bits are tight (4 codes,
   2 codes, 1 code per byte); 3 bits use 4-bit lanes and 5–7 bits 8-bit lanes.
 * **Dtypes.** Arithmetic is float32 (as in :mod:`.hadamard`); ``decode`` returns ``x``'s
@@ -185,6 +186,21 @@ class TurboQuantCodec:
             )
         return s.clone()
 
+    def _level_index(self, z: torch.Tensor) -> torch.Tensor:
+        """uint8 index of the nearest level: the number of midpoints strictly below ``z``
+        (``torch.bucketize(z, midpoints, right=False)``). Up to 15 midpoints (4 bits) as
+        one comparison pass per midpoint, which on CPU is a few times faster than
+        bucketize's binary search; wider codebooks use bucketize. Same codes either way."""
+        levels, mids = self._tables(z.device)
+        if self.bits <= 4:
+            acc = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
+            above = torch.empty(z.shape, dtype=torch.bool, device=z.device)
+            for k in range(mids.numel()):
+                torch.gt(z, mids[k], out=above)
+                acc.add_(above)
+            return acc
+        return torch.bucketize(z, mids, out_int32=True).to(torch.uint8)
+
     # -- API -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -208,9 +224,7 @@ class TurboQuantCodec:
         scales = self._rms(y) if scale is None else self._check_scale(scale, n, x.device)
         safe = torch.where(scales == 0, torch.ones_like(scales), scales)
         self._apply_scales(y, safe, torch.Tensor.div_)
-        _, mids = self._tables(x.device)
-        idx = torch.bucketize(y, mids, out_int32=True)  # right=False: a tie goes to the lower level
-        codes = pack(idx.to(torch.uint8), self.lane_bits, validate=False)
+        codes = pack(self._level_index(y), self.lane_bits, validate=False)
         return TurboQuantPayload(codes, scales, x.shape, x.dtype, n, self.bits, self.block)
 
     @torch.no_grad()

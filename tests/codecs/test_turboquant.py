@@ -151,6 +151,24 @@ def test_tie_goes_to_the_lower_level():
     assert codes_of(codec, codec.encode(x, scale=1.0)) == [0, 2]
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_level_index_is_bucketize(bits):
+    # the comparison path (bits <= 4) and bucketize give the same codes, midpoints included
+    codec = TurboQuantCodec(bits=bits)
+    lv = lloyd_max_codebook(bits)
+    mids = (lv[:-1] + lv[1:]) / 2
+    z = torch.cat([
+        torch.randn(5000) * 2,
+        mids,
+        torch.nextafter(mids, torch.full_like(mids, math.inf)),
+        torch.nextafter(mids, torch.full_like(mids, -math.inf)),
+        torch.tensor([0.0, -0.0, 1e30, -1e30, math.inf, -math.inf]),
+    ])
+    got = codec._level_index(z)
+    assert got.dtype == torch.uint8
+    assert torch.equal(got, torch.bucketize(z, mids).to(torch.uint8))
+
+
 def test_same_seed_same_payload_different_seed_different():
     x = torch.randn(5000)
     a, b, c = TurboQuantCodec(seed=1), TurboQuantCodec(seed=1), TurboQuantCodec(seed=2)
