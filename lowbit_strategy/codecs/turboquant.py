@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_strategy.codecs.bits import lane, pack, unpack
+from lowbit_strategy.codecs.bits import pack, unpack
 from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _blocked_fwht, check_block, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook
 
@@ -138,7 +138,11 @@ class TurboQuantCodec:
         return t
 
     def signs(self, n: int, device: torch.device) -> torch.Tensor:
-        """The rotation's ±1 signs for ``n`` elements (kept for the last few lengths)."""
+        """The rotation's ±1 signs for ``n`` elements, as float32 on ``device``.
+
+        Kept per ``(n, device)`` for the last 8 lengths seen (an optimizer encodes the same
+        buckets every step), so the codec holds up to as many floats as the tensors it
+        encoded; drawing them again costs about as much as the rotation itself."""
         key = (n, torch.device(device))
         s = self._signs.get(key)
         if s is None:
@@ -191,7 +195,7 @@ class TurboQuantCodec:
         (``torch.bucketize(z, midpoints, right=False)``). Up to 15 midpoints (4 bits) as
         one comparison pass per midpoint, which on CPU is a few times faster than
         bucketize's binary search; wider codebooks use bucketize. Same codes either way."""
-        levels, mids = self._tables(z.device)
+        _, mids = self._tables(z.device)
         if self.bits <= 4:
             acc = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
             above = torch.empty(z.shape, dtype=torch.bool, device=z.device)

@@ -8,12 +8,11 @@ import torch
 from lowbit_strategy.codecs import (
     TurboQuantCodec,
     hadamard_rotate,
-    hadamard_signs,
     hadamard_unrotate,
     lloyd_max_codebook,
     lloyd_max_mse,
+    unpack,
 )
-from lowbit_strategy.codecs.hadamard import tail_pieces
 
 
 def rel_mse(xhat: torch.Tensor, x: torch.Tensor) -> float:
@@ -83,8 +82,6 @@ def oracle_codes(x: torch.Tensor, codec: TurboQuantCodec, scales: torch.Tensor) 
 
 
 def codes_of(codec: TurboQuantCodec, p) -> list[int]:
-    from lowbit_strategy.codecs import unpack
-
     return unpack(p.codes, codec.lane_bits, p.numel).tolist()
 
 
