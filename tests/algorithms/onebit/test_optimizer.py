@@ -230,3 +230,15 @@ def test_another_world_size_keeps_rank0_state_and_restarts_errors(caplog):
     assert "error feedback restarts from 0" in caplog.text
     own = merged["optimizers"][0]
     assert torch.equal(own["state"][0]["exp_avg"], torch.zeros(2)) and own["errors"] == {}
+
+
+def test_a_young_frozen_variance_is_logged(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="lowbit_strategy.algorithms.onebit.optimizer"):
+        OneBitAdam(_model().parameters(), freeze_step=10)
+    assert "freeze_step=10 freezes a variance holding 1.0% of its averaging weight" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowbit_strategy.algorithms.onebit.optimizer"):
+        OneBitLamb(_model().parameters(), freeze_step=60)
+    assert caplog.text == ""
