@@ -60,3 +60,28 @@ __all__ += [
     "server_chunk_length",
     "compensated_allreduce_reference",
 ]
+
+# TurboQuant-Adam's two collectives (all-gather and two-stage); appended, see turboquant.py.
+from lowbit_strategy.collectives.reference import turboquant_mean_reference  # noqa: E402
+from lowbit_strategy.collectives.turboquant import (  # noqa: E402
+    TurboQuantAllgather,
+    TurboQuantTwoStage,
+    turboquant_allgather_mean,
+    turboquant_allgather_mean_start,
+    turboquant_server_chunk_length,
+    turboquant_server_error,
+    turboquant_two_stage_mean,
+    turboquant_two_stage_mean_start,
+)
+
+__all__ += [
+    "TurboQuantAllgather",
+    "TurboQuantTwoStage",
+    "turboquant_allgather_mean",
+    "turboquant_allgather_mean_start",
+    "turboquant_two_stage_mean",
+    "turboquant_two_stage_mean_start",
+    "turboquant_server_chunk_length",
+    "turboquant_server_error",
+    "turboquant_mean_reference",
+]

@@ -13,6 +13,8 @@ onebit_table1            (P-1+log2(P))·α             (1+(P-1)/P)·N·β
 1bit (ours)              (P-1+log2(P))·α             2(P-1)/P·N·β
 sign / lp (ours)         2·log2(P)·α                 2(P-1)/P·N·w·β
 fp32 / bf16              2·log2(P)·α                 2(P-1)/P·N·b·β
+turboquant_allgather     log2(P)·α                   (P-1)·N·(4+32/1024)·β
+turboquant_two_stage     (P-1+log2(P))·α             2(P-1)/P·N·(4+32/1024)·β
 =======================  ==========================  ==================================
 
 b is the word (32 bits). Table 1 charges the 1-bit all-to-all a full N·β; a pairwise
@@ -24,6 +26,13 @@ width (1, 2, 4, 8, 16 or 32 bits) that holds the sum over P ranks: for ``sign`` 
 the lane holding P, for ``lp`` the fixed lane ``bits`` (usually 8) at whatever code levels
 fit it. log2(P) is rounded up to whole rounds. Computation (packing) is ignored, as in
 the paper; the benchmarks measure it.
+
+The TurboQuant rows (:mod:`.turboquant`) are its 4-bit codes plus one float32 scale per
+block of the codec's default 1024 elements: the all-gather form sends every rank's whole
+vector to every peer, ``(P-1)·N/2`` bytes, so it beats the float32 ring (``2(P-1)/P·4N``)
+8x at P = 2, 4x at P = 4 and loses 2x at P = 32; the two-stage form (all-to-all of chunks,
+then all-gather of the re-encoded chunks) is ~8x below float32 at any P, with one
+all-to-all's latency more.
 """
 from __future__ import annotations
 
@@ -101,17 +110,29 @@ def _param_server_naive(p, r, ring, lane):
     return WORD_BITS, 2 * (p - 1), 2 * p * WORD_BITS
 
 
+_TQ_BITS = 4 + WORD_BITS / 1024  # 4-bit codes + a float32 scale per 1024-element block
+
+
+def _turboquant_allgather(p, r, ring, lane):
+    return 4, r, (p - 1) * _TQ_BITS
+
+
+def _turboquant_two_stage(p, r, ring, lane):
+    return 4, p - 1 + r, ring * _TQ_BITS
+
+
 #: algorithm name (``lp`` for every ``lpB``) -> its row of the table in the module doc
 RULES = {
     "1bit": _onebit, "onebit_table1": _onebit_table1, "sign": _sign, "lp": _lp,
     "fp32": _word(32), "bf16": _word(16), "direct": _direct,
     "param_server": _param_server, "param_server_naive": _param_server_naive,
+    "turboquant_allgather": _turboquant_allgather, "turboquant_two_stage": _turboquant_two_stage,
 }
 
 
 def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth_bps: float) -> Estimate:
     """Cost of algorithm ``name`` ("1bit", "sign", "lpB" for a B-bit lane, "fp32", "bf16",
-    or a Table 1 baseline from :data:`PAPER_ALGORITHMS`). Raises ``ValueError`` for an
+    "turboquant_allgather", "turboquant_two_stage", or a Table 1 baseline from :data:`PAPER_ALGORITHMS`). Raises ``ValueError`` for an
     unknown name and ``OverflowError`` for an lp lane too narrow for ``world_size``."""
     p, n = int(world_size), int(numel)
     if p < 1 or n < 0:
@@ -123,7 +144,7 @@ def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth
     if rule is None:
         raise ValueError(
             f"unknown algorithm {name!r}; use 1bit, sign, lpB (B a lane width: 2, 4, 8, 16, 32), fp32, bf16, "
-            f"or one of {PAPER_ALGORITHMS}"
+            f"turboquant_allgather, turboquant_two_stage, or one of {PAPER_ALGORITHMS}"
         )
     bits, alphas, bits_per_element = rule(p, _rounds(p), 2 * (p - 1) / p, lane_bits)
     if p == 1:

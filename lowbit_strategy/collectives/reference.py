@@ -173,3 +173,61 @@ def _compensated_blocks_reference(inputs, worker_errors, server_errors, block: i
 
     result = result.to(inputs[0].dtype).view(inputs[0].shape)
     return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
+
+
+def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_errors=None):
+    """Single-process simulation of the TurboQuant means of :mod:`.turboquant` on
+    ``P = len(inputs)`` ranks: the oracle their tests compare with, bit for bit.
+
+    Encoding and decoding are ``codec``'s own calls (the codec has its own tests); what this
+    checks is the plumbing around them: chunking and padding, the rank-ordered average
+    ``(d_0 + … + d_{P−1}) / P``, the server's error feedback and the final assembly. No
+    packing into collectives, no process group.
+
+    ``two_stage=False``: every rank's vector encoded whole, the P decodings averaged;
+    returns the outputs (one per rank, all equal; ``x``'s shape and dtype).
+    ``two_stage=True``: each input zero-padded to ``P·c`` elements
+    (``c = turboquant_server_chunk_length(n, P, codec.block)``), chunk r of every rank
+    encoded on its own and averaged on "server" r, whose mean (padding zeroed) plus
+    ``server_errors[r]`` (zeros when None) is encoded again; returns ``(outputs,
+    new_server_errors)`` (float32, ``c`` elements, padding entries 0). Arguments are not
+    modified.
+    """
+    from lowbit_strategy.collectives.turboquant import turboquant_server_chunk_length
+
+    p = len(inputs)
+    x0 = inputs[0]
+    n = x0.numel()
+
+    def average(decoded):
+        acc = decoded[0]
+        for d in decoded[1:]:  # rank order
+            acc = acc + d
+        return acc / p
+
+    if not two_stage:
+        mean = average([codec.decode(codec.encode(x.reshape(-1).to(torch.float32))) for x in inputs])
+        result = mean.to(x0.dtype).view(x0.shape)
+        return [result.clone() for _ in range(p)]
+
+    c = turboquant_server_chunk_length(n, p, codec.block)
+    if server_errors is None:
+        server_errors = [torch.zeros(c, dtype=torch.float32, device=x0.device) for _ in range(p)]
+    padded = []
+    for x in inputs:
+        v = torch.zeros(p * c, dtype=torch.float32, device=x0.device)
+        v[:n] = x.reshape(-1)
+        padded.append(v)
+    pieces, new_server_errors = [], []
+    for r in range(p):
+        mean = average([codec.decode(codec.encode(v[r * c:(r + 1) * c])) for v in padded])
+        real = max(0, min(c, n - r * c))
+        y = torch.zeros(c, dtype=torch.float32, device=x0.device)
+        y[:real] = mean[:real] + server_errors[r].reshape(-1)[:real]
+        decoded = codec.decode(codec.encode(y))
+        error = torch.zeros(c, dtype=torch.float32, device=x0.device)
+        error[:real] = y[:real] - decoded[:real]
+        pieces.append(decoded)
+        new_server_errors.append(error)
+    result = torch.cat(pieces)[:n].to(x0.dtype).view(x0.shape)
+    return [result.clone() for _ in range(p)], new_server_errors
