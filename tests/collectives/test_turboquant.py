@@ -120,8 +120,17 @@ def _check_async_and_nan(rank, p, group):
     h1.wait()
     h2 = turboquant_two_stage_mean_start(x, codec, turboquant_server_error(x, codec, group), group)
     assert h2.server_scales is None
-    h2.wait()
+    r2 = h2.wait()
     assert not torch.isfinite(h1.scales).all() and not torch.isfinite(h2.server_scales).all()
+    assert not torch.isfinite(h1.wait()).all() and not torch.isfinite(r2).all()
+
+    # bf16 in and out through the two-stage form: float32 arithmetic, rounded at the end
+    inputs16 = [x.bfloat16() for x in _inputs(5, p, n)]
+    outputs, ref_errors = turboquant_mean_reference(inputs16, codec, True)
+    server_error = turboquant_server_error(inputs16[rank], codec, group)
+    got = turboquant_two_stage_mean(inputs16[rank], codec, server_error, group)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, outputs[rank])
+    assert torch.equal(server_error, ref_errors[rank])
 
 
 def _check_error_feedback(rank, p, group):
@@ -147,6 +156,12 @@ def _check_error_feedback(rank, p, group):
                 server_error.zero_()
             total += turboquant_two_stage_mean(inputs[rank], codec, server_error, group).double()
         mean = (total / calls).float()
+        if feedback:  # telescoping: sum of results = T·received − the server errors (real parts)
+            every = [torch.empty_like(server_error) for _ in range(p)]
+            dist.all_gather(every, server_error, group=group)
+            residual = torch.cat(every)[:n].double()
+            gap = (calls * received.double() - total - residual).norm() / (calls * received.norm())
+            assert gap < 1e-5, f"the server errors must hold everything not yet delivered (gap {gap:.2e})"
         errors[feedback] = (float((mean - received).norm() / received.norm()),
                             float((mean - target).norm() / target.norm()))
     (fb_recv, fb_true), (plain_recv, plain_true) = errors[True], errors[False]
