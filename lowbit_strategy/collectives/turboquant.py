@@ -102,6 +102,27 @@ def _check_x(x, codec, what: str) -> None:
         raise ValueError(f"{what}: x is empty")
 
 
+def _validated(validate, x, group, what: str, check: bool, traffic) -> None:
+    """Run ``validate()``; with ``check`` every rank learns about a bad rank or a length
+    mismatch (one small all-gather) and all of them raise together."""
+    try:
+        validate()
+    except (TypeError, ValueError) as e:
+        if not check:
+            raise
+        problem = e
+    else:
+        problem = None
+    if check:
+        try:
+            mine = x if isinstance(x, torch.Tensor) else torch.empty(0)
+            g.check_consistent(mine, group, what, None if problem is None else str(problem), traffic)
+        except ValueError:
+            if problem is not None:
+                raise problem from None
+            raise
+
+
 def _payload(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor, m: int) -> TurboQuantPayload:
     return TurboQuantPayload(codes, scales, torch.Size([m]), torch.float32, m, codec.bits, codec.block)
 
@@ -147,12 +168,14 @@ class TurboQuantAllgather:
 
 
 def turboquant_allgather_mean_start(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, check: bool = False, traffic=None
 ) -> TurboQuantAllgather:
     """Start :func:`turboquant_allgather_mean`: encode ``x`` (no longer needed after this
     returns) and launch the all-gathers of codes and scales, asynchronously."""
-    _check_x(x, codec, _AG)
+    if not check:
+        _check_x(x, codec, _AG)
     p = g.world_size(group)
+    _validated(lambda: _check_x(x, codec, _AG), x, group, _AG, check, traffic)
     payload = codec.encode(x, scale)
     k, nb = payload.codes.numel(), payload.scales.numel()
     codes = torch.empty(p * k, dtype=torch.uint8, device=x.device)
@@ -163,13 +186,16 @@ def turboquant_allgather_mean_start(
 
 
 def turboquant_allgather_mean(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, check: bool = False, traffic=None
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified), every rank's
     vector sent as ``codec`` codes + scales by one all-gather (module docstring). Returns
     ``x``'s shape and dtype, bit-identical on every rank. ``scale``: as
-    :meth:`TurboQuantCodec.encode` (None: the RMS of every block)."""
-    return turboquant_allgather_mean_start(x, codec, group, scale=scale, traffic=traffic).wait()
+    :meth:`TurboQuantCodec.encode` (None: the RMS of every block). ``check=True`` adds one
+    small collective that makes every rank raise when any rank passed a different length
+    or invalid arguments (without it a rank raising alone leaves its peers waiting until
+    the group's timeout)."""
+    return turboquant_allgather_mean_start(x, codec, group, scale=scale, check=check, traffic=traffic).wait()
 
 
 # -- two-stage form ------------------------------------------------------------------------
@@ -249,19 +275,27 @@ def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int):
 
 
 def turboquant_two_stage_mean_start(
-    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
+    check: bool = False, traffic=None,
 ) -> TurboQuantTwoStage:
     """Start :func:`turboquant_two_stage_mean`: encode this rank's chunks (``x`` is no
     longer needed after this returns) and launch the all-to-alls of codes and scales.
     ``server_error`` is updated, and phase two launched, by :meth:`TurboQuantTwoStage.gather`."""
-    _check_x(x, codec, _TS)
+    if not check:
+        _check_x(x, codec, _TS)
     p = g.world_size(group)
+
+    def validate() -> None:
+        _check_x(x, codec, _TS)
+        c = turboquant_server_chunk_length(x.numel(), p, codec.block)
+        check_error_buffer(server_error, c, x.device, "server_error", _TS,
+                           f"turboquant_server_chunk_length(x.numel(), P={p}, block={codec.block})")
+        if not server_error.is_contiguous():
+            raise ValueError(f"{_TS}: server_error must be contiguous")
+
+    _validated(validate, x, group, _TS, check, traffic)
     n = x.numel()
     c = turboquant_server_chunk_length(n, p, codec.block)
-    check_error_buffer(server_error, c, x.device, "server_error", _TS,
-                       f"turboquant_server_chunk_length(x.numel(), P={p}, block={codec.block})")
-    if not server_error.is_contiguous():
-        raise ValueError(f"{_TS}: server_error must be contiguous")
     rank = g.rank(group)
     payloads = encode_chunks(x, codec, p, c)
     k, nb = payloads[0].codes.numel(), payloads[0].scales.numel()
@@ -276,12 +310,13 @@ def turboquant_two_stage_mean_start(
 
 
 def turboquant_two_stage_mean(
-    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
+    check: bool = False, traffic=None,
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified) by the
     two-stage TurboQuant collective (module docstring): all-to-all of encoded chunks,
     server re-encoding with error feedback into ``server_error`` (float32, contiguous,
     :func:`turboquant_server_chunk_length` elements, updated in place; start it as
     :func:`turboquant_server_error`), all-gather. Returns ``x``'s shape and dtype,
-    bit-identical on every rank."""
-    return turboquant_two_stage_mean_start(x, codec, server_error, group, traffic=traffic).wait()
+    bit-identical on every rank. ``check``: as in :func:`turboquant_allgather_mean`."""
+    return turboquant_two_stage_mean_start(x, codec, server_error, group, check=check, traffic=traffic).wait()

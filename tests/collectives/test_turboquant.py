@@ -186,6 +186,16 @@ def _check_bad_server_error(rank, p, group):
         turboquant_two_stage_mean(x, codec, torch.zeros(c + 1), group)
     with pytest.raises(ValueError, match="server_error must be contiguous"):
         turboquant_two_stage_mean(x, codec, torch.zeros(2 * c)[::2], group)
+    if p > 1:  # check=True: a different length or a bad buffer on one rank raises on all
+        m = 40 + (rank == 1)
+        with pytest.raises(ValueError, match="different lengths"):
+            turboquant_allgather_mean(torch.ones(m), codec, group, check=True)
+        bad = torch.zeros(c + 1) if rank == 1 else torch.zeros(c)
+        with pytest.raises(ValueError, match="server_error must hold" if rank == 1 else r"rank\(s\) \[1\]"):
+            turboquant_two_stage_mean(x, codec, bad, group, check=True)
+    se = torch.zeros(c)  # check=True on good input: the same result as without
+    got = turboquant_two_stage_mean(x, codec, se, group, check=True)
+    assert torch.equal(got, turboquant_two_stage_mean(x, codec, torch.zeros(c), group))
 
 
 def _in_groups(rank, world_size):
