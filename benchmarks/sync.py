@@ -1,4 +1,4 @@
-"""One Lion Cub synchronization, timed per mode on P local processes (loopback, gloo, one
+"""One Lion Cub synchronization (and one 1-bit Adam/LAMB momentum sync), timed per mode on P local processes (loopback, gloo, one
 thread per rank): where the time of a sync goes when the network is free, i.e. the codecs.
 
 For each mode the median over ``--repeat`` syncs of the update vectors of ``--numel``
@@ -49,7 +49,8 @@ def _median_seconds(fn, repeat: int) -> float:
 
 
 def _worker(rank: int, world: int, store: str, numel: int, repeat: int, out: str) -> None:
-    from lowbit_strategy import LionCommunicator, LowBitConfig
+    from lowbit_strategy import LionCommunicator, LowBitConfig, buckets
+    from lowbit_strategy.algorithms.onebit import OneBitCommunicator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -63,6 +64,19 @@ def _worker(rank: int, world: int, store: str, numel: int, repeat: int, out: str
         comm = LionCommunicator(LowBitConfig(**cfg))
         step = iter(range(1, 10**6))
         rows.append((name, _median_seconds(lambda: comm.directions(updates, next(step)), repeat)))
+    # 1-bit Adam / LAMB: the same vectors as momenta through the error-compensated allreduce,
+    # fused as the optimizer fuses them (one buffer per bucket_size_mb), errors committed
+    for name, block in (("1-bit Adam/LAMB momenta, scale_block 32768", 32768),
+                        ("1-bit Adam/LAMB momenta, one scale per buffer", None)):
+        onebit = OneBitCommunicator(block=block)
+        jobs = [(tuple(idx), [updates[i] for i in idx])
+                for idx in buckets.plan([t.numel() for t in updates], onebit.bucket_numel)]
+
+        def sync(onebit=onebit, jobs=jobs):
+            onebit.synchronize(jobs)
+            onebit.commit()
+
+        rows.append((name, _median_seconds(sync, repeat)))
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank == 0:
@@ -84,7 +98,7 @@ def main() -> None:
                            nprocs=args.P, start_method="spawn")
         rows = [line.split("\t") for line in open(out).read().splitlines()]
     clone = float(rows[0][1])
-    print(f"one Lion Cub sync, P={args.P}, {args.numel:,} parameters, loopback, 1 thread per rank "
+    print(f"one sync, P={args.P}, {args.numel:,} parameters, loopback, 1 thread per rank "
           f"(slowest rank, median of {args.repeat})")
     print("| what | ms | × copy |")
     print("|---|---:|---:|")
