@@ -141,7 +141,7 @@ def compensated_allreduce(
     ).wait()
 
 
-class CompensatedAllreduce:
+class CompensatedAllreduce(g.TwoPhase):
     """A :func:`compensated_allreduce` in flight (:func:`compensated_allreduce_start`).
 
     The second phase depends on the first's data, so the caller launches it:
@@ -169,15 +169,11 @@ class CompensatedAllreduce:
         self._server_error, self._out, self._group = server_error, out, group
         self._p, self._rank, self._c = p, rank, c
         self._received, self._scales, self._futures, self._traffic = received, scales, futures, traffic
-        self._pending: g.Pending | None = None
         self.worker_scales: torch.Tensor | None = None
         self.server_scales: torch.Tensor | None = None
 
-    def gather(self) -> g.Pending:
-        """Finish phase one, run the server step, start phase two (once; later calls return
-        the same :class:`~lowbit_strategy.collectives.group.Pending`)."""
-        if self._pending is not None:
-            return self._pending
+    def _second_phase(self) -> g.Pending:
+        """Finish phase one, run the server step, start phase two (:meth:`gather` runs it once)."""
         for f in self._futures:
             f.wait()  # re-raises a failed collective
         p, c, rank, n, block = self._p, self._c, self._rank, self._n, self._block
@@ -209,13 +205,9 @@ class CompensatedAllreduce:
             out.view(-1).copy_(result)
             return out.view(shape)
 
-        self._pending = g.Pending(torch.futures.collect_all([f_bits, f_scales]), finish)
+        pending = g.Pending(torch.futures.collect_all([f_bits, f_scales]), finish)
         self._futures = self._received = self._scales = None
-        return self._pending
-
-    def wait(self) -> torch.Tensor:
-        """``gather().wait()``: the result."""
-        return self.gather().wait()
+        return pending
 
 
 def _validate(x, worker_error, server_error, out, p: int, block) -> None:

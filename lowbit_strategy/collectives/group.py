@@ -88,6 +88,32 @@ class Pending:
         return self.finish()
 
 
+class TwoPhase:
+    """A two-phase collective in flight whose second collective needs the first one's data
+    (the majority vote, the compensated 1-bit allreduce, the two-stage TurboQuant mean).
+
+    :meth:`gather` waits for phase one, runs this rank's local step and launches phase two,
+    once: later calls return the same :class:`Pending` (so an optimizer may advance a bucket
+    from the next bucket's hook and still finish it in ``step()``). Call it on every rank in
+    the order the collectives were started, never from a future's callback. Subclasses
+    implement :meth:`_second_phase`.
+    """
+
+    _pending: "Pending | None" = None
+
+    def gather(self) -> Pending:
+        if self._pending is None:
+            self._pending = self._second_phase()
+        return self._pending
+
+    def wait(self):
+        """``gather().wait()``: the result."""
+        return self.gather().wait()
+
+    def _second_phase(self) -> Pending:
+        raise NotImplementedError
+
+
 def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
     """Start an async all-gather or all-to-all of ``inp`` into ``out`` (or an in-place SUM
     allreduce of ``out``); the future resolves to ``out``. Gloo's gather future yields

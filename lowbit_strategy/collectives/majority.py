@@ -56,7 +56,7 @@ def majority_vote(
     return majority_vote_start(x, step, group, check=check, validate=validate, traffic=traffic).wait()
 
 
-class MajorityVote:
+class MajorityVote(g.TwoPhase):
     """A majority vote in flight (:func:`majority_vote_start`). Two collectives, the second
     depending on the first's result, so the caller launches the second: :meth:`gather`
     waits for the all-to-all, votes on this rank's chunk and starts the all-gather (call it
@@ -68,14 +68,8 @@ class MajorityVote:
         self.x, self.step, self.group, self.p, self.c = x, step, group, p, c
         self.flagged, self.received, self.fut, self.traffic = flagged, received, fut, traffic
         self.flags: torch.Tensor | None = None
-        self._pending: g.Pending | None = None
 
-    def gather(self) -> g.Pending:
-        if self._pending is None:
-            self._pending = self._gather()
-        return self._pending
-
-    def _gather(self) -> g.Pending:
+    def _second_phase(self) -> g.Pending:
         self.fut.wait()
         p, c, stride = self.p, self.c, self.c + self.flagged
         received = self.received.view(p, stride)
@@ -87,9 +81,6 @@ class MajorityVote:
         fut = g.all_gather_async(gathered, mine, self.group, "majority.all_gather", self.traffic)
         n, x = self.x.numel(), self.x
         return g.Pending(fut, lambda: signs_from_bits(gathered, n, x.dtype).view(x.shape))
-
-    def wait(self) -> torch.Tensor:
-        return self.gather().wait()
 
 
 def majority_vote_start(

@@ -201,7 +201,7 @@ def turboquant_allgather_mean(
 # -- two-stage form ------------------------------------------------------------------------
 
 
-class TurboQuantTwoStage:
+class TurboQuantTwoStage(g.TwoPhase):
     """A :func:`turboquant_two_stage_mean` in flight (:func:`turboquant_two_stage_mean_start`).
 
     :meth:`gather` waits for the all-to-all, runs the server step on this rank's chunk
@@ -220,15 +220,11 @@ class TurboQuantTwoStage:
         self._codec, self._server_error, self._group = codec, server_error, group
         self._p, self._rank, self._c, self._k, self._nb = p, rank, c, k, nb
         self._codes, self._scales, self._futures, self._traffic = codes, scales, futures, traffic
-        self._pending: g.Pending | None = None
         self.worker_scales: torch.Tensor | None = None
         self.server_scales: torch.Tensor | None = None
 
-    def gather(self) -> g.Pending:
-        """Finish phase one, run the server step, start phase two (once; later calls return
-        the same :class:`~lowbit_strategy.collectives.group.Pending`)."""
-        if self._pending is not None:
-            return self._pending
+    def _second_phase(self) -> g.Pending:
+        """Finish phase one, run the server step, start phase two (:meth:`gather` runs it once)."""
         for f in self._futures:
             f.wait()  # re-raises a failed collective
         p, c, k, nb, n, codec = self._p, self._c, self._k, self._nb, self._n, self._codec
@@ -256,13 +252,9 @@ class TurboQuantTwoStage:
             chunks = [codec.decode(_payload(codec, codes[r], self.server_scales[r], c)) for r in range(p)]
             return torch.cat(chunks)[:n].to(dtype).view(shape)
 
-        self._pending = g.Pending(torch.futures.collect_all([f_codes, f_scales]), finish)
+        pending = g.Pending(torch.futures.collect_all([f_codes, f_scales]), finish)
         self._futures = self._codes = self._scales = None
-        return self._pending
-
-    def wait(self) -> torch.Tensor:
-        """``gather().wait()``: the result."""
-        return self.gather().wait()
+        return pending
 
 
 def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int):
