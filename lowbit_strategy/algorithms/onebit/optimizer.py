@@ -134,8 +134,12 @@ class _OneBitOptimizer(Optimizer):
         buckets of the config's ``bucket_size_mb``. Fixed for the optimizer's life, on every
         rank: each bucket's compressed result depends on which elements share its scale."""
         if self._layout is None:
-            order = [i for i, p in reversed(list(enumerate(self._params()))) if p.requires_grad and p.numel()]
-            numels = [self._params()[i].numel() for i in order]
+            # (parameter, its group) by index and index by id: built once, read by every hook call
+            self._slots = [(p, grp) for grp in self.param_groups for p in grp["params"]]
+            self._index_of = {id(p): i for i, (p, _) in enumerate(self._slots)}
+            order = [i for i in reversed(range(len(self._slots))) if self._slots[i][0].requires_grad
+                     and self._slots[i][0].numel()]
+            numels = [self._slots[i][0].numel() for i in order]
             self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)]
         return self._layout
 
@@ -148,8 +152,7 @@ class _OneBitOptimizer(Optimizer):
         so every rank starts the same buckets in the same order); :meth:`step` finishes
         them and synchronizes the rest."""
         layout = self.layout()
-        index = {id(p): i for i, p in enumerate(self._params())}
-        now = {index[id(p)] for p in params if id(p) in index}
+        now = {self._index_of[id(p)] for p in params if id(p) in self._index_of}
         if now & self._ready:  # a second backward before step(): its gradients supersede the first's
             self._ready, self._launched = set(), set()
         self._ready |= now
@@ -159,12 +162,11 @@ class _OneBitOptimizer(Optimizer):
                 self.communicator.launch(key, self._momenta(key))
 
     def _momenta(self, key: Key) -> list[torch.Tensor]:
-        params, group_of = self._params(), self._group_of()
         out = []
         for i in key:
-            p = params[i]
+            p, group = self._slots[i]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
-            out.append(self._local_momentum(group_of[id(p)], p, grad))
+            out.append(self._local_momentum(group, p, grad))
         return out
 
     def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -213,14 +215,14 @@ class _OneBitOptimizer(Optimizer):
         """Algorithm 1 lines 6-21 for every parameter of the layout: its mean momentum
         through the communicator (a parameter without a gradient counts as a zero gradient:
         the fused buffer always holds every parameter), then the update."""
-        params = self._params()
+        params, group_of = self._params(), self._group_of()
         self._check_dense(params)
         if not self._distributed:
-            means = {i: self._local_momentum(self._group_of()[id(p)], p, p.grad) for i, p in enumerate(params)
-                     if p.grad is not None}
             grads = [p.grad for p in params if p.grad is not None]
             if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
                 return self._skip()
+            means = {i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params)
+                     if p.grad is not None}
         else:
             comm = self.communicator
             layout = self.layout()
@@ -234,7 +236,6 @@ class _OneBitOptimizer(Optimizer):
                 return self._skip()
             comm.commit()
             means = {i: m for key, ms in by_key.items() for i, m in zip(key, ms)}
-        group_of = self._group_of()
         for i, mean in means.items():
             self._compressed(group_of[id(params[i])], params[i], mean, step)
         return bool(means)
