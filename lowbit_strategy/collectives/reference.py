@@ -175,22 +175,30 @@ def _compensated_blocks_reference(inputs, worker_errors, server_errors, block: i
     return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
 
 
-def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_errors=None):
+def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_errors=None, worker_errors=None,
+                              scales=None):
     """Single-process simulation of the TurboQuant means of :mod:`.turboquant` on
     ``P = len(inputs)`` ranks: the oracle their tests compare with, bit for bit.
 
     Encoding and decoding are ``codec``'s own calls (the codec has its own tests); what this
     checks is the plumbing around them: chunking and padding, the rank-ordered average
-    ``(d_0 + … + d_{P−1}) / P``, the server's error feedback and the final assembly. No
-    packing into collectives, no process group.
+    ``(d_0 + … + d_{P−1}) / P``, the error feedback and the final assembly. No packing into
+    collectives, no process group.
+
+    ``worker_errors`` (one float32 tensor of ``n`` elements per rank, or None): rank i
+    sends ``u_i = x_i + worker_errors[i]``; ``scales`` (one per rank, or None): the
+    ``scale=`` each rank passes (two-stage: ``1`` or ``P·nb(c)`` values, chunk-major).
 
     ``two_stage=False``: every rank's vector encoded whole, the P decodings averaged;
-    returns the outputs (one per rank, all equal; ``x``'s shape and dtype).
+    returns the outputs (one per rank, all equal; ``x``'s shape and dtype), and with
+    ``worker_errors`` also the new worker errors ``u_i − decode(encode(u_i))``:
+    ``(outputs, new_worker_errors)``.
     ``two_stage=True``: each input zero-padded to ``P·c`` elements
     (``c = turboquant_server_chunk_length(n, P, codec.block)``), chunk r of every rank
     encoded on its own and averaged on "server" r, whose mean (padding zeroed) plus
     ``server_errors[r]`` (zeros when None) is encoded again; returns ``(outputs,
-    new_server_errors)`` (float32, ``c`` elements, padding entries 0). Arguments are not
+    new_server_errors)`` (float32, ``c`` elements, padding entries 0), plus
+    ``new_worker_errors`` as a third item when ``worker_errors`` is given. Arguments are not
     modified.
     """
     from lowbit_strategy.collectives.turboquant import turboquant_server_chunk_length
@@ -198,6 +206,9 @@ def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_err
     p = len(inputs)
     x0 = inputs[0]
     n = x0.numel()
+    us = [x.reshape(-1).to(torch.float32) if worker_errors is None else x.reshape(-1).to(torch.float32) + worker_errors[i]
+          for i, x in enumerate(inputs)]
+    scales = scales if scales is not None else [None] * p
 
     def average(decoded):
         acc = decoded[0]
@@ -206,21 +217,32 @@ def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_err
         return acc / p
 
     if not two_stage:
-        mean = average([codec.decode(codec.encode(x.reshape(-1).to(torch.float32))) for x in inputs])
-        result = mean.to(x0.dtype).view(x0.shape)
-        return [result.clone() for _ in range(p)]
+        decoded = [codec.decode(codec.encode(u, s)) for u, s in zip(us, scales)]
+        result = average(decoded).to(x0.dtype).view(x0.shape)
+        outputs = [result.clone() for _ in range(p)]
+        if worker_errors is None:
+            return outputs
+        return outputs, [u - d for u, d in zip(us, decoded)]
 
     c = turboquant_server_chunk_length(n, p, codec.block)
     if server_errors is None:
         server_errors = [torch.zeros(c, dtype=torch.float32, device=x0.device) for _ in range(p)]
     padded = []
-    for x in inputs:
+    for u in us:
         v = torch.zeros(p * c, dtype=torch.float32, device=x0.device)
-        v[:n] = x.reshape(-1)
+        v[:n] = u
         padded.append(v)
+
+    def chunk_scale(s, r):
+        if s is None or not isinstance(s, torch.Tensor) or s.numel() == 1:
+            return s
+        return s.reshape(p, -1)[r]
+
+    worker_decoded = [[codec.decode(codec.encode(v[r * c:(r + 1) * c], chunk_scale(s, r))) for r in range(p)]
+                      for v, s in zip(padded, scales)]
     pieces, new_server_errors = [], []
     for r in range(p):
-        mean = average([codec.decode(codec.encode(v[r * c:(r + 1) * c])) for v in padded])
+        mean = average([worker_decoded[i][r] for i in range(p)])
         real = max(0, min(c, n - r * c))
         y = torch.zeros(c, dtype=torch.float32, device=x0.device)
         y[:real] = mean[:real] + server_errors[r].reshape(-1)[:real]
@@ -230,4 +252,8 @@ def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_err
         pieces.append(decoded)
         new_server_errors.append(error)
     result = torch.cat(pieces)[:n].to(x0.dtype).view(x0.shape)
-    return [result.clone() for _ in range(p)], new_server_errors
+    outputs = [result.clone() for _ in range(p)]
+    if worker_errors is None:
+        return outputs, new_server_errors
+    new_worker_errors = [u - torch.cat(d)[:n] for u, d in zip(us, worker_decoded)]
+    return outputs, new_server_errors, new_worker_errors

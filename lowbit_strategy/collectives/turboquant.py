@@ -42,6 +42,20 @@ negligible for buckets of many blocks but up to ~2x the bytes when ``n`` is just
 only has scale 0 and decodes to zeros) and dropped at the end. The server zeroes the
 padding of its mean before encoding and ``server_error``'s padding entries stay 0.
 
+**Worker error feedback** (both forms, optional; the optimizer's momentum-level error
+compensation, "TurboQuant-Adam" Algorithm 1): with ``worker_error`` (float32, ``n``
+elements, this rank's own) the vector sent is ``u = x + worker_error``, and after the call
+``worker_error = u − decode(encode(u))``: what this rank's codes could not carry is added to
+its next call. In the all-gather form the decode is the one the mean needs anyway (this
+rank's row); in the two-stage form it is one more decode of this rank's chunks, run while
+the all-to-all is on the wire.
+
+**Given scales** (both forms): ``scale=`` replaces the per-block RMS of the worker encode
+(an optimizer keeping an EMA of the scale passes it): the codec's rules, for the
+all-gather form ``1`` or ``nb(n)`` values; for the two-stage form ``1`` or ``P·nb(c)``
+values, chunk ``r``'s groups at ``[r·nb(c), (r+1)·nb(c))`` (:func:`turboquant_scale_groups`
+gives both layouts). The server's re-encoding always uses the RMS of its mean.
+
 Arithmetic is float32 (the codec's); the result is float32 rounded to ``x``'s dtype.
 With ``P = 1`` nothing is sent and the same arithmetic runs.
 
@@ -90,6 +104,19 @@ def turboquant_server_error(x: torch.Tensor, codec: TurboQuantCodec, group=None)
     return torch.zeros(c, dtype=torch.float32, device=x.device)
 
 
+def turboquant_scale_groups(n: int, world_size: int, block: int, two_stage: bool) -> tuple[int, int]:
+    """``(padded_length, group_size)`` of the worker encode's scale groups: the vector,
+    zero-padded to ``padded_length``, is cut into groups of ``group_size`` consecutive
+    elements (the last one partial in the all-gather form), one scale each, in the order
+    ``scale=`` takes them. All-gather form: ``(n, block)``; two-stage form:
+    ``(P·c, min(block, c))`` with ``c`` :func:`turboquant_server_chunk_length` (``c`` is a
+    multiple of ``block`` or a single partial group, so no group straddles two chunks)."""
+    if not two_stage:
+        return n, block
+    c = turboquant_server_chunk_length(n, world_size, block)
+    return world_size * c, min(block, c)
+
+
 def _check_codec(codec, what: str) -> None:
     if not isinstance(codec, TurboQuantCodec):
         raise TypeError(f"{what}: codec must be a TurboQuantCodec, got {type(codec).__name__}")
@@ -127,31 +154,49 @@ def _payload(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor, 
     return TurboQuantPayload(codes, scales, torch.Size([m]), torch.float32, m, codec.bits, codec.block)
 
 
-def rank_ordered_mean(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor, m: int) -> torch.Tensor:
+def rank_ordered_mean(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor, m: int,
+                      own: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``(d_0 + … + d_{P−1}) / P`` over the P payloads of ``m`` elements held as rows of
-    ``codes`` (P, k) and ``scales`` (P, nb), decoded in rank order: float32, ``m`` elements."""
+    ``codes`` (P, k) and ``scales`` (P, nb), decoded in rank order: float32, ``m`` elements.
+    ``own = (i, u, error)``: also ``error ← u − d_i`` (row ``i`` is this rank's encoding of
+    ``u``), from the decode the mean needs anyway."""
     p = codes.shape[0]
-    acc = codec.decode(_payload(codec, codes[0], scales[0], m))
-    for i in range(1, p):
-        acc.add_(codec.decode(_payload(codec, codes[i], scales[i], m)))
+    acc = None
+    for i in range(p):
+        d = codec.decode(_payload(codec, codes[i], scales[i], m))
+        if own is not None and own[0] == i:
+            torch.sub(own[1], d, out=own[2])
+        acc = d if acc is None else acc.add_(d)
     return acc.div_(p)
+
+
+def _with_error(x: torch.Tensor, worker_error: torch.Tensor | None) -> torch.Tensor:
+    """What a rank sends: ``x + worker_error`` in float32 (a new tensor), or ``x``."""
+    if worker_error is None:
+        return x
+    return x.reshape(-1).to(torch.float32) + worker_error
 
 
 # -- all-gather form -----------------------------------------------------------------------
 
 
 class TurboQuantAllgather:
-    """A :func:`turboquant_allgather_mean` in flight: :meth:`wait` returns the mean.
+    """A :func:`turboquant_allgather_mean` in flight: :meth:`wait` returns the mean (and
+    updates ``worker_error`` when one was given).
 
     :attr:`scales` (after the wait): float32 ``(P, nb)``, row i = rank i's scales, the same
     on every rank; non-finite where any rank's input was."""
 
-    def __init__(self, x, codec, p, k, codes, scales, futures):
+    def __init__(self, x, codec, p, k, codes, scales, futures, own=None):
         self._shape, self._dtype, self._n = x.shape, x.dtype, x.numel()
         self._codec, self._p, self._k = codec, p, k
-        self._codes, self._all_scales, self._futures = codes, scales, futures
+        self._codes, self._all_scales, self._futures, self._own = codes, scales, futures, own
         self._result: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+
+    def gather(self) -> "TurboQuantAllgather":
+        """Itself: one phase only (the interface of the two-phase collectives, :class:`~.group.TwoPhase`)."""
+        return self
 
     def wait(self) -> torch.Tensor:
         """The mean over ranks (``x``'s shape and dtype); later calls return the same tensor."""
@@ -161,41 +206,58 @@ class TurboQuantAllgather:
             codes = self._codes.view(self._p, self._k)
             scales = self._all_scales.view(self._p, -1)
             self.scales = scales
-            mean = rank_ordered_mean(self._codec, codes, scales, self._n)
+            mean = rank_ordered_mean(self._codec, codes, scales, self._n, self._own)
             self._result = mean.to(self._dtype).view(self._shape)
-            self._codes = self._futures = None
+            self._codes = self._futures = self._own = None
         return self._result
 
 
+def _check_worker_error(worker_error, x, what: str) -> None:
+    if worker_error is not None:
+        check_error_buffer(worker_error, x.numel(), x.device, "worker_error", what, "x.numel()")
+
+
 def turboquant_allgather_mean_start(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, check: bool = False, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, worker_error: torch.Tensor | None = None,
+    check: bool = False, traffic=None,
 ) -> TurboQuantAllgather:
-    """Start :func:`turboquant_allgather_mean`: encode ``x`` (no longer needed after this
-    returns) and launch the all-gathers of codes and scales, asynchronously."""
-    if not check:
+    """Start :func:`turboquant_allgather_mean`: encode ``x`` (+ ``worker_error``; ``x`` is
+    no longer needed after this returns) and launch the all-gathers of codes and scales,
+    asynchronously. ``worker_error`` is updated by the wait."""
+
+    def validate() -> None:
         _check_x(x, codec, _AG)
+        _check_worker_error(worker_error, x, _AG)
+
+    if not check:
+        validate()
     p = g.world_size(group)
-    _validated(lambda: _check_x(x, codec, _AG), x, group, _AG, check, traffic)
-    payload = codec.encode(x, scale)
+    _validated(validate, x, group, _AG, check, traffic)
+    u = _with_error(x, worker_error)
+    payload = codec.encode(u, scale)
     k, nb = payload.codes.numel(), payload.scales.numel()
     codes = torch.empty(p * k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(p * nb, dtype=torch.float32, device=x.device)
     f_codes = g.all_gather_async(codes, payload.codes, group, "turboquant.codes", traffic)
     f_scales = g.all_gather_async(scales, payload.scales.reshape(-1), group, "turboquant.scales", traffic)
-    return TurboQuantAllgather(x, codec, p, k, codes, scales, (f_codes, f_scales))
+    own = None if worker_error is None else (g.rank(group), u, worker_error.view(-1))
+    return TurboQuantAllgather(x, codec, p, k, codes, scales, (f_codes, f_scales), own)
 
 
 def turboquant_allgather_mean(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, check: bool = False, traffic=None
+    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, worker_error: torch.Tensor | None = None,
+    check: bool = False, traffic=None,
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified), every rank's
     vector sent as ``codec`` codes + scales by one all-gather (module docstring). Returns
     ``x``'s shape and dtype, bit-identical on every rank. ``scale``: as
-    :meth:`TurboQuantCodec.encode` (None: the RMS of every block). ``check=True`` adds one
-    small collective that makes every rank raise when any rank passed a different length
-    or invalid arguments (without it a rank raising alone leaves its peers waiting until
-    the group's timeout)."""
-    return turboquant_allgather_mean_start(x, codec, group, scale=scale, check=check, traffic=traffic).wait()
+    :meth:`TurboQuantCodec.encode` (None: the RMS of every block). ``worker_error``: this
+    rank's error feedback (float32, ``x.numel()`` elements, contiguous, updated in place;
+    module docstring). ``check=True`` adds one small collective that makes every rank
+    raise when any rank passed a different length or invalid arguments (without it a rank
+    raising alone leaves its peers waiting until the group's timeout)."""
+    return turboquant_allgather_mean_start(x, codec, group, scale=scale, worker_error=worker_error, check=check,
+                                           traffic=traffic).wait()
 
 
 # -- two-stage form ------------------------------------------------------------------------
@@ -257,22 +319,37 @@ class TurboQuantTwoStage(g.TwoPhase):
         return pending
 
 
-def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int):
+def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int, scale=None):
     """``x`` zero-padded to ``P·c`` elements, each chunk of ``c`` encoded on its own: the
-    payloads in chunk order (the worker step of the two-stage form)."""
+    payloads in chunk order (the worker step of the two-stage form). ``scale``: None (the
+    RMS of every group), one value for every chunk, or ``P·nb(c)`` values (chunk r's at
+    ``[r·nb(c), (r+1)·nb(c))``)."""
     n = x.numel()
     buf = torch.zeros(p * c, dtype=torch.float32, device=x.device)
     buf[:n] = x.reshape(-1)
-    return [codec.encode(buf[r * c:(r + 1) * c]) for r in range(p)]
+    return [codec.encode(buf[r * c:(r + 1) * c], _chunk_scale(scale, p, r)) for r in range(p)]
+
+
+def _chunk_scale(scale, p: int, r: int):
+    if scale is None or not isinstance(scale, torch.Tensor) or scale.numel() == 1:
+        return scale
+    return scale.reshape(p, -1)[r]
+
+
+def _check_chunk_scale(scale, p: int, c: int, block: int) -> None:
+    if isinstance(scale, torch.Tensor) and scale.numel() not in (1, p * -(-c // block)):
+        raise ValueError(f"{_TS}: scale must hold 1 or P·ceil(c / block) = {p * -(-c // block)} values "
+                         f"(turboquant_scale_groups), got {scale.numel()}")
 
 
 def turboquant_two_stage_mean_start(
     x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
-    check: bool = False, traffic=None,
+    scale=None, worker_error: torch.Tensor | None = None, check: bool = False, traffic=None,
 ) -> TurboQuantTwoStage:
-    """Start :func:`turboquant_two_stage_mean`: encode this rank's chunks (``x`` is no
-    longer needed after this returns) and launch the all-to-alls of codes and scales.
-    ``server_error`` is updated, and phase two launched, by :meth:`TurboQuantTwoStage.gather`."""
+    """Start :func:`turboquant_two_stage_mean`: encode this rank's chunks of ``x`` (+
+    ``worker_error``; ``x`` is no longer needed after this returns), launch the all-to-alls
+    of codes and scales, then update ``worker_error`` while they run. ``server_error`` is
+    updated, and phase two launched, by :meth:`TurboQuantTwoStage.gather`."""
     if not check:
         _check_x(x, codec, _TS)
     p = g.world_size(group)
@@ -284,31 +361,41 @@ def turboquant_two_stage_mean_start(
                            f"turboquant_server_chunk_length(x.numel(), P={p}, block={codec.block})")
         if not server_error.is_contiguous():
             raise ValueError(f"{_TS}: server_error must be contiguous")
+        _check_worker_error(worker_error, x, _TS)
+        _check_chunk_scale(scale, p, c, codec.block)
 
+    if not check:
+        validate()
     _validated(validate, x, group, _TS, check, traffic)
     n = x.numel()
     c = turboquant_server_chunk_length(n, p, codec.block)
     rank = g.rank(group)
-    payloads = encode_chunks(x, codec, p, c)
+    u = _with_error(x, worker_error)
+    payloads = encode_chunks(u, codec, p, c, scale)
     k, nb = payloads[0].codes.numel(), payloads[0].scales.numel()
     codes = torch.cat([q.codes for q in payloads])
     scales = torch.cat([q.scales.reshape(-1) for q in payloads])
-    del payloads
     got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
     f_codes = g.all_to_all_async(got_codes, codes, group, "turboquant.chunk_codes", traffic)
     f_scales = g.all_to_all_async(got_scales, scales, group, "turboquant.chunk_scales", traffic)
+    if worker_error is not None:  # this rank's own decode, while the all-to-all is on the wire
+        sent = torch.cat([codec.decode(q) for q in payloads])[:n]
+        torch.sub(u, sent, out=worker_error.view(-1))
+    del payloads
     return TurboQuantTwoStage(x, codec, server_error, group, p, rank, c, k, nb, got_codes, got_scales,
                               (f_codes, f_scales), traffic)
 
 
 def turboquant_two_stage_mean(
     x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
-    check: bool = False, traffic=None,
+    scale=None, worker_error: torch.Tensor | None = None, check: bool = False, traffic=None,
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified) by the
     two-stage TurboQuant collective (module docstring): all-to-all of encoded chunks,
     server re-encoding with error feedback into ``server_error`` (float32, contiguous,
     :func:`turboquant_server_chunk_length` elements, updated in place; start it as
     :func:`turboquant_server_error`), all-gather. Returns ``x``'s shape and dtype,
-    bit-identical on every rank. ``check``: as in :func:`turboquant_allgather_mean`."""
-    return turboquant_two_stage_mean_start(x, codec, server_error, group, check=check, traffic=traffic).wait()
+    bit-identical on every rank. ``scale`` (worker groups, :func:`turboquant_scale_groups`)
+    and ``worker_error``: module docstring. ``check``: as in :func:`turboquant_allgather_mean`."""
+    return turboquant_two_stage_mean_start(x, codec, server_error, group, scale=scale, worker_error=worker_error,
+                                           check=check, traffic=traffic).wait()

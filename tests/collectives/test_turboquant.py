@@ -16,6 +16,7 @@ from lowbit_strategy.collectives import (
     turboquant_allgather_mean,
     turboquant_allgather_mean_start,
     turboquant_mean_reference,
+    turboquant_scale_groups,
     turboquant_server_chunk_length,
     turboquant_server_error,
     turboquant_two_stage_mean,
@@ -169,7 +170,47 @@ def _check_error_feedback(rank, p, group):
     assert fb_true < plain_true, errors
 
 
+def _check_worker_error_and_scales(rank, p, group):
+    """Momentum-level error feedback and given (EMA) scales, both forms, against the
+    simulation bit for bit over three calls (the errors carry over)."""
+    codec = TurboQuantCodec(4, seed=11, block=BLOCK)
+    for n in (5, 97, 301):
+        for two_stage in (False, True):
+            padded, size = turboquant_scale_groups(n, p, BLOCK, two_stage)
+            groups = -(-padded // size)
+            worker_errors = [torch.zeros(n) for _ in range(p)]
+            server_errors = None
+            mine = torch.zeros(n)
+            server_error = turboquant_server_error(torch.ones(n), codec, group) if two_stage else None
+            for call in range(3):
+                inputs = _inputs(7 * n + call, p, n)
+                scales = [torch.rand(groups, generator=torch.Generator().manual_seed(r + call)) + 0.5
+                          for r in range(p)]
+                where = f"n={n} two_stage={two_stage} call={call}"
+                if two_stage:
+                    outputs, server_errors, worker_errors = turboquant_mean_reference(
+                        inputs, codec, True, server_errors, worker_errors, scales)
+                    got = turboquant_two_stage_mean(inputs[rank], codec, server_error, group, scale=scales[rank],
+                                                    worker_error=mine)
+                    assert torch.equal(server_error, server_errors[rank]), where
+                else:
+                    outputs, worker_errors = turboquant_mean_reference(inputs, codec, False, None, worker_errors,
+                                                                       scales)
+                    got = turboquant_allgather_mean(inputs[rank], codec, group, scale=scales[rank],
+                                                    worker_error=mine)
+                assert torch.equal(got, outputs[rank]), where
+                assert torch.equal(mine, worker_errors[rank]), where
+                assert mine.abs().sum() > 0, where
+            with pytest.raises(ValueError, match="worker_error must hold x.numel"):
+                turboquant_allgather_mean(torch.ones(n), codec, group, worker_error=torch.zeros(n + 1))
+    if p > 1:
+        with pytest.raises(ValueError, match="scale must hold 1 or P·ceil"):
+            turboquant_two_stage_mean(torch.ones(301), codec, turboquant_server_error(torch.ones(301), codec, group),
+                                      group, scale=torch.ones(3))
+
+
 SUITES = {
+    "worker error and scales": _check_worker_error_and_scales,
     "matches simulation": _check_matches_simulation,
     "async and nan": _check_async_and_nan,
     "error feedback": _check_error_feedback,
