@@ -1,0 +1,326 @@
+"""LowBitAccelerator: Hugging Face Accelerate's ``Accelerator`` driving any registered algorithm.
+
+Migrating an Accelerate script is one line::
+
+    accelerator = LowBitAccelerator()              # was: Accelerator(); config from LOWBIT_CONFIG / LOWBIT_*
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+The front end holds no per-algorithm code. It looks ``config.algorithm`` up in
+:data:`lowbit_strategy.algorithms.REGISTRY` and drives the algorithm's
+:class:`~lowbit_strategy.algorithms.Sync` exactly as the plain-DDP and Lightning front ends do:
+
+* ``__init__``: the algorithm checks the precision (Accelerate's ``mixed_precision``);
+  Accelerate's DDP buckets take the config's ``bucket_size_mb`` (they are the units the
+  hook compresses); a ``DistributedDataParallelKwargs(comm_hook=...)`` is refused, as a DDP
+  model takes one hook and the algorithm's is registered instead. Accelerate's own
+  ``comm_hook`` option cannot carry ours: it takes only its closed enum (anything else is
+  silently ignored) and looks its handlers up by exact class.
+* ``prepare`` (or ``prepare_model`` / ``prepare_optimizer``): each DDP model gets its
+  :class:`Sync` and the algorithm's communication hook, registered on the prepared model;
+  the optimizers holding its parameters (the real ones inside Accelerate's
+  ``AcceleratedOptimizer``) are attached, so an optimizer the algorithm cannot drive is a
+  :class:`LowBitSetupError` naming the fix, at ``prepare``.
+* ``save_state`` / ``load_state``: Accelerate writes the optimizer state of the main process
+  only, but momenta and error-feedback buffers differ across ranks. Every rank's
+  :meth:`Sync.state_dict` is gathered (a collective inside ``save_state``, which every rank
+  calls) into ``lowbit_rank_states.pt`` beside Accelerate's files; ``load_state`` hands each
+  rank its own back *after* Accelerate has loaded rank 0's optimizer state into every rank
+  (at another world size: the algorithm's merge, with a logged warning).
+* ``traffic_logs()`` / ``bytes_sent`` / ``ddp_bytes_per_step()``: the bytes on the wire and
+  what DDP's fp32 allreduce would have sent.
+
+Launching on CPUs: ``accelerate launch`` with a multi-process config starts processes that
+each train alone (``DistributedType.NO``) on a machine without GPUs unless
+``ACCELERATE_USE_CPU=1`` is set. :class:`LowBitAccelerator` passes ``cpu=True`` itself when
+it is one of several launched processes and Accelerate finds no device backend, so they
+form one gloo group (``MULTI_CPU``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+from lowbit_strategy import algorithms
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.collectives import wire
+from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.integrations.ddp import build_sync, load_rank_states, save_rank_states
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LowBitAccelerator", "LowBitSetupError", "PRECISIONS", "STATE_FILE"]
+
+#: Accelerate's ``mixed_precision`` -> the precision names ``Algorithm.check_precision`` reads
+PRECISIONS = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
+#: the file ``save_state`` writes every rank's low-bit state to, beside Accelerate's files
+STATE_FILE = "lowbit_rank_states.pt"
+#: Accelerate modes that do not wrap the model in ``DistributedDataParallel``
+_NOT_DDP = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+#: accelerate.utils probes of the device backends its launcher would use instead of gloo
+_DEVICE_PROBES = ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_sdaa_available",
+                  "is_musa_available", "is_hpu_available", "is_neuron_available")
+
+
+def _flag(value: str | None) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _launched_world_size() -> int:
+    """How many processes the launcher started (1 when not launched distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        try:
+            size = int(os.environ.get(var, "") or 0)
+        except ValueError:
+            continue
+        if size:
+            return size
+    return 1
+
+
+def _has_device_backend() -> bool:
+    """Whether Accelerate would find a device (and its collective backend) for several processes."""
+    if torch.cuda.is_available():
+        return True
+    import accelerate.utils as au
+
+    return any(getattr(au, name, lambda: False)() for name in _DEVICE_PROBES)
+
+
+def _unwrap_compiled(model: Any) -> Any:
+    return getattr(model, "_orig_mod", model)
+
+
+class LowBitAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``prepare`` sets up the configured low-bit algorithm.
+
+    Args:
+        lowbit: a :class:`LowBitConfig`, a dict of its fields or a YAML path. None reads
+            the environment the launcher passes on: ``LOWBIT_CONFIG`` (a YAML path) and
+            ``LOWBIT_<FIELD>`` / ``LOWBIT_<SECTION>_<FIELD>`` overrides.
+        overlap: let optimizer-level algorithms start their collectives from the DDP hook,
+            during backward (the default). Pass ``False`` when the script changes gradients
+            between ``backward`` and ``optimizer.step()`` (``clip_grad_norm_``,
+            ``clip_grad_value_``, manual scaling): the synchronized update is then formed
+            in ``step()`` from the changed gradients. An overlapping optimizer-level
+            algorithm refuses ``clip_grad_*`` with a :class:`LowBitSetupError` saying so:
+            by then it has already used the unclipped gradients.
+        **accelerator_kwargs: everything ``accelerate.Accelerator`` takes.
+
+    Gradient accumulation (``accelerator.accumulate``) synchronizes once per optimizer
+    step, as the Lightning strategy does: DDP's ``no_sync`` skips the hook on the other
+    micro-batches and ``AcceleratedOptimizer.step`` runs only when ``sync_gradients``.
+    Optimizer-level algorithms keep gradients local, so clipping clips each rank's
+    *local* gradient.
+    """
+
+    def __init__(self, lowbit: LowBitConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
+                 overlap: bool = True, **accelerator_kwargs: Any) -> None:
+        self.lowbit_config = LowBitConfig.from_env() if lowbit is None else LowBitConfig.coerce(lowbit)
+        self.lowbit_algorithm = algorithms.get(self.lowbit_config.algorithm)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"LowBitAccelerator(overlap=...) must be True or False, got {overlap!r}")
+        self.lowbit_overlap = overlap
+        self.lowbit_syncs: list[Sync] = []
+        self._lowbit_models: list[torch.nn.parallel.DistributedDataParallel] = []
+        self._lowbit_attached: list[list[int]] = []
+        self._lowbit_load_dir: str | None = None
+        # Accelerate itself refuses some precisions only later (or on some devices): check
+        # what was asked for first, so the message is the algorithm's, then what was set up.
+        asked = accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if asked:
+            self._check_precision(str(getattr(asked, "value", asked)))
+        if (not accelerator_kwargs.get("cpu") and not _flag(os.environ.get("ACCELERATE_USE_CPU"))
+                and _launched_world_size() > 1 and not _has_device_backend()):
+            logger.info("lowbit: %d processes launched on a machine without a GPU: LowBitAccelerator passes "
+                        "cpu=True so that they form one gloo group (MULTI_CPU) instead of each training alone",
+                        _launched_world_size())
+            accelerator_kwargs["cpu"] = True
+        super().__init__(**accelerator_kwargs)
+        self._check_precision(str(self.mixed_precision))
+        if self.distributed_type.name in _NOT_DDP:
+            raise LowBitSetupError(
+                f"LowBitAccelerator synchronizes DistributedDataParallel models, but Accelerate is set up for "
+                f"{self.distributed_type.name}; use a multi-GPU / multi-CPU config (distributed_type: MULTI_GPU) "
+                "without DeepSpeed, FSDP, Megatron-LM or XLA")
+        self._configure_ddp_kwargs()
+        self.register_save_state_pre_hook(self._save_lowbit_states)
+        self.register_load_state_pre_hook(self._remember_load_dir)
+
+    # ---- setup --------------------------------------------------------------------
+    def _who(self) -> str:
+        return f"LowBitAccelerator(algorithm={self.lowbit_config.algorithm!r})"
+
+    def _check_precision(self, mixed_precision: str) -> None:
+        self.lowbit_algorithm.check_precision(PRECISIONS.get(mixed_precision.lower(), mixed_precision))
+
+    def _configure_ddp_kwargs(self) -> None:
+        """DDP's buckets are the units the hook compresses: their size is the config's
+        ``bucket_size_mb`` unless ``DistributedDataParallelKwargs(bucket_cap_mb=...)`` says otherwise."""
+        handler = self.ddp_handler
+        if handler is not None and handler.comm_hook.value != "no":
+            raise LowBitSetupError(
+                f"{self._who()} registers the algorithm's own DDP communication hook and a DDP model takes one; "
+                f"remove comm_hook={handler.comm_hook.value!r} from DistributedDataParallelKwargs")
+        handler = handler if handler is not None else DistributedDataParallelKwargs()
+        if "bucket_cap_mb" not in handler.to_kwargs():
+            handler = dataclasses.replace(handler, bucket_cap_mb=self.lowbit_config.bucket_size_mb)
+        self.ddp_handler = handler
+
+    def prepare_model(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
+        """Accelerate's ``prepare_model``; a DDP model also gets the algorithm's :class:`Sync`
+        and communication hook (before its first backward)."""
+        prepared = super().prepare_model(model, *args, **kwargs)
+        ddp = _unwrap_compiled(prepared)
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
+                not any(ddp is m for m in self._lowbit_models):
+            sync = build_sync(self.lowbit_config, ddp, group=None)
+            ddp.register_comm_hook(sync.hook_state, sync.comm_hook)
+            if not self.lowbit_overlap:
+                sync.disable_overlap("LowBitAccelerator(overlap=False)")
+            self.lowbit_syncs.append(sync)
+            self._lowbit_models.append(ddp)
+            self._lowbit_attached.append([])
+            self._attach_optimizers()
+        elif not self.lowbit_syncs and self.num_processes == 1:
+            logger.info("lowbit: one process, nothing to synchronize: %s trains as a plain single-process model",
+                        type(_unwrap_compiled(model)).__name__)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """Accelerate's ``prepare_optimizer``; the optimizer is attached to the algorithm of
+        the prepared DDP model whose parameters it holds."""
+        prepared = super().prepare_optimizer(optimizer, *args, **kwargs)
+        self._attach_optimizers()
+        return prepared
+
+    def _attach_optimizers(self) -> None:
+        """Attach every prepared optimizer to the sync of the model whose parameters it holds
+        (again whenever that set changes; the same order on every rank)."""
+        optimizers = [_real_optimizer(o) for o in self._optimizers]
+        for k, (sync, ddp) in enumerate(zip(self.lowbit_syncs, self._lowbit_models)):
+            owned = {id(p) for p in ddp.parameters()}
+            mine = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
+            if mine and [id(o) for o in mine] != self._lowbit_attached[k]:
+                sync.attach(mine, who=self._who())
+                self._lowbit_attached[k] = [id(o) for o in mine]
+
+    # ---- gradients changed after backward -------------------------------------------
+    def backward(self, loss, **kwargs: Any) -> None:
+        if self.gradient_accumulation_steps > 1 and self.gradient_state.plugin_kwargs.get("sync_each_batch"):
+            # the hook then runs on every micro-batch, but the update comes once per step
+            self._disable_overlap("GradientAccumulationPlugin(sync_each_batch=True) runs the DDP hook on every "
+                                  "micro-batch")
+        return super().backward(loss, **kwargs)
+
+    def _disable_overlap(self, reason: str) -> None:
+        if self.lowbit_overlap:
+            self.lowbit_overlap = False
+            for sync in self.lowbit_syncs:
+                sync.disable_overlap(reason)
+
+    def _refuse_if_overlapping(self, what: str) -> None:
+        # ``overlap`` is the attribute of algorithms that synchronize during backward; the
+        # others (gradient-level ones) have nothing in flight that clipping could miss
+        busy = [s for s in self.lowbit_syncs if getattr(s, "overlap", False)]
+        if busy:
+            raise LowBitSetupError(
+                f"{what} changes the gradients after backward, but {self._who()} already started synchronizing "
+                "them during backward (overlap). Create the accelerator with LowBitAccelerator(..., overlap=False) "
+                "in scripts that clip or rescale gradients: the update is then formed in optimizer.step() from the "
+                "clipped gradients")
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's ``clip_grad_norm_`` (needs ``LowBitAccelerator(overlap=False)`` with an
+        optimizer-level algorithm; it clips each rank's local gradient there)."""
+        self._refuse_if_overlapping("accelerator.clip_grad_norm_")
+        return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        """Accelerate's ``clip_grad_value_`` (see :meth:`clip_grad_norm_`)."""
+        self._refuse_if_overlapping("accelerator.clip_grad_value_")
+        return super().clip_grad_value_(parameters, clip_value)
+
+    # ---- telemetry ------------------------------------------------------------------
+    def traffic_logs(self) -> list[wire.TrafficLog]:
+        """This rank's traffic logs, one or more per prepared model."""
+        return [log for sync in self.lowbit_syncs for log in sync.traffic_logs()]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire so far (every prepared model)."""
+        return sum(log.bytes_sent for log in self.traffic_logs())
+
+    def ddp_bytes_per_step(self) -> int:
+        """Bytes one rank would send per optimizer step with DDP's fp32 ring allreduce of every
+        trainable parameter of the prepared models (0 on one process)."""
+        numel = sum(p.numel() for m in self._lowbit_models for p in m.parameters() if p.requires_grad)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return wire.allreduce_bytes(4 * numel, world)
+
+    # ---- checkpoints: every rank's own state ----------------------------------------
+    def _save_lowbit_states(self, models, weights, output_dir: str) -> None:
+        """``save_state`` pre-hook (every rank runs it): gather every rank's state; the
+        main process writes :data:`STATE_FILE`."""
+        if not self.lowbit_syncs:
+            return
+        entries = [save_rank_states(sync) for sync in self.lowbit_syncs]  # collective, every rank
+        if entries[0] is not None:
+            torch.save({"algorithm": self.lowbit_config.algorithm, "models": entries},
+                       os.path.join(output_dir, STATE_FILE))
+
+    def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any):
+        """Accelerate's ``save_state`` plus every rank's low-bit state (call it on every rank,
+        as Accelerate asks). Returns once every rank's files are written."""
+        location = super().save_state(output_dir, *args, **kwargs)
+        self.wait_for_everyone()
+        return location
+
+    def _remember_load_dir(self, models, input_dir: str) -> None:
+        self._lowbit_load_dir = input_dir
+
+    def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any):
+        """Accelerate's ``load_state``, then each rank's own low-bit state (its momenta, error
+        buffers, hook iteration) over the main process's optimizer state Accelerate loaded."""
+        self._lowbit_load_dir = None
+        result = super().load_state(input_dir, *args, **kwargs)
+        if self._lowbit_load_dir is not None and self.lowbit_syncs:
+            self._load_lowbit_states(self._lowbit_load_dir)
+        return result
+
+    def _load_lowbit_states(self, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE)
+        algorithm = self.lowbit_config.algorithm
+        saved = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+        if saved is None or saved.get("algorithm") != algorithm:
+            logger.warning("lowbit: %s holds no %s rank-local state; every rank starts from the main process's "
+                           "optimizer state", input_dir, algorithm)
+            return
+        if len(saved["models"]) != len(self.lowbit_syncs):
+            raise ValueError(f"{path} holds the low-bit state of {len(saved['models'])} models, but this "
+                             f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
+                             "run that saved it")
+        for sync, entry in zip(self.lowbit_syncs, saved["models"]):
+            load_rank_states(sync, entry)
+
+    def free_memory(self, *objects: Any):
+        """Accelerate's ``free_memory``; the prepared models' algorithms are detached first."""
+        for sync in self.lowbit_syncs:
+            sync.detach()
+        self.lowbit_syncs, self._lowbit_models, self._lowbit_attached = [], [], []
+        return super().free_memory(*objects)
+
+
+def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer

@@ -1,0 +1,299 @@
+"""LowBitAccelerator on real gloo process groups, against DDP on the same data.
+
+Each rank builds its own accelerator inside a ``run_ranks`` worker: the launcher's
+environment (RANK, WORLD_SIZE, LOCAL_RANK) is set as ``accelerate launch`` would, and no
+``cpu=True`` is passed, so these runs also check that the accelerator forms one gloo group
+on a machine without GPUs by itself.
+"""
+import contextlib
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType  # noqa: E402
+
+import lowbit_strategy  # noqa: E402
+from lowbit_strategy import ConfigError, LowBitConfig, LowBitSetupError  # noqa: E402
+from lowbit_strategy.accelerate import STATE_FILE, LowBitAccelerator  # noqa: E402
+from tests.algorithms.lion_cub.test_optimizer import BETAS, LR, WD, _batch, _model  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+
+STEPS = 6
+BUCKET_MB = 0.0005  # several DDP buckets for the tiny model, so buckets overlap backward
+
+
+def _fresh_accelerator(rank, world_size, lowbit, **kwargs) -> LowBitAccelerator:
+    """A new accelerator in this process, with the environment ``accelerate launch`` gives a rank."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    return LowBitAccelerator(lowbit, **kwargs)
+
+
+def _micro_batch(rank, step, micro):
+    return _batch(rank, 100 * step + micro)
+
+
+def _train(acc, model, opt, rank, first, last, clip=None):
+    """Steps ``first..last``, each of ``acc.gradient_accumulation_steps`` micro-batches."""
+    for step in range(first, last + 1):
+        for micro in range(acc.gradient_accumulation_steps):
+            with acc.accumulate(model):
+                x, y = _micro_batch(rank, step, micro)
+                acc.backward(nn.functional.cross_entropy(model(x), y))
+                if clip is not None and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+
+
+def _ddp_lion_reference(rank, accumulate):
+    """DDP + plain Lion on the same micro-batches, DDP's no_sync on all but the last."""
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    opt = lowbit_strategy.Lion(ddp.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    for step in range(1, STEPS + 1):
+        for micro in range(accumulate):
+            ctx = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+            with ctx:
+                x, y = _micro_batch(rank, step, micro)
+                (nn.functional.cross_entropy(ddp(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in ddp.module.parameters()]
+
+
+def _replicas(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.detach().contiguous())
+    return out
+
+
+def _assert_ranks_identical(model, what):
+    for p in model.parameters():
+        copies = _replicas(p)
+        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"{what}: replicas differ"
+
+
+def _lion(params):
+    return lowbit_strategy.Lion(params, lr=LR, betas=BETAS, weight_decay=WD)
+
+
+# ---- exactness and identical replicas ---------------------------------------------------
+def _check_exact_mode_equals_ddp_lion(rank, world_size):
+    # fp32 mode + momentum sync every step: Lion on the DDP-averaged gradient, here with
+    # gradient accumulation (the hook runs on the last micro-batch only) and overlap on
+    acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="fp32", momentum_sync_every=1,
+                                                    momentum_sync_layers="all", bucket_size_mb=BUCKET_MB),
+                             gradient_accumulation_steps=2)
+    assert acc.distributed_type == DistributedType.MULTI_CPU and acc.num_processes == world_size
+    model, opt = acc.prepare(_model(), None)[0], None
+    opt = acc.prepare(_lion(model.parameters()))  # optimizer prepared after the model: attached then
+    assert isinstance(model, nn.parallel.DistributedDataParallel) and len(acc.lowbit_syncs) == 1
+    _train(acc, model, opt, rank, 1, STEPS)
+    for a, b in zip(model.module.parameters(), _ddp_lion_reference(rank, accumulate=2)):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-6)
+    assert acc.bytes_sent > 0 and acc.ddp_bytes_per_step() > 0
+
+
+def _check_compressed_modes_keep_ranks_identical(rank, world_size):
+    runs = [
+        (dict(algorithm="lion", mode="1bit"), _lion, {}),
+        (dict(algorithm="lion", mode="lp", bits=8), _lion, dict(gradient_accumulation_steps=2)),
+        (dict(algorithm="bitdp", bits=1), lambda ps: torch.optim.AdamW(ps, lr=1e-2), {}),
+        (dict(algorithm="onebit_adam"), lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=2), {}),
+    ]
+    for cfg, make_opt, kwargs in runs:
+        acc = _fresh_accelerator(rank, world_size, {**cfg, "bucket_size_mb": BUCKET_MB}, **kwargs)
+        model = acc.prepare(_model())
+        opt = acc.prepare(make_opt(model.parameters()))
+        _train(acc, model, opt, rank, 1, STEPS)
+        _assert_ranks_identical(model, cfg)
+        sent, ddp = acc.bytes_sent, acc.ddp_bytes_per_step() * STEPS
+        assert 0 < sent < ddp, (cfg, sent, ddp)  # compressed: less than DDP's fp32 allreduce
+        assert [lg.bytes_sent for lg in acc.traffic_logs()] and sum(lg.bytes_sent for lg in acc.traffic_logs()) == sent
+        if cfg["algorithm"] == "bitdp":  # 1-bit codes after DDP's two warm-up iterations
+            assert "gathered.codes.all_gather" in {r.op for lg in acc.traffic_logs() for r in lg.records}
+
+
+def _check_bf16_accumulation_and_clipping(rank, world_size):
+    for cfg, make_opt in [(dict(algorithm="lion", mode="1bit"), _lion),
+                          (dict(algorithm="bitdp", bits=2), lambda ps: torch.optim.AdamW(ps, lr=1e-2))]:
+        acc = _fresh_accelerator(rank, world_size, {**cfg, "bucket_size_mb": BUCKET_MB}, overlap=False,
+                                 mixed_precision="bf16", gradient_accumulation_steps=2)
+        assert acc.mixed_precision == "bf16"
+        model = acc.prepare(_model())
+        opt = acc.prepare(make_opt(model.parameters()))
+        before = [p.detach().clone() for p in model.parameters()]
+        _train(acc, model, opt, rank, 1, 3, clip=0.5)
+        _assert_ranks_identical(model, cfg)
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "nothing trained"
+        assert acc.bytes_sent > 0
+
+
+# ---- errors: the same as the Lightning strategy's ---------------------------------------
+def _check_errors(rank, world_size):
+    acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", bucket_size_mb=BUCKET_MB))
+    model = acc.prepare(_model())
+    with pytest.raises(LowBitSetupError, match=r"LowBitAccelerator\(algorithm='lion'\) drives lowbit_strategy\.Lion"
+                                               r".*torch\.optim\.adamw\.AdamW.*bitdp"):
+        acc.prepare(torch.optim.AdamW(model.parameters()))
+    acc = _fresh_accelerator(rank, world_size, dict(algorithm="onebit_adam"))
+    model = acc.prepare(_model())
+    with pytest.raises(LowBitSetupError, match=r"drives lowbit_strategy\.OneBitAdam.*got torch\.optim\.sgd\.SGD"):
+        acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    # a lane too narrow for the world size: the communicator's error, at its first collective
+    # (from the DDP hook during the first backward, as under the Lightning strategy)
+    acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="lp", bits=2))
+    model = acc.prepare(_model())
+    opt = acc.prepare(_lion(model.parameters()))
+    with pytest.raises(Exception, match=r"mode='lp' with a 2-bit lane cannot hold even codes .* 2 ranks"):
+        _train(acc, model, opt, rank, 1, 1)
+    # clipping after an overlapped backward would be silently wrong: refused, naming the fix
+    acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB))
+    model = acc.prepare(_model())
+    opt = acc.prepare(_lion(model.parameters()))
+    with pytest.raises(LowBitSetupError, match=r"overlap=False"):
+        _train(acc, model, opt, rank, 1, 1, clip=1.0)
+
+
+# ---- resume -------------------------------------------------------------------------------
+def _run(rank, world_size, cfg, make_opt, last, save_to=None, resume_from=None):
+    acc = _fresh_accelerator(rank, world_size, {**cfg, "bucket_size_mb": BUCKET_MB})
+    model = acc.prepare(_model())
+    opt = acc.prepare(make_opt(model.parameters()))
+    first = 1
+    if resume_from is not None:
+        acc.load_state(resume_from)
+        first = 4
+    _train(acc, model, opt, rank, first, last)
+    if save_to is not None:
+        acc.save_state(save_to)
+    return acc, model
+
+
+def _check_resume(rank, world_size, tmp):
+    runs = {
+        "lion": (dict(algorithm="lion", mode="1bit"), _lion),
+        "bitdp": (dict(algorithm="bitdp", bits=1, error_feedback=True), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+        "onebit_adam": (dict(algorithm="onebit_adam"),
+                        lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=2)),
+    }
+    for name, (cfg, make_opt) in runs.items():
+        _, straight = _run(rank, world_size, cfg, make_opt, STEPS)
+        expected = [p.detach().clone() for p in straight.parameters()]
+        where = os.path.join(tmp, name)
+        half, _ = _run(rank, world_size, cfg, make_opt, 3, save_to=where)
+        saved = torch.load(os.path.join(where, STATE_FILE), weights_only=True)
+        assert saved["algorithm"] == name and saved["models"][0]["world_size"] == world_size
+        # every rank's own state is in the file, and the ranks' states differ
+        states = saved["models"][0]["states"]
+        own = half.lowbit_syncs[0].state_dict()
+        assert _flat(states[rank]) and all(torch.equal(a, b) for a, b in zip(_flat(states[rank]), _flat(own)))
+        assert any(not torch.equal(a, b) for a, b in zip(_flat(states[0]), _flat(states[1]))), name
+        _, resumed = _run(rank, world_size, cfg, make_opt, STEPS, resume_from=where)
+        assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), expected)), f"{name}: resume not exact"
+
+
+def _flat(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _flat(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _flat(v)]
+    return []
+
+
+def _check_all(rank, world_size, tmp):
+    _check_exact_mode_equals_ddp_lion(rank, world_size)
+    _check_compressed_modes_keep_ranks_identical(rank, world_size)
+    _check_bf16_accumulation_and_clipping(rank, world_size)
+    _check_errors(rank, world_size)
+    _check_resume(rank, world_size, tmp)
+
+
+@pytest.mark.slow
+def test_low_bit_accelerator_on_two_gloo_ranks(tmp_path):
+    run_ranks(2, _check_all, str(tmp_path))
+
+
+# ---- one process: configuration and setup errors -------------------------------------------
+@pytest.fixture
+def fresh_state(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(var, raising=False)
+    for var in [v for v in os.environ if v.startswith("LOWBIT_")]:
+        monkeypatch.delenv(var)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield monkeypatch
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_config_comes_from_the_launchers_environment(fresh_state, tmp_path):
+    path = tmp_path / "lowbit.yaml"
+    path.write_text("algorithm: lion\nbucket_size_mb: 4\nlion:\n  mode: lp\n  bits: 8\n")
+    fresh_state.setenv("LOWBIT_CONFIG", str(path))
+    fresh_state.setenv("LOWBIT_BITS", "16")
+    acc = LowBitAccelerator(cpu=True)
+    cfg = acc.lowbit_config
+    assert (cfg.algorithm, cfg.lion.mode, cfg.lion.bits, cfg.bucket_size_mb) == ("lion", "lp", 16, 4.0)
+    assert acc.ddp_handler.bucket_cap_mb == 4.0  # DDP's buckets are the ones the hook compresses
+
+
+def test_explicit_config_ignores_the_environment_and_bad_variables_are_named(fresh_state):
+    fresh_state.setenv("LOWBIT_ALGORITHM", "bitdp")
+    acc = LowBitAccelerator({"algorithm": "lion", "mode": "1bit"}, cpu=True)
+    assert acc.lowbit_config == LowBitConfig(algorithm="lion", mode="1bit")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    fresh_state.setenv("LOWBIT_BITZ", "1")
+    with pytest.raises(ConfigError, match="LOWBIT_BITZ"):
+        LowBitAccelerator(cpu=True)
+
+
+def test_fp16_is_refused_by_algorithms_that_keep_gradients_local(fresh_state):
+    for algorithm in ("lion", "onebit_adam", "onebit_lamb"):
+        with pytest.raises(LowBitSetupError, match=r"precision='bf16-mixed'"):
+            LowBitAccelerator({"algorithm": algorithm}, mixed_precision="fp16", cpu=True)
+    fresh_state.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision` sets
+    with pytest.raises(LowBitSetupError, match=r"16-mixed"):
+        LowBitAccelerator({"algorithm": "lion"}, cpu=True)
+
+
+def test_ddp_kwargs_keep_an_explicit_bucket_size_and_refuse_a_second_hook(fresh_state):
+    acc = LowBitAccelerator({"algorithm": "bitdp"}, cpu=True,
+                            kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=3, static_graph=True)])
+    assert (acc.ddp_handler.bucket_cap_mb, acc.ddp_handler.static_graph) == (3, True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(LowBitSetupError, match=r"remove comm_hook='fp16' from DistributedDataParallelKwargs"):
+        LowBitAccelerator({"algorithm": "bitdp"}, cpu=True,
+                          kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)])
+
+
+def test_one_process_trains_plainly_and_sends_nothing(fresh_state, tmp_path):
+    acc = LowBitAccelerator({"algorithm": "lion", "mode": "1bit"}, cpu=True)
+    assert acc.distributed_type == DistributedType.NO
+    reference = _model()
+    ref_opt = _lion(reference.parameters())
+    model = acc.prepare(_model())
+    opt = acc.prepare(_lion(model.parameters()))
+    for step in range(1, 4):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            x, y = _batch(0, step)
+            loss = nn.functional.cross_entropy(m(x), y)
+            acc.backward(loss) if m is model else loss.backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert acc.lowbit_syncs == [] and acc.bytes_sent == 0 and acc.ddp_bytes_per_step() == 0
+    acc.save_state(str(tmp_path / "ckpt"))  # nothing rank-local to add with one process
+    assert not (tmp_path / "ckpt" / STATE_FILE).exists()
+    acc.load_state(str(tmp_path / "ckpt"))
