@@ -7,6 +7,7 @@ for validation. Model: a GPT of a few million parameters with tied embeddings.
     python examples/gpt_lion.py --devices 2 --max-minutes 3
     python examples/gpt_lion.py --strategy lowbit_lion_8bit --max-steps 300 --out r.json
     python examples/gpt_lion.py --strategy lowbit_adam --optimizer onebit_adam --max-steps 300
+    python examples/gpt_lion.py --compress-activations    # linear inputs kept as 4-bit codes
 
 At the end the global-zero process prints the validation loss, steps/s, and the bytes it
 sent per step next to what DDP's fp32 allreduce would have sent.
@@ -32,6 +33,7 @@ import lowbit_strategy  # registers the lowbit_* strategies: must come before Tr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from callbacks import CommStats, MomentumSync  # noqa: E402
+from callbacks import ActivationCompression  # noqa: E402
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -172,6 +174,8 @@ def parse(argv=None):
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--val-batches", type=int, default=20)
     p.add_argument("--momentum-sync", type=int, default=0, help="sync embedding/head momentum every k steps")
+    p.add_argument("--compress-activations", action="store_true",
+                   help="ActivationCompression: linear layers (not the head) keep their input as 4-bit TurboQuant codes")
     p.add_argument("--data-mb", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lowbit", nargs="*", default=[], metavar="KEY=VALUE",
@@ -194,6 +198,8 @@ def main(argv=None) -> dict:
                 freeze_step=args.freeze_step)
     stats, clock = CommStats(), Throughput()
     cbs = [stats, clock] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
+    activations = ActivationCompression() if args.compress_activations else None
+    cbs += [activations] if activations else []
     trainer = pl.Trainer(
         strategy=build_strategy(args.strategy, args.lowbit), accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
         max_time={"minutes": args.max_minutes} if args.max_minutes else None,
@@ -214,6 +220,9 @@ def main(argv=None) -> dict:
         "last_bytes_per_step": last_bytes,
         "comm_s_per_step": stats.total_seconds / max(1, stats.steps),
     }
+    if activations is not None and activations.report is not None:  # first batch, this rank
+        summary["saved_tensor_bytes"] = activations.report.total_bytes
+        summary["saved_tensor_bytes_uncompressed"] = activations.report.total_bytes_uncompressed
     if trainer.is_global_zero:
         report(summary)
         if args.out:
