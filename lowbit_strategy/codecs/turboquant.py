@@ -33,8 +33,27 @@ Choices (the paper's formulas for these steps did not survive; documented here):
 * **Rotation off.** ``rotate=False`` skips the rotation (the Lloyd–Max quantizer on the raw
   values, with the same scale groups): an ablation, not the paper's codec.
 
-``backend``: ``"auto"`` or ``"torch"``; both are this module's torch code until GPU kernels
-exist (``"auto"`` will pick them then).
+* **RMS order.** A reduction's rounding depends on its order, which differs between torch
+  on CPU, torch on CUDA and a Triton kernel. So the RMS of a full group is defined by an
+  explicit order every backend reproduces bit for bit: square, sum adjacent pairs
+  (``s[i] = s[2i] + s[2i + 1]``) ``log2(block)`` times, then ``sqrt(sum · (1/block))``
+  correctly rounded to float32 (computed in float64 and rounded once: torch's float32
+  ``sqrt`` on CPU can be one ulp off).
+  The partial last group uses ``vector_norm(y) / sqrt(len)`` (torch on every backend).
+
+``backend``:
+
+* ``"torch"``: this module's torch code, on any device.
+* ``"triton"``: fused encode and decode kernels (:mod:`.turboquant_triton`; one pass over
+  memory each way instead of ~15), bit-exact against ``"torch"`` (same code bytes, same
+  decoded bits); the tail past the last full block, and blocks above 8192 elements, run the
+  torch code. Needs ``triton`` (``pip install "lowbit-strategy[triton]"``) and CUDA tensors,
+  or CPU tensors with ``TRITON_INTERPRET=1`` set before the first Triton use (slow: tests).
+* ``"auto"`` (default): ``"triton"`` for CUDA tensors when triton is installed, otherwise
+  ``"torch"``. Decided per call from the tensor's device, so one codec serves CPU and GPU.
+
+Since the backends agree bit for bit, ranks may mix them (a payload encoded by one decodes
+identically by the other).
 """
 from __future__ import annotations
 
@@ -48,12 +67,36 @@ from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _blocked_fwht, check_
 from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook
 
 #: accepted values of ``backend``
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
 
 #: dtypes accepted as input
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _MAX_CACHED_SIGNS = 8
+#: blocks above this many elements always use the torch code (the kernels hold a block in
+#: registers); the same value as ``turboquant_triton.MAX_FUSED_BLOCK``
+_MAX_FUSED_BLOCK = 8192
+
+
+def _triton_module():
+    """:mod:`.turboquant_triton`, imported on first use (it imports triton, which is optional
+    and slow to import)."""
+    from lowbit_strategy.codecs import turboquant_triton
+
+    return turboquant_triton
+
+
+def _triton_available() -> bool:
+    """Whether triton can be imported, without importing it when it is absent."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        import importlib.util
+
+        _TRITON_OK = importlib.util.find_spec("triton") is not None and _triton_module().AVAILABLE
+    return _TRITON_OK
+
+
+_TRITON_OK: bool | None = None
 
 
 def _lane_bits(bits: int) -> int:
@@ -117,6 +160,9 @@ class TurboQuantCodec:
         self._midpoints = (self._levels[:-1] + self._levels[1:]) / 2
         self._device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._signs: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._sign_bits: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        if backend == "triton":
+            _triton_module()._require()  # fail at construction, naming the fix
 
     def __repr__(self) -> str:
         return (
@@ -168,11 +214,20 @@ class TurboQuantCodec:
         return v
 
     def _rms(self, y: torch.Tensor) -> torch.Tensor:
+        """Per-group RMS of flat float32 ``y`` (see "RMS order" in the module docstring):
+        full groups by the adjacent-pair tree that the Triton kernel reproduces exactly."""
         n, b = y.numel(), self.block
         q = n // b
         parts = []
         if q:
-            parts.append(torch.linalg.vector_norm(y[: q * b].view(q, b), dim=1).div_(math.sqrt(b)))
+            sq = y[: q * b].view(q, b) * y[: q * b].view(q, b)
+            while sq.shape[1] > 1:
+                pairs = sq.view(q, -1, 2)
+                sq = pairs[:, :, 0] + pairs[:, :, 1]
+            # the square root in float64, rounded once to float32: the correctly rounded
+            # float32 square root (torch's float32 sqrt on CPU is not always), which is what
+            # the kernel's IEEE sqrt gives
+            parts.append(sq.view(q).mul_(1.0 / b).double().sqrt_().float())
         if n > q * b:
             parts.append((torch.linalg.vector_norm(y[q * b :]) / math.sqrt(n - q * b)).view(1))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -205,6 +260,55 @@ class TurboQuantCodec:
             return acc
         return torch.bucketize(z, mids, out_int32=True).to(torch.uint8)
 
+    def _use_triton(self, device: torch.device) -> bool:
+        """Whether this call runs the Triton kernels (see ``backend`` in the module docstring)."""
+        if self.backend == "torch" or self.block > _MAX_FUSED_BLOCK:
+            return False
+        if self.backend == "auto":
+            return device.type == "cuda" and _triton_available()
+        tt = _triton_module()
+        tt.check_device(device)
+        return True
+
+    def _triton_signs(self, n: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation's signs for ``n`` elements as the kernels read them (bits, see
+        :func:`.turboquant_triton.sign_bits`) and, as float ±1, those of elements ``m:``
+        that the torch code handles; cached like :meth:`signs`, without keeping all ``n``
+        float signs on ``device``."""
+        key = (n, m, torch.device(device))
+        s = self._sign_bits.get(key)
+        if s is None:
+            if len(self._sign_bits) >= _MAX_CACHED_SIGNS:
+                self._sign_bits.pop(next(iter(self._sign_bits)))
+            cpu = self._signs.get((n, torch.device("cpu")))
+            cpu = hadamard_signs(n, self.seed) if cpu is None else cpu
+            bits = _triton_module().sign_bits(cpu[:m]).to(device)
+            s = self._sign_bits[key] = (bits, cpu[m:].to(device))
+        return s
+
+    def _encode_torch(self, v: torch.Tensor, signs, scale, *, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (packed) and scales of flat float32 ``v`` (whole tensor, or the part after
+        the fused blocks: it starts on a group boundary and a code byte). ``signs``: float
+        ±1 for ``v`` (``None``: no rotation); ``scale``: ``None`` (RMS) or checked scales
+        for ``v``'s groups (1 value: shared). ``v`` is not modified unless ``owned``."""
+        if signs is not None:
+            y = _blocked_fwht(v * signs, self.block)
+        else:
+            y = v if owned else v.clone()
+        scales = self._rms(y) if scale is None else scale
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        self._apply_scales(y, safe, torch.Tensor.div_)
+        return pack(self._level_index(y), self.lane_bits, validate=False), scales
+
+    def _decode_torch(self, idx: torch.Tensor, scales: torch.Tensor, signs) -> torch.Tensor:
+        """Flat float32 values of unpacked codes ``idx`` (starting on a group boundary)."""
+        levels, _ = self._tables(idx.device)
+        y = levels.index_select(0, idx.to(torch.int32))
+        self._apply_scales(y, scales, torch.Tensor.mul_)
+        if signs is not None:
+            y = _blocked_fwht(y, self.block).mul_(signs)
+        return y
+
     # -- API -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -216,20 +320,45 @@ class TurboQuantCodec:
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"TurboQuantCodec.encode: x must be a floating-point tensor, got dtype {x.dtype}")
         n = x.numel()
-        v = x.reshape(-1).to(torch.float32)
-        if self.rotate:
-            y = _blocked_fwht(v * self.signs(n, x.device), self.block)
-        else:
-            y = v.clone() if v.data_ptr() == x.data_ptr() else v.contiguous()
         if n == 0:
             scales = torch.zeros(1 if scale is not None else 0, dtype=torch.float32, device=x.device)
             codes = torch.zeros(0, dtype=torch.uint8, device=x.device)
             return TurboQuantPayload(codes, scales, x.shape, x.dtype, 0, self.bits, self.block)
-        scales = self._rms(y) if scale is None else self._check_scale(scale, n, x.device)
-        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-        self._apply_scales(y, safe, torch.Tensor.div_)
-        codes = pack(self._level_index(y), self.lane_bits, validate=False)
+        given = None if scale is None else self._check_scale(scale, n, x.device)
+        if self._use_triton(x.device):
+            codes, scales = self._encode_triton(x, given)
+        else:
+            v = x.reshape(-1).to(torch.float32)
+            signs = self.signs(n, x.device) if self.rotate else None
+            codes, scales = self._encode_torch(v, signs, given, owned=v.data_ptr() != x.data_ptr())
         return TurboQuantPayload(codes, scales, x.shape, x.dtype, n, self.bits, self.block)
+
+    def _encode_triton(self, x: torch.Tensor, given) -> tuple[torch.Tensor, torch.Tensor]:
+        tt = _triton_module()
+        n, b, device = x.numel(), self.block, x.device
+        v = x.reshape(-1)
+        if v.dtype == torch.float64:
+            v = v.to(torch.float32)
+        v = v.contiguous()
+        q = tt.fused_blocks(n, b, self.lane_bits)
+        m, per_byte = q * b, 8 // self.lane_bits
+        codes = torch.empty(-(-n // per_byte), dtype=torch.uint8, device=device)
+        scales = given if given is not None else torch.empty(self._groups(n), dtype=torch.float32, device=device)
+        sign_bits, rest_signs = self._triton_signs(n, m, device) if self.rotate else (None, None)
+        tt.encode_blocks(
+            v, q, b,
+            sign_bits=sign_bits, scales=given, midpoints=self._tables(device)[1],
+            bits=self.bits, lane_bits=self.lane_bits,
+            codes_out=codes, scales_out=None if given is not None else scales,
+        )
+        if m < n:  # the rest (tail pieces; one odd block of 2): the torch code
+            rest_scale = None if given is None else given if given.numel() == 1 else given[q:]
+            rest = v[m:].to(torch.float32)
+            rest_codes, rest_scales = self._encode_torch(rest, rest_signs, rest_scale, owned=rest.dtype != v.dtype)
+            codes[m // per_byte :] = rest_codes
+            if given is None:
+                scales[q:] = rest_scales
+        return codes, scales
 
     @torch.no_grad()
     def decode(self, payload: TurboQuantPayload) -> torch.Tensor:
@@ -244,13 +373,30 @@ class TurboQuantCodec:
         n, device = payload.numel, payload.codes.device
         if n == 0:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=device)
+        scales = payload.scales.to(device)
+        if self._use_triton(device):
+            return self._decode_triton(payload, scales)
         idx = unpack(payload.codes, self.lane_bits, n)
-        levels, _ = self._tables(device)
-        y = levels.index_select(0, idx.to(torch.int32))
-        self._apply_scales(y, payload.scales.to(device), torch.Tensor.mul_)
-        if self.rotate:
-            y = _blocked_fwht(y, self.block).mul_(self.signs(n, device))
+        y = self._decode_torch(idx, scales, self.signs(n, device) if self.rotate else None)
         return y.view(payload.shape).to(payload.dtype)
+
+    def _decode_triton(self, payload: TurboQuantPayload, scales: torch.Tensor) -> torch.Tensor:
+        tt = _triton_module()
+        n, b, device = payload.numel, self.block, payload.codes.device
+        q = tt.fused_blocks(n, b, self.lane_bits)
+        m, per_byte = q * b, 8 // self.lane_bits
+        out = torch.empty(n, dtype=payload.dtype, device=device)
+        sign_bits, rest_signs = self._triton_signs(n, m, device) if self.rotate else (None, None)
+        tt.decode_blocks(
+            payload.codes, q, b,
+            sign_bits=sign_bits, scales=scales, levels=self._tables(device)[0],
+            lane_bits=self.lane_bits, out=out,
+        )
+        if m < n:
+            idx = unpack(payload.codes[m // per_byte :], self.lane_bits, n - m)
+            rest_scales = scales if scales.numel() == 1 else scales[q:]
+            out[m:] = self._decode_torch(idx, rest_scales, rest_signs)
+        return out.view(payload.shape)
 
     def roundtrip(self, x: torch.Tensor, scale=None) -> torch.Tensor:
         """``decode(encode(x, scale))``."""

@@ -1,0 +1,227 @@
+"""The Triton backend of the TurboQuant codec against the torch backend, bit for bit.
+
+On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set when this
+module is imported, before it imports :mod:`lowbit_strategy.codecs.turboquant_triton` (the
+mode is fixed when the kernels are decorated), and stays set in this test process. Inputs are small, the
+interpreter being slow. On a machine with CUDA, :func:`test_cuda_bit_exact` also compiles
+the kernels for the GPU in a subprocess and compares there.
+
+triton is part of the ``dev`` extra, so CI has it and these tests must run: without triton
+they *fail*, unless ``LOWBIT_ALLOW_NO_TRITON=1`` is set (then they skip), for platforms with
+no triton wheel.
+"""
+import importlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
+from lowbit_strategy.codecs import turboquant as tq_module
+
+
+def _import_interpreted():
+    # left set for the rest of the process: triton imports parts of itself lazily at the
+    # first launch and checks the variable again then
+    os.environ["TRITON_INTERPRET"] = "1"
+    from lowbit_strategy.codecs import turboquant_triton
+
+    if turboquant_triton.AVAILABLE and not turboquant_triton.INTERPRETED:
+        turboquant_triton = importlib.reload(turboquant_triton)  # rebuild for the interpreter
+    return turboquant_triton
+
+
+tt = _import_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def _need_triton():
+    if not tt.AVAILABLE:
+        if os.environ.get("LOWBIT_ALLOW_NO_TRITON") == "1":
+            pytest.skip("triton is not installed (LOWBIT_ALLOW_NO_TRITON=1)")
+        pytest.fail(
+            'triton is not installed, so the Triton backend is untested: pip install -e ".[dev]" '
+            "(or set LOWBIT_ALLOW_NO_TRITON=1 on a platform without triton wheels)",
+            pytrace=False,
+        )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bit patterns (tells -0.0 from 0.0; NaN == NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def both(bits: int, block: int, **kw) -> tuple[TurboQuantCodec, TurboQuantCodec]:
+    return (
+        TurboQuantCodec(bits=bits, block=block, seed=5, backend="torch", **kw),
+        TurboQuantCodec(bits=bits, block=block, seed=5, backend="triton", **kw),
+    )
+
+
+def assert_same(ref: TurboQuantCodec, fused: TurboQuantCodec, x: torch.Tensor, scale=None) -> None:
+    p, q = ref.encode(x, scale), fused.encode(x, scale)
+    assert torch.equal(q.codes, p.codes), "codes differ"
+    assert same_bits(q.scales, p.scales), "scales differ"
+    assert (q.shape, q.dtype, q.numel) == (p.shape, p.dtype, p.numel)
+    d = ref.decode(p)
+    assert same_bits(fused.decode(p), d), "decoded values differ"
+    assert same_bits(fused.decode(q), d)
+
+
+def sample(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 3).to(dtype)
+
+
+# (block, n): whole blocks; tails (power-of-two pieces); blocks of 2 with an odd count
+# (2-bit lanes: the last whole block goes to the torch code); an inexact 1/sqrt(512)
+CASES = [(64, 1024), (64, 1000), (256, 700), (2, 7), (4, 30), (512, 1536)]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("block,n", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bit_exact_against_torch(bits, block, n, dtype):
+    ref, fused = both(bits, block)
+    x = sample(n, dtype, seed=bits * 100 + n)
+    groups = -(-n // block)
+    per_block = torch.rand(groups, generator=torch.Generator().manual_seed(n)) * 3 + 0.05
+    for scale in (None, 0.7, per_block):
+        assert_same(ref, fused, x, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("bits", [4, 5])
+def test_other_dtypes(dtype, bits):
+    ref, fused = both(bits, 128)
+    x = sample(1000, dtype, seed=3).view(10, 100)
+    assert_same(ref, fused, x)
+    assert_same(ref, fused, x.t())  # not contiguous
+
+
+def test_zero_blocks_and_zero_scales():
+    ref, fused = both(4, 64)
+    x = sample(300, torch.float32, seed=1)
+    x[64:192] = 0.0  # two whole zero blocks: scale 0, decoded zeros
+    assert_same(ref, fused, x)
+    p = fused.encode(x)
+    assert torch.equal(p.scales[1:3], torch.zeros(2))
+    assert torch.equal(fused.decode(p)[64:192], torch.zeros(128))
+    assert_same(ref, fused, x, scale=0.0)
+    assert_same(ref, fused, torch.zeros(256))
+    s = torch.tensor([1.0, 0.0, 2.0, 0.0, 1.5])
+    assert_same(ref, fused, x, scale=s)
+
+
+def test_without_rotation_ties_and_clamping():
+    ref, fused = both(2, 4, rotate=False)
+    lv = lloyd_max_codebook(2)
+    mids = (lv[:-1] + lv[1:]) / 2
+    x = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 9.0)), torch.tensor([100.0, -100.0, 0.0])])
+    assert_same(ref, fused, x, scale=1.0)
+    # a midpoint itself gets the lower level, just above it the upper one
+    codes = unpack(fused.encode(x, scale=1.0).codes, 2, x.numel()).tolist()
+    assert codes[:6] == [0, 1, 2, 1, 2, 3]
+    assert codes[6:8] == [3, 0]
+    assert_same(ref, fused, x, scale=1e-3)
+    for bits in (3, 8):
+        r, f = both(bits, 64, rotate=False)
+        assert_same(r, f, sample(200, torch.float32, seed=bits))
+
+
+def test_large_values_and_huge_scales():
+    ref, fused = both(4, 64)
+    x = sample(512, torch.float32, seed=9) * 1e15  # squares near 1e32: no overflow (non-finite is unspecified)
+    assert_same(ref, fused, x)
+    assert_same(ref, fused, sample(512, torch.float32, seed=9), scale=1e-30)
+    assert_same(ref, fused, sample(512, torch.float32, seed=9), scale=1e30)
+
+
+def test_rms_rule_is_the_documented_tree():
+    """The scale of a full block: squares summed in adjacent pairs, level by level, in
+    float32, then the correctly rounded float32 of sqrt(sum / block)."""
+    block = 64
+    _, fused = both(4, block)
+    x = sample(3 * block, torch.float32, seed=4)
+    got = fused.encode(x).scales
+    y = tq_module._blocked_fwht(x * fused.signs(x.numel(), x.device), block)
+    for b in range(3):
+        level = [v * v for v in y[b * block : (b + 1) * block].tolist()]
+        level = torch.tensor(level, dtype=torch.float32)
+        while level.numel() > 1:
+            level = torch.tensor(
+                [(level[2 * i : 2 * i + 1] + level[2 * i + 1 : 2 * i + 2]).item() for i in range(level.numel() // 2)],
+                dtype=torch.float32,
+            )
+        want = torch.tensor(math.sqrt(level.item() / block), dtype=torch.float32)
+        assert got[b].item() == want.item()
+
+
+def test_sign_bits_layout():
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0])
+    assert tt.sign_bits(signs).tolist() == [0b10000110, 0b1]
+
+
+def test_fused_blocks():
+    assert tt.fused_blocks(1000, 64, 4) == 15
+    assert tt.fused_blocks(7, 2, 2) == 2  # 3 blocks of 2 would end mid-byte at 4 codes per byte
+    assert tt.fused_blocks(8, 2, 2) == 4
+    assert tt.fused_blocks(7, 2, 4) == 3
+    assert tt.fused_blocks(1 << 15, 1 << 14, 4) == 0  # too large a block for registers
+
+
+def test_backend_selection(monkeypatch):
+    codec = TurboQuantCodec(backend="auto")
+    assert not codec._use_triton(torch.device("cpu"))  # auto: torch on the CPU
+    assert TurboQuantCodec(backend="triton")._use_triton(torch.device("cpu"))  # interpreter
+    assert not TurboQuantCodec(backend="triton", block=1 << 14)._use_triton(torch.device("cpu"))
+    monkeypatch.setattr(tt, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match=r"needs a CUDA tensor.*TRITON_INTERPRET=1"):
+        TurboQuantCodec(backend="triton").encode(torch.randn(64))
+    monkeypatch.setattr(tt, "AVAILABLE", False)
+    with pytest.raises(ImportError, match=r'pip install "lowbit-strategy\[triton\]"'):
+        TurboQuantCodec(backend="triton")
+
+
+def test_empty_and_single_element():
+    ref, fused = both(4, 64)
+    assert fused.decode(fused.encode(torch.zeros(0, 3))).shape == (0, 3)
+    assert_same(ref, fused, torch.tensor([2.5]))
+
+
+_CUDA_CHECK = textwrap.dedent(
+    """
+    import torch
+    from lowbit_strategy.codecs import TurboQuantCodec
+    def same(a, b):
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for bits in (2, 3, 4, 8):
+        for block, n in ((1024, 1 << 20), (1024, (1 << 20) + 777), (64, 10_000), (2, 7), (8192, 1 << 16)):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                x = (torch.randn(n, device="cuda", generator=g) * 3).to(dtype)
+                ref = TurboQuantCodec(bits=bits, block=block, backend="torch")
+                fused = TurboQuantCodec(bits=bits, block=block, backend="triton")
+                for scale in (None, 0.7):
+                    p, q = ref.encode(x, scale), fused.encode(x, scale)
+                    assert torch.equal(p.codes, q.codes), (bits, block, n, dtype, scale, "codes")
+                    assert same(p.scales, q.scales), (bits, block, n, dtype, scale, "scales")
+                    assert same(ref.decode(p), fused.decode(p)), (bits, block, n, dtype, scale, "decode")
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreter tests above cover CPU")
+def test_cuda_bit_exact():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
