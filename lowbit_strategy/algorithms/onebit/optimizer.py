@@ -45,15 +45,13 @@ counts it. ``group["lr"]`` is read at every step, so LR schedulers work.
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
-from torch.optim import Optimizer
 
-from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.onebit import update as U
-from lowbit_strategy.algorithms.onebit.communicator import Key, OneBitCommunicator
+from lowbit_strategy.algorithms.staged import StagedOptimizer
+from lowbit_strategy.algorithms.staged import check_number as _number
 
 logger = logging.getLogger(__name__)
 
@@ -63,196 +61,25 @@ logger = logging.getLogger(__name__)
 YOUNG_VARIANCE = 0.02
 
 
-def _number(cls: str, name: str, value, low: float, high: float | None = None, low_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
-    if not ok:
-        span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'})"
-        raise ValueError(f"{cls}: {name} must be a number in {span}, got {value!r}")
-    return float(value)
-
-
-class _OneBitOptimizer(Optimizer):
-    """The two stages, the communicator wiring and the safety rules of both optimizers;
-    subclasses supply the per-parameter arithmetic (:meth:`_warmup`, :meth:`_compressed`)."""
+class _OneBitOptimizer(StagedOptimizer):
+    """The two stages (:class:`~lowbit_strategy.algorithms.staged.StagedOptimizer`) with a
+    variance frozen at ``freeze_step``; subclasses supply the per-parameter arithmetic
+    (:meth:`_warmup`, :meth:`_compressed`)."""
 
     def __init__(self, params: Iterable, defaults: dict, freeze_step: int):
         name = type(self).__name__
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"{name}: freeze_step must be an int >= 1 (warm-up steps before compression: the "
-                             f"variance it freezes must have seen gradients), got {freeze_step!r}")
-        betas = defaults["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
-        _number(name, "lr", defaults["lr"], 0.0)
-        _number(name, "betas[0]", betas[0], 0.0, 1.0)
-        _number(name, "betas[1]", betas[1], 0.0, 1.0)
-        _number(name, "eps", defaults["eps"], 0.0, low_open=True)
-        _number(name, "weight_decay", defaults["weight_decay"], 0.0)
-        super().__init__(params, {**defaults, "betas": tuple(betas)})
+        super().__init__(params, defaults, freeze_step, "freeze_step", "onebit_step")
         self.freeze_step = freeze_step
+        betas = self.defaults["betas"]
         weight = 1 - betas[1] ** freeze_step  # how much of its averaging weight the frozen variance holds
         if weight < YOUNG_VARIANCE:
             logger.warning(
                 "%s: freeze_step=%d freezes a variance holding %.1f%% of its averaging weight (1 - beta2**freeze_step). "
                 "The 1-bit Adam/LAMB papers freeze after 15-25%% of training; frozen this young, 1-bit momenta "
                 "can diverge (seen at freeze_step=10 with beta2=0.999 on a small GPT).", name, freeze_step, 100 * weight)
-        self.skipped_steps = 0
-        self.attach_communicator(None)
 
-    # ---- stage ---------------------------------------------------------------------
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (skipped ones not counted)."""
-        return max((grp.get("onebit_step", 0) for grp in self.param_groups), default=0)
-
-    @property
-    def stage(self) -> str:
-        """``"warmup"`` or ``"compression"``: the stage of the *next* step."""
-        return "warmup" if self.global_step < self.freeze_step else "compression"
-
-    def attach_communicator(self, communicator: OneBitCommunicator | None) -> None:
-        """Make this optimizer distributed (or single-process again with None)."""
-        self.communicator = communicator
-        self._layout = None
-        self._ready: set[int] = set()
-        self._launched: set[Key] = set()
-
-    @property
-    def _distributed(self) -> bool:
-        return self.communicator is not None and self.communicator.world_size > 1
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for grp in self.param_groups for p in grp["params"]]
-
-    def _group_of(self) -> dict[int, dict]:
-        return {id(p): grp for grp in self.param_groups for p in grp["params"]}
-
-    def layout(self) -> list[Key]:
-        """The fused momentum buffers (Sec. 4.2): parameter indices (in ``param_groups``
-        order), last parameter first — the order backward produces gradients — cut into
-        buckets of the config's ``bucket_size_mb``. Fixed for the optimizer's life, on every
-        rank: each bucket's compressed result depends on which elements share its scale."""
-        if self._layout is None:
-            # (parameter, its group) by index and index by id: built once, read by every hook call
-            self._slots = [(p, grp) for grp in self.param_groups for p in grp["params"]]
-            self._index_of = {id(p): i for i, (p, _) in enumerate(self._slots)}
-            order = [i for i in reversed(range(len(self._slots))) if self._slots[i][0].requires_grad
-                     and self._slots[i][0].numel()]
-            numels = [self._slots[i][0].numel() for i in order]
-            self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)]
-        return self._layout
-
-    # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
-    @torch.no_grad()
-    def grads_ready(self, params: list) -> None:
-        """Some parameters' local gradients are final (called from the communication hook
-        during backward): start the compressed allreduce of every layout bucket whose
-        gradients are now all ready (DDP calls the hook in the same order on every rank,
-        so every rank starts the same buckets in the same order); :meth:`step` finishes
-        them and synchronizes the rest."""
-        layout = self.layout()
-        now = {self._index_of[id(p)] for p in params if id(p) in self._index_of}
-        if now & self._ready:  # a second backward before step(): its gradients supersede the first's
-            self._ready, self._launched = set(), set()
-        self._ready |= now
-        for key in layout:  # layout order: the same on every rank
-            if key not in self._launched and all(i in self._ready for i in key):
-                self._launched.add(key)
-                self.communicator.launch(key, self._momenta(key))
-
-    def _momenta(self, key: Key) -> list[torch.Tensor]:
-        out = []
-        for i in key:
-            p, group = self._slots[i]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
-            out.append(self._local_momentum(group, p, grad))
-        return out
-
-    def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """β1·m + (1-β1)·g_i for this rank's gradient (Algorithm 1 line 6), in a new tensor."""
-        return self._state(p)["exp_avg"].lerp(grad.view_as(p), 1 - group["betas"][0])
-
-    # ---- step ------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = self.global_step + 1
-        applied = self._warmup_step(step) if step <= self.freeze_step else self._compressed_step(step)
-        if applied:
-            for group in self.param_groups:
-                group["onebit_step"] = step
-            if step == self.freeze_step:
-                self._freeze()
-        return loss
-
-    def _skip(self) -> bool:
-        self.skipped_steps += 1
-        warnings.warn(f"{type(self).__name__}: non-finite gradient (NaN/Inf) on at least one rank; step skipped on "
-                      "every rank, weights, moments and error buffers unchanged", RuntimeWarning, stacklevel=3)
-        return False
-
-    def _check_dense(self, params) -> None:
-        for p in params:
-            if p.grad is not None and p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use dense embeddings")
-
-    def _warmup_step(self, step: int) -> bool:
-        """The plain optimizer on the (hook-averaged, hence identical) gradients; parameters
-        without a gradient are skipped, as torch's optimizers do."""
-        active = [(grp, p) for grp in self.param_groups for p in grp["params"] if p.grad is not None]
-        self._check_dense(p for _, p in active)
-        if active and bool(torch.stack([~torch.isfinite(p.grad).all() for _, p in active]).any()):
-            return self._skip()
-        for grp, p in active:
-            self._warmup(grp, p, p.grad, step)
-        return bool(active)
-
-    def _compressed_step(self, step: int) -> bool:
-        """Algorithm 1 lines 6-21 for every parameter of the layout: its mean momentum
-        through the communicator (a parameter without a gradient counts as a zero gradient:
-        the fused buffer always holds every parameter), then the update."""
-        params, group_of = self._params(), self._group_of()
-        self._check_dense(params)
-        if not self._distributed:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
-                return self._skip()
-            means = {i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params)
-                     if p.grad is not None}
-        else:
-            comm = self.communicator
-            layout = self.layout()
-            by_key, bad = comm.collect() if comm.pending() else ({}, False)
-            rest = [key for key in layout if key not in by_key]
-            results, bad_rest = comm.synchronize([(key, self._momenta(key)) for key in rest])
-            by_key.update(zip(rest, results))
-            self._ready, self._launched = set(), set()
-            if bad or bad_rest:
-                comm.discard()
-                return self._skip()
-            comm.commit()
-            means = {i: m for key, ms in by_key.items() for i, m in zip(key, ms)}
-        for i, mean in means.items():
-            self._compressed(group_of[id(params[i])], params[i], mean, step)
-        return bool(means)
-
-    # ---- per-parameter arithmetic (subclasses) ---------------------------------------------
-    def _state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
-    def _warmup(self, group: dict, p: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        raise NotImplementedError
-
-    def _compressed(self, group: dict, p: torch.Tensor, mean: torch.Tensor, step: int) -> None:
-        raise NotImplementedError
+    def _end_warmup(self) -> None:
+        self._freeze()
 
     def _freeze(self) -> None:
         """End of warm-up (Algorithm 1 line 3): ``exp_avg_sq`` is the frozen variance from now on."""
