@@ -15,6 +15,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
 from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
 from lowbit_strategy.algorithms.onebit import OneBitAdam, OneBitLamb
+from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
@@ -34,6 +35,7 @@ __all__ = [
     "LowBitStrategy",
     "STRATEGY_NAMES",
     "Sync",
+    "TurboQuantAdamW",
     "attach",
     "bitdp_hook",
     "keep_local_gradients",

@@ -1,0 +1,48 @@
+"""TurboQuant-Adam behind the algorithm interface: the optimizer-level
+:class:`~lowbit_strategy.algorithms.staged.StagedSync` for :class:`TurboQuantAdamW`.
+
+During warm-up the DDP hook averages gradients in full precision, exactly as DDP does;
+afterwards it keeps them local and (with ``overlap``) starts each fused momentum buffer's
+TurboQuant collective as soon as backward has made it complete. Rank-local state in
+checkpoints: each optimizer's ``state`` (``exp_avg`` the same on every rank; ``exp_avg_sq``
+too under ``variance="synchronized"``, per rank under ``"local"``) and its communicator's
+per-bucket worker error, server error and scale EMA.
+"""
+from __future__ import annotations
+
+from lowbit_strategy.algorithms.base import Algorithm
+from lowbit_strategy.algorithms.staged import StagedSync, check_local_gradient_precision, rank0_state_without_errors
+from lowbit_strategy.algorithms.turboquant.communicator import TurboQuantCommunicator
+from lowbit_strategy.algorithms.turboquant.config import TurboQuantConfig
+from lowbit_strategy.algorithms.turboquant.optimizer import TurboQuantAdamW
+
+
+class TurboQuantSync(StagedSync):
+    optimizer_class = TurboQuantAdamW
+    algorithm_name = "turboquant"
+    arguments_hint = " (same arguments as torch.optim.AdamW, plus bits and warmup_steps)"
+
+    def make_communicator(self, optimizer: TurboQuantAdamW) -> TurboQuantCommunicator:
+        cfg, section = self.config, self.section
+        return TurboQuantCommunicator(self.group, cfg.bucket_size_mb, cfg.debug, bits=optimizer.bits,
+                                      form=section.form, block=section.block, seed=section.seed,
+                                      scale_decay=optimizer.scale_decay,
+                                      link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9))
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Another world size: the optimizer state of rank 0 (its momentum is every rank's; under
+    ``variance="local"`` its variance stands in for every rank's) and no per-bucket state
+    (worker and server errors and scale EMAs restart from the data)."""
+    return rank0_state_without_errors(states)
+
+
+ALGORITHM = Algorithm(
+    name="turboquant",
+    section=TurboQuantConfig,
+    build=TurboQuantSync,
+    strategy_names={"lowbit_turboquant": dict(algorithm="turboquant")},
+    merge_states=merge_states,
+    check_precision=check_local_gradient_precision,
+    summary="TurboQuant-Adam: 4-bit Hadamard + Lloyd-Max momentum (lowbit_strategy.TurboQuantAdamW)",
+)

@@ -1,0 +1,117 @@
+"""TurboQuantCommunicator: TurboQuant-Adam's momentum synchronization, per bucket.
+
+The optimizer hands it, per bucket of its fixed layout, this rank's locally updated momenta;
+it returns the mean over ranks of their TurboQuant encodings
+(:mod:`lowbit_strategy.collectives.turboquant`), with, per bucket and rank-local:
+
+* the **worker error** ``e`` (momentum-level error compensation, "TurboQuant-Adam"
+  Algorithm 1): the rank sends ``u = m_i + e`` and keeps ``e ← u − decode(encode(u))``;
+* the **scale EMA** ``s`` (one float32 per codec block, in the collective's group layout,
+  :func:`~lowbit_strategy.collectives.turboquant_scale_groups`): ``s ← γ·s + (1-γ)·rms(u)``,
+  started from the first step's RMS so a fresh bucket is accurate at once. The RMS is
+  taken before the rotation: the rotation is orthonormal on every group, so it is the RMS
+  of the rotated group the codec scales;
+* the **server error** of the two-stage form (its re-encoding's error feedback).
+
+The form (all-gather or two-stage) is chosen per bucket once, by the config (``form``) or,
+for ``auto``, by the α–β cost model on the configured link. Non-finite input needs no extra
+collective: a NaN/Inf in any rank's momentum makes its RMS, hence its scale EMA, non-finite;
+the all-gather form shows every rank's scales to every rank, the two-stage form makes the
+server scales non-finite on every rank. A skipped step leaves all three states as they
+were (the base class commits them only for an applied step).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit_strategy.algorithms.staged import BucketCommunicator, Job, Key
+from lowbit_strategy.codecs.turboquant import TurboQuantCodec
+from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives.turboquant import (
+    turboquant_allgather_mean_start,
+    turboquant_scale_groups,
+    turboquant_server_error,
+    turboquant_two_stage_mean_start,
+)
+
+#: the cost model's name of each form
+_COST_NAME = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage"}
+
+
+def choose_form(form: str, world_size: int, numel: int, latency_s: float, bandwidth_bps: float) -> str:
+    """``form`` itself, or for ``"auto"`` the form the α–β cost model predicts faster for a
+    bucket of ``numel`` elements at ``world_size`` ranks (equal predictions: ``allgather``)."""
+    if form != "auto":
+        return form
+    costs = {name: cost_model.estimate(row, world_size, numel, latency_s, bandwidth_bps).seconds
+             for name, row in _COST_NAME.items()}
+    return "two_stage" if costs["two_stage"] < costs["allgather"] else "allgather"
+
+
+def group_rms(v: torch.Tensor, padded: int, size: int) -> torch.Tensor:
+    """RMS of every group of ``size`` consecutive elements of flat ``v`` zero-padded to
+    ``padded`` elements (the last group partial when ``size`` does not divide ``padded``:
+    its RMS over its own elements, as the codec computes it)."""
+    n = v.numel()
+    if padded > n:
+        v = torch.cat([v, v.new_zeros(padded - n)])
+    q = padded // size
+    parts = []
+    if q:
+        parts.append(torch.linalg.vector_norm(v[: q * size].view(q, size), dim=1).div_(math.sqrt(size)))
+    if padded > q * size:
+        parts.append((torch.linalg.vector_norm(v[q * size:]) / math.sqrt(padded - q * size)).view(1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class TurboQuantCommunicator(BucketCommunicator):
+    """Process group + per-bucket ``(worker error, server error, scale EMA)``: synchronizes
+    momenta as TurboQuant codes (module docstring)."""
+
+    label = "TurboQuant"
+
+    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, *, bits: int = 4,
+                 form: str = "auto", block: int = 1024, seed: int = 0, scale_decay: float = 0.9,
+                 link: tuple[float, float] = (50e-6, 1e9)):
+        super().__init__(group, bucket_size_mb, debug)
+        self.codec = TurboQuantCodec(bits, seed=seed, block=block)
+        self.form = form
+        self.scale_decay = float(scale_decay)
+        self.link = link
+        #: the form each bucket uses (chosen on its first step)
+        self.forms: dict[Key, str] = {}
+
+    def form_of(self, key: Key, numel: int) -> str:
+        form = self.forms.get(key)
+        if form is None:
+            form = self.forms[key] = choose_form(self.form, self.world_size, numel, *self.link)
+        return form
+
+    def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
+        n = flat.numel()
+        two_stage = self.form_of(key, n) == "two_stage"
+        padded, size = turboquant_scale_groups(n, self.world_size, self.codec.block, two_stage)
+        if saved is not None and (saved[1].numel() > 0) != two_stage:
+            saved = None  # saved under the other form
+        if saved is None:
+            worker = torch.zeros_like(flat)
+            server = turboquant_server_error(flat, self.codec, self.group) if two_stage else flat.new_zeros(0)
+            scale = None
+        else:  # copies: the step may still be skipped, and then the state must not move
+            worker, server, scale = (t.clone() for t in saved)
+        rms = group_rms(flat + worker, padded, size)
+        scale = rms if scale is None or scale.numel() != rms.numel() else scale.mul_(self.scale_decay).add_(
+            rms, alpha=1 - self.scale_decay)
+        if two_stage:
+            handle = turboquant_two_stage_mean_start(flat, self.codec, server, self.group, scale=scale,
+                                                     worker_error=worker, check=self.debug, traffic=self.traffic)
+        else:
+            handle = turboquant_allgather_mean_start(flat, self.codec, self.group, scale=scale, worker_error=worker,
+                                                     check=self.debug, traffic=self.traffic)
+        return (worker, server, scale), handle
+
+    def _non_finite(self, job: Job) -> bool:
+        scales = job.handle.server_scales if hasattr(job.handle, "server_scales") else job.handle.scales
+        return not bool(torch.isfinite(scales).all())

@@ -1,0 +1,140 @@
+"""TurboQuantAdamW in one process and its communicator's pieces: AdamW bit for bit (warm-up
+and, with nothing to send, the compression stage), validation, NaN safety, schedulers, the
+form choice and the per-group RMS the scale EMA follows."""
+import pytest
+import torch
+from torch import nn
+
+from lowbit_strategy import TurboQuantAdamW
+from lowbit_strategy.algorithms.turboquant.communicator import choose_form, group_rms
+from lowbit_strategy.codecs.hadamard import hadamard_rotate
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.05
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _grads(step: int, params) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen) * (1 + i) for i, p in enumerate(params)]
+
+
+def _run(opt_cls, steps, dtype=torch.float32, **kw):
+    params = list(_model().to(dtype).parameters())
+    opt = opt_cls(params, **kw)
+    for step in range(1, steps + 1):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g.to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("warmup", [0, 3, 8])
+def test_one_process_is_adamw_bit_for_bit(warmup):
+    """Warm-up is AdamW; with nothing to send the compression stage is too (exact momentum,
+    the variance from the gradient)."""
+    ours, opt = _run(TurboQuantAdamW, 8, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=warmup)
+    ref, _ = _run(torch.optim.AdamW, 8, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert opt.global_step == 8 and opt.stage == ("warmup" if warmup > 8 else "compression")
+
+
+def test_defaults_are_the_papers():
+    opt = TurboQuantAdamW(_model().parameters())
+    assert opt.defaults["lr"] == 5e-4 and opt.defaults["weight_decay"] == 0.01 and opt.defaults["betas"] == BETAS
+    assert (opt.bits, opt.warmup_steps, opt.variance) == (4, 200, "synchronized")
+
+
+def test_nan_step_is_skipped_in_both_stages():
+    for warmup in (10, 1):
+        params, opt = _run(TurboQuantAdamW, 3, lr=LR, warmup_steps=warmup)
+        snapshot = [p.detach().clone() for p in params]
+        states = {k: v.clone() for k, v in opt.state[params[0]].items()}
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        params[1].grad[0] = float("inf")
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            opt.step()
+        assert opt.skipped_steps == 1 and opt.global_step == 3
+        assert all(torch.equal(a, b) for a, b in zip(params, snapshot))
+        assert all(torch.equal(opt.state[params[0]][k], v) for k, v in states.items())
+
+
+def test_bf16_parameters():
+    params, opt = _run(TurboQuantAdamW, 5, dtype=torch.bfloat16, lr=LR, warmup_steps=2)
+    assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in params)
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+    (dict(warmup_steps=2.5), "warmup_steps"),
+    (dict(bits=1), "bits must be an int in"),
+    (dict(bits=True), "bits must be an int in"),
+    (dict(variance="global"), "variance must be one of"),
+    (dict(scale_decay=1.0), "scale_decay must be a number in"),
+    (dict(lr=-1.0), "lr must be"),
+    (dict(betas=(0.9,)), "betas must be a pair"),
+    (dict(eps=0.0), "eps must be"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TurboQuantAdamW(_model().parameters(), **kwargs)
+
+
+def test_lr_scheduler_is_read_every_step():
+    params, opt = _run(TurboQuantAdamW, 2, lr=LR, warmup_steps=1, weight_decay=0.0)
+    before = [p.detach().clone() for p in params]
+    for grp in opt.param_groups:
+        grp["lr"] = 0.0
+    for p, g in zip(params, _grads(3, params)):
+        p.grad = g
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit():
+    straight, _ = _run(TurboQuantAdamW, 6, lr=LR, warmup_steps=2)
+    half, opt = _run(TurboQuantAdamW, 3, lr=LR, warmup_steps=2)
+    saved = opt.state_dict()
+    params = list(_model().parameters())
+    with torch.no_grad():
+        for p, h in zip(params, half):
+            p.copy_(h)
+    resumed = TurboQuantAdamW(params, lr=LR, warmup_steps=2)
+    resumed.load_state_dict(saved)
+    for step in range(4, 7):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g
+        resumed.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, straight))
+
+
+def test_group_rms_is_the_rotated_groups_rms():
+    """The scale EMA follows the RMS of each group before the rotation: the codec's scale
+    groups (brute force), and equal up to rounding to the RMS of the rotated groups, because
+    the blocked rotation is orthonormal on every group."""
+    x = torch.randn(1000) * torch.linspace(0.1, 10, 1000)
+    for padded, size in ((1000, 64), (1024, 256), (1000, 1024)):
+        padded_x = torch.cat([x, x.new_zeros(padded - 1000)])
+        got = group_rms(x, padded, size)
+        assert got.numel() == -(-padded // size)
+        brute = torch.stack([padded_x[i:i + size].pow(2).mean().sqrt() for i in range(0, padded, size)])
+        torch.testing.assert_close(got, brute)
+        y = hadamard_rotate(padded_x, seed=3, block=size)
+        rotated = torch.stack([y[i:i + size].pow(2).mean().sqrt() for i in range(0, padded, size)])
+        torch.testing.assert_close(got, rotated, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_form_follows_the_cost_model():
+    # fat link, few ranks: the all-gather (one collective); many ranks: two stages (bytes)
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e9) == "allgather"
+    assert choose_form("auto", 32, 10**6, 50e-6, 1e9) == "two_stage"
+    assert choose_form("auto", 1, 10**6, 50e-6, 1e9) == "allgather"  # nothing sent: equal, the tie rule
+    assert choose_form("two_stage", 2, 10, 50e-6, 1e9) == "two_stage"
+    # tiny bucket on a high-latency link at P = 4: latency rules, the all-gather wins
+    assert choose_form("auto", 4, 100, 1e-3, 1e9) == "allgather"
