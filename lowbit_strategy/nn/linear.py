@@ -55,6 +55,7 @@ per distinct input size in the whole model, not one per layer.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -92,6 +93,12 @@ _RECORDERS: list = []
 def _record(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
     for rec in _RECORDERS:
         rec.add_compressed(codes, scales, x)
+
+
+def _no_autocast(device_type: str):
+    """Autocast off for ``device_type`` (backward may run inside an autocast region), or
+    nothing for a device autocast does not know."""
+    return torch.autocast(device_type, enabled=False) if device_type in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -133,8 +140,7 @@ class _TurboQuantLinearFn(torch.autograd.Function):
         codec: TurboQuantCodec = ctx.codec
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        device_type = grad_out.device.type
-        with torch.autocast(device_type, enabled=False):
+        with _no_autocast(grad_out.device.type):
             if ctx.need_x:
                 weight = saved[-1]
                 grad_x = g.mm(weight.to(g.dtype)).view(ctx.in_shape)
@@ -228,7 +234,7 @@ class TurboQuantLinear(nn.Linear):
             # so the function itself runs with autocast off and sees the dtypes it computes in
             dt = torch.get_autocast_dtype(device_type)
             x, w, b = (_autocast(t, dt) for t in (x, w, b))
-            with torch.autocast(device_type, enabled=False):
+            with _no_autocast(device_type):
                 return _TurboQuantLinearFn.apply(x, w, b, self.codec)
         return _TurboQuantLinearFn.apply(x, w, b, self.codec)
 
