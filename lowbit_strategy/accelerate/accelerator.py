@@ -295,6 +295,9 @@ class LowBitAccelerator(Accelerator):
         result = super().load_state(input_dir, *args, **kwargs)
         if self._lowbit_load_dir is not None and self.lowbit_syncs:
             self._load_lowbit_states(self._lowbit_load_dir)
+        elif self._lowbit_load_dir is not None and os.path.exists(os.path.join(self._lowbit_load_dir, STATE_FILE)):
+            logger.info("lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
+                        "the optimizer continues from the main process's state", self._lowbit_load_dir)
         return result
 
     def _load_lowbit_states(self, input_dir: str) -> None:

@@ -122,6 +122,26 @@ def _check_compressed_modes_keep_ranks_identical(rank, world_size):
             assert "gathered.codes.all_gather" in {r.op for lg in acc.traffic_logs() for r in lg.records}
 
 
+def _check_sync_each_batch_synchronizes_once_per_step(rank, world_size):
+    # sync_each_batch runs the DDP hook on every micro-batch: the accelerator moves the
+    # synchronization to step(), so the run equals one created with overlap=False bit for
+    # bit and sends the same bytes (one collective per bucket and step, not per micro-batch)
+    from accelerate.utils import GradientAccumulationPlugin
+
+    cfg = dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB)
+    results = []
+    for plugin, overlap in ((GradientAccumulationPlugin(num_steps=2), False),
+                            (GradientAccumulationPlugin(num_steps=2, sync_each_batch=True), True)):
+        acc = _fresh_accelerator(rank, world_size, cfg, gradient_accumulation_plugin=plugin, overlap=overlap)
+        model = acc.prepare(_model())
+        opt = acc.prepare(_lion(model.parameters()))
+        _train(acc, model, opt, rank, 1, 3)
+        results.append(([p.detach().clone() for p in model.parameters()], acc.bytes_sent))
+    (at_step, at_step_bytes), (each, each_bytes) = results
+    assert all(torch.equal(a, b) for a, b in zip(at_step, each))
+    assert each_bytes == at_step_bytes > 0
+
+
 def _check_bf16_accumulation_and_clipping(rank, world_size):
     for cfg, make_opt in [(dict(algorithm="lion", mode="1bit"), _lion),
                           (dict(algorithm="bitdp", bits=2), lambda ps: torch.optim.AdamW(ps, lr=1e-2))]:
@@ -214,6 +234,7 @@ def _flat(obj) -> list[torch.Tensor]:
 def _check_all(rank, world_size, tmp):
     _check_exact_mode_equals_ddp_lion(rank, world_size)
     _check_compressed_modes_keep_ranks_identical(rank, world_size)
+    _check_sync_each_batch_synchronizes_once_per_step(rank, world_size)
     _check_bf16_accumulation_and_clipping(rank, world_size)
     _check_errors(rank, world_size)
     _check_resume(rank, world_size, tmp)
