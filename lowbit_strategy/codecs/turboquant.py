@@ -52,8 +52,8 @@ Choices (the paper's formulas for these steps did not survive; documented here):
 * ``"auto"`` (default): ``"triton"`` for CUDA tensors when triton is installed, otherwise
   ``"torch"``. Decided per call from the tensor's device, so one codec serves CPU and GPU.
 
-Since the backends agree bit for bit, ranks may mix them (a payload encoded by one decodes
-identically by the other).
+The backends agree bit for bit on one device type, so ranks may mix them there (a payload
+encoded by one decodes identically by the other).
 """
 from __future__ import annotations
 
@@ -87,12 +87,18 @@ def _triton_module():
 
 
 def _triton_available() -> bool:
-    """Whether triton can be imported, without importing it when it is absent."""
+    """Whether the Triton kernels can run on CUDA tensors: triton imports, and the kernels
+    were not built for the CPU interpreter (``TRITON_INTERPRET=1``). Does not import
+    triton when it is absent."""
     global _TRITON_OK
     if _TRITON_OK is None:
         import importlib.util
 
-        _TRITON_OK = importlib.util.find_spec("triton") is not None and _triton_module().AVAILABLE
+        if importlib.util.find_spec("triton") is None:
+            _TRITON_OK = False
+        else:
+            tt = _triton_module()
+            _TRITON_OK = tt.AVAILABLE and not tt.INTERPRETED
     return _TRITON_OK
 
 
@@ -373,7 +379,7 @@ class TurboQuantCodec:
         n, device = payload.numel, payload.codes.device
         if n == 0:
             return torch.zeros(payload.shape, dtype=payload.dtype, device=device)
-        scales = payload.scales.to(device)
+        scales = payload.scales.to(device).contiguous()
         if self._use_triton(device):
             return self._decode_triton(payload, scales)
         idx = unpack(payload.codes, self.lane_bits, n)
@@ -388,7 +394,7 @@ class TurboQuantCodec:
         out = torch.empty(n, dtype=payload.dtype, device=device)
         sign_bits, rest_signs = self._triton_signs(n, m, device) if self.rotate else (None, None)
         tt.decode_blocks(
-            payload.codes, q, b,
+            payload.codes.contiguous(), q, b,
             sign_bits=sign_bits, scales=scales, levels=self._tables(device)[0],
             lane_bits=self.lane_bits, out=out,
         )

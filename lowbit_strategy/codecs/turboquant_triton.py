@@ -24,8 +24,8 @@ operation happens in the same order and with the same rounding as in the torch c
 * the division by the scale is IEEE round-to-nearest (``tl.math.div_rn``: Triton's ``/``
   may compile to an approximate division), the square root likewise (``sqrt_rn``), and
   floating-point contraction (mul + add → FMA) is turned off at launch
-  (``enable_fp_fusion=False``), as ``level · scale`` followed by a butterfly add would
-  otherwise fuse;
+  (``enable_fp_fusion=False``): otherwise the RMS tree's ``x0·x0 + x1·x1`` compiles to an
+  FMA (and ``level · scale`` followed by a butterfly add could);
 * the level index is the number of midpoints strictly below ``z``, as in the torch code
   (one comparison per midpoint up to 4 bits, a branch-free binary search over the sorted
   midpoints above);
@@ -53,11 +53,18 @@ pieces) is encoded/decoded by the torch code, which gives the same bits by defin
 Blocks larger than :data:`MAX_FUSED_BLOCK` elements do not fit in registers: the codec
 uses the torch path for them.
 
+**Checked where.** CI compares the backends bit for bit with the kernels in Triton's CPU
+interpreter (``tests/codecs/test_turboquant_triton.py``); on a machine with CUDA the same
+file also compiles them and compares on the GPU (``test_cuda_bit_exact``). Without a GPU,
+``test_compiled_ptx_rounds_like_torch`` compiles them for an H100 (sm_90) and checks the
+PTX: ``div.rn``/``sqrt.rn``, no approximate division or square root, no ``.ftz``, no FMA.
+
 **Interpreter.** With ``TRITON_INTERPRET=1`` set *before this module is first imported*,
 the kernels run on CPU tensors in Triton's numpy interpreter (slow: for tests); the mode is
-fixed at import (:data:`INTERPRETED`). Subnormal intermediates (``|y| < 1.2e-38``) are the
-one place where the GPU could differ from the reference: Triton's libdevice calls may flush
-them to zero; normal-range data is unaffected.
+fixed at import (:data:`INTERPRETED`), so one process runs either interpreted or compiled
+kernels. The kernels call no libdevice function (whose variants Triton builds with
+flush-to-zero), and the compiled PTX holds no ``.ftz`` instruction: subnormals are kept, as
+in torch.
 
 Import cost: this module imports ``triton`` (optional: ``pip install
 "lowbit-strategy[triton]"``); :mod:`.turboquant` imports it only when a Triton backend is
@@ -168,10 +175,9 @@ if AVAILABLE:
                 idx += (z > tl.load(mids_ptr + k)).to(tl.int32)
         else:
             idx = tl.zeros((R, B), dtype=tl.int32)
-            for k in tl.static_range(BITS):
-                step: tl.constexpr = 1 << (BITS - 1 - k)
-                m = tl.load(mids_ptr + idx + (step - 1))
-                idx = tl.where(z > m, idx + step, idx)
+            for k in tl.static_range(BITS):  # steps 2**(BITS-1), ..., 2, 1
+                m = tl.load(mids_ptr + idx + ((1 << (BITS - 1 - k)) - 1))
+                idx = tl.where(z > m, idx + (1 << (BITS - 1 - k)), idx)
         # pack K = 8 // LANE codes per byte, code j of a byte at bit j * LANE
         K: tl.constexpr = 8 // LANE
         NB: tl.constexpr = R * B // K

@@ -182,6 +182,8 @@ def test_backend_selection(monkeypatch):
     assert not codec._use_triton(torch.device("cpu"))  # auto: torch on the CPU
     assert TurboQuantCodec(backend="triton")._use_triton(torch.device("cpu"))  # interpreter
     assert not TurboQuantCodec(backend="triton", block=1 << 14)._use_triton(torch.device("cpu"))
+    # kernels built for the interpreter are never picked for CUDA tensors by "auto"
+    assert not TurboQuantCodec(backend="auto")._use_triton(torch.device("cuda"))
     monkeypatch.setattr(tt, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match=r"needs a CUDA tensor.*TRITON_INTERPRET=1"):
         TurboQuantCodec(backend="triton").encode(torch.randn(64))
@@ -225,3 +227,65 @@ def test_cuda_bit_exact():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+_PTX_CHECK = textwrap.dedent(
+    """
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lowbit_strategy.codecs import turboquant_triton as tt
+
+    assert not tt.INTERPRETED
+    target = GPUTarget("cuda", 90, 32)  # H100; compiling needs no GPU (triton bundles ptxas)
+
+    def ptx(fn, sig, consts, **options):
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        return triton.compile(src, target=target, options={"num_warps": 4, **options}).asm["ptx"]
+
+    enc = {"x_ptr": "*fp32", "sgn_ptr": "*u8", "scale_in_ptr": "*fp32", "mids_ptr": "*fp32",
+           "codes_ptr": "*u8", "scale_out_ptr": "*fp32", "nblocks": "i32", "nbytes": "i32",
+           "inv_sqrt_b": "fp32", "inv_b": "fp32", "R": "constexpr", "B": "constexpr",
+           "LOG2B": "constexpr", "ROTATE": "constexpr", "SCALE_MODE": "constexpr",
+           "BITS": "constexpr", "LANE": "constexpr"}
+    dec = {"codes_ptr": "*u8", "sgn_ptr": "*u8", "scale_ptr": "*fp32", "levels_ptr": "*fp32",
+           "out_ptr": "*i16", "nblocks": "i32", "inv_sqrt_b": "fp32", "R": "constexpr",
+           "B": "constexpr", "LOG2B": "constexpr", "ROTATE": "constexpr",
+           "SHARED_SCALE": "constexpr", "LANE": "constexpr", "OUT_BF16": "constexpr"}
+    e = ptx(tt._encode_kernel, enc, dict(R=1, B=1024, LOG2B=10, ROTATE=True, SCALE_MODE=0, BITS=4, LANE=4), **tt._LAUNCH)
+    e8 = ptx(tt._encode_kernel, enc, dict(R=16, B=64, LOG2B=6, ROTATE=True, SCALE_MODE=2, BITS=8, LANE=8), **tt._LAUNCH)
+    dconst = dict(R=1, B=1024, LOG2B=10, ROTATE=True, SHARED_SCALE=False, LANE=4, OUT_BF16=True)
+    d = ptx(tt._decode_kernel, dec, dconst, **tt._LAUNCH)
+    d_fused = ptx(tt._decode_kernel, dec, dconst, enable_fp_fusion=True) + ptx(
+        tt._encode_kernel, enc, dict(R=1, B=1024, LOG2B=10, ROTATE=True, SCALE_MODE=0, BITS=4, LANE=4),
+        enable_fp_fusion=True,
+    )
+    count = lambda text, *subs: sum(text.count(s) for s in subs)
+    print(json.dumps({
+        "enc_div_rn": count(e, "div.rn.f32"), "enc_sqrt_rn": count(e, "sqrt.rn.f32"),
+        "enc8_div_rn": count(e8, "div.rn.f32"),
+        "approx": count(e + e8 + d, "div.full", "div.approx", "sqrt.approx", "rsqrt"),
+        "ftz": count(e + e8 + d, ".ftz"), "fma": count(e + e8 + d, "fma.rn"),
+        "fma_if_fused": count(d_fused, "fma.rn"),
+    }))
+    """
+)
+
+
+def test_compiled_ptx_rounds_like_torch():
+    """What the interpreter cannot show: the kernels compiled for an H100 (no GPU needed)
+    divide and take square roots with IEEE rounding (div.rn/sqrt.rn, not the approximate
+    forms Triton may pick), flush no subnormal to zero, and contract no mul + add into an
+    FMA — which they would without enable_fp_fusion=False (the RMS tree's first level,
+    ``x0·x0 + x1·x1``, does: checked below), and which would break bit-exactness against
+    torch."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["enc_div_rn"] > 0 and got["enc_sqrt_rn"] > 0 and got["enc8_div_rn"] > 0, got
+    assert got["approx"] == 0 and got["ftz"] == 0 and got["fma"] == 0, got
+    assert got["fma_if_fused"] > 0, got  # the check above can see an FMA
