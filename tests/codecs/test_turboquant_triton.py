@@ -19,6 +19,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
 from lowbit_strategy.codecs import turboquant as tq_module
@@ -162,6 +164,26 @@ def test_rms_rule_is_the_documented_tree():
             )
         want = torch.tensor(math.sqrt(level.item() / block), dtype=torch.float32)
         assert got[b].item() == want.item()
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(1, 2500),
+    log2_block=st.integers(1, 9),
+    bits=st.integers(2, 7),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    rotate=st.booleans(),
+    shared=st.sampled_from([None, 0.5, "per-block"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_shapes_bit_exact(n, log2_block, bits, dtype, rotate, shared, seed):
+    block = 1 << log2_block
+    ref, fused = both(bits, block, rotate=rotate)
+    x = sample(n, dtype, seed)
+    scale = shared
+    if shared == "per-block":
+        scale = torch.rand(-(-n // block), generator=torch.Generator().manual_seed(seed)) + 0.01
+    assert_same(ref, fused, x, scale)
 
 
 def test_sign_bits_layout():
