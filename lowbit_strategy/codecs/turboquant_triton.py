@@ -43,8 +43,8 @@ both backends compute: square every element, then a pairwise tree over adjacent 
 computes the same tree with strided views (:meth:`.turboquant.TurboQuantCodec._rms`) and
 takes the square root in float64, rounded once to float32 — torch's float32 ``sqrt`` on CPU
 is sometimes one ulp off, and a float64 square root (even one ulp off) of a float32 value,
-rounded to float32, is the correctly rounded result; the kernel uses ``sqrt_rn``. The partial last group (a
-tail) keeps ``vector_norm``: it is always done by the torch code on both backends.
+rounded to float32, is the correctly rounded result; the kernel uses ``sqrt_rn``. The
+partial last group (a tail) keeps ``vector_norm``: the torch code does it on both backends.
 
 **What runs where.** The kernels cover the *full* blocks (all of them, except the last one
 when ``block == 2`` with 2-bit lanes and an odd count, so that the kernel's bytes end on a
