@@ -1,8 +1,9 @@
 """DivergenceMonitor: how far the ranks' views drift apart, how well the compressed update
 agrees with the full-precision one, and how far a frozen variance is from a fresh one.
 
-Works with every optimizer-level algorithm through two optional optimizer methods (no
-per-algorithm branch here): ``divergence_tensors()`` and ``variance_ratios()``.
+Works with every optimizer-level algorithm through optional optimizer methods (no
+per-algorithm branch here): ``divergence_tensors()``, ``variance_ratios()`` and
+``replica_tensors()``.
 
 * ``divergence/<param>``: the maximum over elements of the standard deviation across ranks
   of the optimizer's rank-local tensor (one fp32 allreduce of [x, x²]): Lion Cub's momentum
@@ -13,6 +14,12 @@ per-algorithm branch here): ``divergence_tensors()`` and ``variance_ratios()``.
   variance (1-bit LAMB Algorithm 1 line 17, before clipping), 1 while the frozen variance
   still fits; ``variance/max``. 1-bit LAMB computes it anyway; for ``OneBitAdam`` the
   monitor switches on ``track_variance`` at the start of training (one more buffer).
+* ``spread/<kind>/<param>`` (TurboQuant-Adam): ``max |x_r − x_0|`` over elements and ranks
+  of tensors that should be identical on every rank, by kind: ``variance`` (Adam's ``v``)
+  and, under ``variance="local"`` (the paper's), ``param`` (the weights). Exactly 0 while
+  the replicas agree (one all-gather of the tensors, so no rounding of a mean or a
+  variance blurs it); growing values show drift before it hurts. ``spread/<kind>/max``
+  over all parameters.
 * with ``sign_agreement=True``: ``sign/match`` and ``sign/flip``, the fractions of elements
   whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
   costs one extra fp32 allreduce of the update vector on monitored steps.
@@ -30,6 +37,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lowbit_strategy.collectives import full_allreduce
+from lowbit_strategy.collectives.group import all_gather
 from lowbit_strategy.selection import param_names
 
 
@@ -76,6 +84,7 @@ class DivergenceMonitor(pl.Callback):
         for opt in self._monitored(trainer):
             values.update(self._spread(opt, names))
             values.update(self._ratios(opt, names))
+            values.update(self._replicas(opt, names))
         for opt in self._auditable(trainer):
             audit = opt.communicator.last_audit
             if self.sign_agreement and audit is not None and self.match is not None:
@@ -102,6 +111,26 @@ class DivergenceMonitor(pl.Callback):
         out = {f"divergence/{names.get(id(p), 'param')}": float(s.max())
                for (p, _), s in zip(pairs, std.split([t.numel() for t in parts]))}
         out["divergence/max"] = max(out.values())
+        return out
+
+    @staticmethod
+    def _replicas(opt, names: dict[int, str]) -> dict[str, float]:
+        kinds = opt.replica_tensors() if hasattr(opt, "replica_tensors") else {}
+        comm = opt.communicator
+        out: dict[str, float] = {}
+        for kind, pairs in kinds.items():  # the same kinds and parameters on every rank
+            if not pairs:
+                continue
+            parts = [t.detach().float().reshape(-1) for _, t in pairs]
+            flat = torch.cat(parts)
+            every = torch.empty(comm.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+            all_gather(every, flat, comm.group, f"divergence.{kind}", comm.traffic)
+            every = every.view(comm.world_size, -1)
+            gap = (every - every[0]).abs().amax(dim=0)
+            values = {f"spread/{kind}/{names.get(id(p), 'param')}": float(s.max())
+                      for (p, _), s in zip(pairs, gap.split([t.numel() for t in parts]))}
+            values[f"spread/{kind}/max"] = max(values.values())
+            out.update(values)
         return out
 
     @staticmethod

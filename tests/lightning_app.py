@@ -57,6 +57,8 @@ class TinyLM(pl.LightningModule):
             # 4 steps an epoch on 2 ranks: epoch 1 is warm-up and switch, epoch 2 compresses
             cls = lowbit_strategy.OneBitAdam if self.hparams.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
             return cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, freeze_step=3)
+        if self.hparams.optimizer == "turboquant":  # as above: epoch 2 compresses
+            return lowbit_strategy.TurboQuantAdamW(self.parameters(), lr=self.hparams.lr, warmup_steps=3)
         return lowbit_strategy.Lion(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
@@ -84,7 +86,7 @@ def fit_once(args) -> dict:
         # momentum sync every 5: the last step (8 with 2 ranks, 6 with 3) sends only the update,
         # whose bytes are the logged ratio
         cbs += [MomentumSync(every=5), DivergenceMonitor(every=2, sign_agreement=True)]
-    elif args.optimizer.startswith("onebit"):
+    elif args.optimizer.startswith("onebit") or args.optimizer == "turboquant":
         # step 4 compresses; the monitor's own allreduce is counted in the next step's bytes, never the last one's
         cbs += [DivergenceMonitor(every=4)]
     extra = {}
@@ -137,7 +139,7 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
     if optimizer == "lion":
         moms = [next(iter(st["optimizers"][0].values()))["exp_avg"] for st in states]
         return {**out, "rank_states_differ": not torch.equal(moms[0], moms[1])}
-    if optimizer.startswith("onebit"):
+    if optimizer.startswith("onebit") or optimizer == "turboquant":
         errors = [st["optimizers"][0]["errors"]["errors"] for st in states]
         keys = sorted(errors[0])
         return {**out, "error_buckets": len(keys), "rank_states_differ": bool(keys) and any(

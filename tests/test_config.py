@@ -19,7 +19,7 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
     "field,value,allowed",
     [
         ("algorithm", "lionn", "did you mean 'lion'"),
-        ("algorithm", "turboquant", "allowed: lion, bitdp, onebit_adam, onebit_lamb"),
+        ("algorithm", "powersgd", "allowed: lion, bitdp, onebit_adam, onebit_lamb, turboquant"),
         ("bucket_size_mb", 0, "> 0"),
         ("bucket_size_mb", "big", "> 0"),
         ("bucket_size_mb", float("nan"), "finite"),

@@ -205,6 +205,19 @@ def _check_safety(rank, world_size):
                          after_step=lambda s, m, o: _same_on_every_rank(m))
     assert all(p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all()) for p in model.parameters())
 
+    # DivergenceMonitor's replica spreads: exactly 0 under the default, the paper's variant drifts
+    from callbacks import DivergenceMonitor
+
+    for variance in ("synchronized", "local"):
+        model, opt, _ = _train(rank, _config("allgather"), STEPS, variance=variance)
+        spread = DivergenceMonitor._replicas(opt, {})
+        if variance == "synchronized":
+            assert spread["spread/variance/max"] == 0 and "spread/param/max" not in spread, spread
+        else:
+            assert spread["spread/variance/max"] > 0 and spread["spread/param/max"] > 0, spread
+        assert _every_rank(torch.tensor([spread["spread/variance/max"]])) == [torch.tensor([spread[
+            "spread/variance/max"]])] * world_size  # the same verdict on every rank
+
     # another optimizer under this algorithm: a clear error naming TurboQuantAdamW
     ddp = nn.parallel.DistributedDataParallel(_model())
     with pytest.raises(LowBitSetupError, match=r"drives lowbit_strategy\.TurboQuantAdamW.*AdamW"):
