@@ -43,7 +43,7 @@ def calibrations(configs: list[str]) -> list[str]:
     """The calibration runs the DDP-hook configurations need (one per optimizer)."""
     opts = {report.CALIBRATION_OF.get(CONFIGS[c][1], CONFIGS[c][1]) for c in configs
             if CONFIGS[c][0] in ("ddp", "fp16", "powersgd", "lowbit_bitdp", "lowbit_bitdp_1bit", "lowbit_adam",
-                                 "lowbit_lamb")}
+                                 "lowbit_lamb", "lowbit_turboquant")}
     opts |= {CONFIGS[c][1] for c in configs if c.startswith("lowbit_lion")}  # codec overhead reference
     return [f"calib_{o}" for o in ("lion", "adamw") if o in opts]
 

@@ -91,7 +91,7 @@ def _key(r: dict):
 #: optimizers without a calibration run of their own: their comm-free bound is AdamW's (the
 #: same model and data; 1-bit Adam's compression stage costs less than AdamW per step, 1-bit
 #: LAMB's slightly more: two norms per parameter)
-CALIBRATION_OF = {"onebit_adam": "adamw", "onebit_lamb": "adamw"}
+CALIBRATION_OF = {"onebit_adam": "adamw", "onebit_lamb": "adamw", "turboquant": "adamw"}
 
 
 def annotate(data: dict) -> dict:
@@ -164,7 +164,7 @@ def _headline(records: list[dict]) -> str:
         b = got.get(BASELINE)
         for name in ("lowbit_lion", "lowbit_lion_1bit", "lowbit_lion_4bit", "ddp_fp16_adamw",
                      "ddp_powersgd_adamw", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-                     "lowbit_lamb"):
+                     "lowbit_lamb", "lowbit_turboquant"):
             r = got.get(name)
             if r and b:
                 at = max(1, min(r["steps"], b["steps"]) - 10)

@@ -78,6 +78,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lowbit_bitdp_1bit_adamw": ("lowbit_bitdp_1bit", "adamw"),
     "lowbit_adam": ("lowbit_adam", "onebit_adam"),
     "lowbit_lamb": ("lowbit_lamb", "onebit_lamb"),
+    "lowbit_turboquant": ("lowbit_turboquant", "turboquant"),
     "calib_lion": ("local", "lion"),
     "calib_adamw": ("local", "adamw"),
 }

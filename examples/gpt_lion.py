@@ -7,6 +7,7 @@ for validation. Model: a GPT of a few million parameters with tied embeddings.
     python examples/gpt_lion.py --devices 2 --max-minutes 3
     python examples/gpt_lion.py --strategy lowbit_lion_8bit --max-steps 300 --out r.json
     python examples/gpt_lion.py --strategy lowbit_adam --optimizer onebit_adam --max-steps 300
+    python examples/gpt_lion.py --strategy lowbit_turboquant --optimizer turboquant --max-steps 300
     python examples/gpt_lion.py --compress-activations    # linear inputs kept as 4-bit codes
 
 At the end the global-zero process prints the validation loss, steps/s, and the bytes it
@@ -85,7 +86,8 @@ class Block(nn.Module):
 
 class GPT(pl.LightningModule):
     def __init__(self, vocab=256, seq=128, d=192, layers=4, heads=4, lr=1e-3, weight_decay=0.1,
-                 optimizer="lion", warmup=50, total_steps=1000, freeze_step=None):
+                 optimizer="lion", warmup=50, total_steps=1000, freeze_step=None, variance="synchronized",
+                 scale_decay=0.9):
         super().__init__()
         self.save_hyperparameters()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
@@ -129,6 +131,11 @@ class GPT(pl.LightningModule):
             cls = lowbit_strategy.OneBitAdam if hp.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
             opt = cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
                       freeze_step=hp.freeze_step or max(1, hp.total_steps // 5))
+        elif hp.optimizer == "turboquant":
+            # TurboQuant-Adam: full-precision warm-up (20 % by default), then 4-bit momenta
+            opt = lowbit_strategy.TurboQuantAdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                                  warmup_steps=hp.freeze_step or max(1, hp.total_steps // 5),
+                                                  variance=hp.variance, scale_decay=hp.scale_decay)
         else:
             opt = lowbit_strategy.Lion(self.parameters(), lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
 
@@ -161,10 +168,15 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="lowbit_lion")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--optimizer", default="lion", choices=["lion", "adamw", "onebit_adam", "onebit_lamb"],
-                   help="onebit_* need strategy lowbit_adam / lowbit_lamb")
+    p.add_argument("--optimizer", default="lion", choices=["lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
+                   help="onebit_* need strategy lowbit_adam / lowbit_lamb, turboquant lowbit_turboquant")
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
-    p.add_argument("--freeze-step", type=int, default=None, help="1-bit Adam/LAMB warm-up steps (default 20 %%)")
+    p.add_argument("--freeze-step", type=int, default=None,
+                   help="1-bit Adam/LAMB freeze_step, TurboQuantAdamW warmup_steps (default 20 %% of the steps)")
+    p.add_argument("--variance", default="synchronized", choices=["synchronized", "local"],
+                   help="TurboQuantAdamW: v from the synchronized momentum (replicas identical) or, as the paper, "
+                        "from each rank's own gradient")
+    p.add_argument("--scale-decay", type=float, default=0.9, help="TurboQuantAdamW: EMA decay of the code scales")
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
@@ -195,9 +207,10 @@ def main(argv=None) -> dict:
     steps = args.max_steps if args.max_steps > 0 else 2000
     lr = args.lr or (1e-3 if args.optimizer == "lion" else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=args.optimizer, total_steps=steps,
-                freeze_step=args.freeze_step)
-    stats, clock = CommStats(), Throughput()
-    cbs = [stats, clock] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
+                freeze_step=args.freeze_step, variance=args.variance,
+                scale_decay=args.scale_decay)
+    stats, clock, drift = CommStats(), Throughput(), ReplicaDrift()
+    cbs = [stats, clock, drift] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
     activations = ActivationCompression() if args.compress_activations else None
     cbs += [activations] if activations else []
     trainer = pl.Trainer(
@@ -219,6 +232,7 @@ def main(argv=None) -> dict:
         "bytes_per_step": stats.bytes_per_step, "fp32_bytes_per_step": stats.fp32_bytes_per_step,
         "last_bytes_per_step": last_bytes,
         "comm_s_per_step": stats.total_seconds / max(1, stats.steps),
+        "replica_drift": drift.max_abs, "replica_drift_relative": drift.relative,
     }
     if activations is not None and activations.report is not None:  # first batch, this rank
         summary["saved_tensor_bytes"] = activations.report.total_bytes
@@ -228,6 +242,27 @@ def main(argv=None) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class ReplicaDrift(pl.Callback):
+    """At the end of training: how far the ranks' weights are apart, ``max |w_r − w_0|`` over
+    every weight and rank (and relative to ``max |w_0|``). 0 for every data-parallel method
+    that keeps replicas identical; TurboQuantAdamW with ``variance="local"`` (the paper's)
+    drifts."""
+
+    max_abs: float = 0.0
+    relative: float = 0.0
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.world_size < 2:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
+        every = [torch.empty_like(flat) for _ in range(trainer.world_size)]
+        dist.all_gather(every, flat)
+        self.max_abs = max(float((e - every[0]).abs().max()) for e in every[1:])
+        self.relative = self.max_abs / max(float(every[0].abs().max()), 1e-30)
 
 
 def build_strategy(name: str, overrides: list[str]):
@@ -251,6 +286,7 @@ def report(s: dict) -> None:
         f"  validation loss      {s['val_loss']:.4f}   (train {s['train_loss']:.4f})\n"
         f"  steps/s              {s['steps_per_s']:.2f}   (communication {1e3 * s['comm_s_per_step']:.1f} ms/step)\n"
         f"  bytes sent per step  {sent / 1024:.1f} KiB per rank; DDP fp32 would send {fp32 / 1024:.1f} KiB: {ratio}"
+        + (f"\n  replicas differ by   {s['replica_drift']:.3g} (max |w_r - w_0|)" if s["replica_drift"] else "")
     )
 
 
