@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
 
     summary = {
         "algorithm": cfg.algorithm, "section": cfg.section.to_dict(), "optimizer": optimizer,
+        "overlap": accelerator.lowbit_overlap,
         "world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.name,
         "mixed_precision": str(accelerator.mixed_precision),
         "params": sum(p.numel() for p in model.parameters()), "steps": step,
@@ -154,7 +155,9 @@ def report(s: dict) -> None:
         saving = f"{ddp / sent:.1f}x less ({100 * (1 - sent / ddp):.1f}% saved)"
     else:
         saving = "nothing to synchronize on one process"
-    settings = ", ".join(f"{k}={v}" for k, v in s["section"].items())
+    settings = ", ".join(f"{k}={v}" for k, v in s["section"].items() if k != "overlap")
+    if not s["overlap"]:
+        settings += "; synchronized in optimizer.step() (gradients clipped after backward)"
     print(
         f"\nLowBitAccelerator: {s['algorithm']} ({settings}) with {s['optimizer']}\n"
         f"  {s['world_size']} processes ({s['distributed_type']}, mixed precision {s['mixed_precision']}), "
