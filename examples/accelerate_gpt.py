@@ -34,13 +34,15 @@ from lowbit_strategy.accelerate import LowBitAccelerator  # noqa: E402
 
 #: the optimizer each algorithm drives (the example's choice for ``--optimizer auto``;
 #: BitDP compresses gradients, so any optimizer works there)
-OPTIMIZER_FOR = {"lion": "lion", "bitdp": "adamw", "onebit_adam": "onebit_adam", "onebit_lamb": "onebit_lamb"}
+OPTIMIZER_FOR = {"lion": "lion", "bitdp": "adamw", "onebit_adam": "onebit_adam", "onebit_lamb": "onebit_lamb",
+                 "turboquant": "turboquant"}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--optimizer", default="auto", choices=["auto", "lion", "adamw", "onebit_adam", "onebit_lamb"],
+    p.add_argument("--optimizer", default="auto",
+                   choices=["auto", "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
                    help="auto: the one the configured algorithm drives")
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
     p.add_argument("--batch-size", type=int, default=16, help="per rank and micro-batch")
