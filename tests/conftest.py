@@ -6,7 +6,16 @@ per-example deadline: on a loaded 2-core machine wall time says
 nothing about correctness."""
 import os
 
+import torch
 from hypothesis import settings
+
+# Triton on a machine without a GPU (CI): its kernels run in the CPU interpreter, which is
+# chosen when triton is *first imported*, and many things import triton along the way
+# (torch and its integrations do lazily). Set it for the whole session before any test
+# imports anything, so the Triton codec tests (tests/codecs/test_turboquant_triton.py) see
+# an interpreter-mode triton whatever ran before them. With a GPU the kernels compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
