@@ -87,7 +87,7 @@ class Block(nn.Module):
 class GPT(pl.LightningModule):
     def __init__(self, vocab=256, seq=128, d=192, layers=4, heads=4, lr=1e-3, weight_decay=0.1,
                  optimizer="lion", warmup=50, total_steps=1000, freeze_step=None, variance="synchronized",
-                 scale_decay=0.9):
+                 scale_decay=0.0):
         super().__init__()
         self.save_hyperparameters()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
@@ -176,7 +176,8 @@ def parse(argv=None):
     p.add_argument("--variance", default="synchronized", choices=["synchronized", "local"],
                    help="TurboQuantAdamW: v from the synchronized momentum (replicas identical) or, as the paper, "
                         "from each rank's own gradient")
-    p.add_argument("--scale-decay", type=float, default=0.9, help="TurboQuantAdamW: EMA decay of the code scales")
+    p.add_argument("--scale-decay", type=float, default=0.0,
+                   help="TurboQuantAdamW: EMA decay of the code scales (0: each step's own RMS)")
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=16, help="per rank")

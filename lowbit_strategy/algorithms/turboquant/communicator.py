@@ -73,7 +73,7 @@ class TurboQuantCommunicator(BucketCommunicator):
     label = "TurboQuant"
 
     def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, *, bits: int = 4,
-                 form: str = "auto", block: int = 1024, seed: int = 0, scale_decay: float = 0.9,
+                 form: str = "auto", block: int = 1024, seed: int = 0, scale_decay: float = 0.0,
                  link: tuple[float, float] = (50e-6, 1e9)):
         super().__init__(group, bucket_size_mb, debug)
         self.codec = TurboQuantCodec(bits, seed=seed, block=block)
@@ -102,8 +102,10 @@ class TurboQuantCommunicator(BucketCommunicator):
         else:  # copies: the step may still be skipped, and then the state must not move
             worker, server, scale = (t.clone() for t in saved)
         rms = group_rms(flat + worker, padded, size)
-        scale = rms if scale is None or scale.numel() != rms.numel() else scale.mul_(self.scale_decay).add_(
-            rms, alpha=1 - self.scale_decay)
+        if scale is None or scale.numel() != rms.numel() or self.scale_decay == 0:
+            scale = rms
+        else:
+            scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
         if two_stage:
             handle = turboquant_two_stage_mean_start(flat, self.codec, server, self.group, scale=scale,
                                                      worker_error=worker, check=self.debug, traffic=self.traffic)

@@ -12,7 +12,8 @@ own gradient, ``m_i = β1·m + (1-β1)·g_i``, adds its error buffer, ``u_i = m_
 (error compensation at the momentum level: the quantization error never enters the
 squared term), and the communicator sends ``u_i`` as TurboQuant codes
 (:class:`~lowbit_strategy.codecs.TurboQuantCodec`: Hadamard rotation, per-block scale,
-nearest Lloyd–Max level) with the scale an EMA per block of every bucket, and keeps
+nearest Lloyd–Max level) with the scale an EMA per block of every bucket (decay
+``scale_decay``; 0, measured best, is each step's own RMS), and keeps
 ``e_i = u_i − decode(encode(u_i))``. Every rank gets the same mean ``m̄`` of the decoded
 momenta and sets ``m = m̄``; the momentum is identical on every rank after every step.
 
@@ -58,7 +59,7 @@ VARIANCES = ("synchronized", "local")
 
 class TurboQuantAdamW(StagedOptimizer):
     """``TurboQuantAdamW(params, lr=5e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-    bits=4, warmup_steps=200, *, variance="synchronized", scale_decay=0.9)``.
+    bits=4, warmup_steps=200, *, variance="synchronized", scale_decay=0.0)``.
 
     A drop-in for ``torch.optim.AdamW`` (the paper's defaults for lr and weight decay);
     under ``Trainer(strategy="lowbit_turboquant")`` or ``lowbit_strategy.attach(...,
@@ -71,12 +72,16 @@ class TurboQuantAdamW(StagedOptimizer):
         variance: ``"synchronized"`` (replicas identical by construction) or ``"local"``
             (the paper's: from each rank's own gradient; replicas drift).
         scale_decay: γ of the scale EMA, ``s ← γ·s + (1-γ)·rms(u)`` per codec block of every
-            bucket, started from the first step's RMS; 0 uses each step's own RMS.
+            bucket, started from the first step's RMS. 0 (default) uses each step's own RMS:
+            on the GPT example (300 steps, P = 2) the loss gap to AdamW was +0.0013 at 0,
+            +0.0056 at 0.9 and +0.0091 at 0.99 (the README's TurboQuant table): the error
+            feedback already carries what a step's scale misses, and a lagging scale only
+            clamps more. The paper tracks the scale by an EMA of unstated decay.
     """
 
     def __init__(self, params: Iterable, lr: float = 5e-4, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, bits: int = 4, warmup_steps: int = 200, *,
-                 variance: str = "synchronized", scale_decay: float = 0.9):
+                 variance: str = "synchronized", scale_decay: float = 0.0):
         name = type(self).__name__
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
             raise ValueError(f"{name}: bits must be an int in [2, 8] (4: the paper's 4-bit codes), got {bits!r}")

@@ -45,7 +45,7 @@ def test_one_process_is_adamw_bit_for_bit(warmup):
 def test_defaults_are_the_papers():
     opt = TurboQuantAdamW(_model().parameters())
     assert opt.defaults["lr"] == 5e-4 and opt.defaults["weight_decay"] == 0.01 and opt.defaults["betas"] == BETAS
-    assert (opt.bits, opt.warmup_steps, opt.variance) == (4, 200, "synchronized")
+    assert (opt.bits, opt.warmup_steps, opt.variance, opt.scale_decay) == (4, 200, "synchronized", 0.0)
 
 
 def test_nan_step_is_skipped_in_both_stages():
