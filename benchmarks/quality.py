@@ -56,16 +56,20 @@ SUITES = {
     # 1-bit Adam / LAMB: full-precision warm-up for the first 20 % of the steps, then 1-bit
     # momenta; the goal is AdamW's loss within 1 % at >= 25x fewer bytes after the warm-up
     # TurboQuant-Adam: warm-up for the first 20 % of the steps, then 4-bit momenta; the paper
-    # reports a loss gap of +0.002 at 124M. Both variances (replica drift in the JSON), both
-    # forms, and the scale EMA's decay.
+    # reports a loss gap of +0.002 at 124M. The scale EMA's decay (0, the default: each step's
+    # own RMS), both variances (replica drift at the end), both forms, 4-bit activations.
     "turboquant": [
         ("DDP fp32 AdamW", "ddp", ["--optimizer", "adamw"]),
-        ("TurboQuant (synchronized v)", "lowbit_turboquant", ["--optimizer", "turboquant"]),
-        ("TurboQuant (local v, paper)", "lowbit_turboquant", ["--optimizer", "turboquant", "--variance", "local"]),
-        ("TurboQuant two-stage", "lowbit_turboquant", ["--optimizer", "turboquant", "--lowbit",
-                                                        "turboquant_form=two_stage"]),
-        ("TurboQuant scale decay 0", "lowbit_turboquant", ["--optimizer", "turboquant", "--scale-decay", "0"]),
+        ("TurboQuant (default: scale decay 0)", "lowbit_turboquant", ["--optimizer", "turboquant", "--scale-decay", "0"]),
+        ("TurboQuant scale decay 0.9", "lowbit_turboquant", ["--optimizer", "turboquant", "--scale-decay", "0.9"]),
         ("TurboQuant scale decay 0.99", "lowbit_turboquant", ["--optimizer", "turboquant", "--scale-decay", "0.99"]),
+        ("TurboQuant local v (paper), decay 0.9", "lowbit_turboquant",
+         ["--optimizer", "turboquant", "--variance", "local", "--scale-decay", "0.9"]),
+        ("TurboQuant two-stage, decay 0.9", "lowbit_turboquant",
+         ["--optimizer", "turboquant", "--lowbit", "turboquant_form=two_stage", "--scale-decay", "0.9"]),
+        ("TurboQuant + 4-bit activations", "lowbit_turboquant", ["--optimizer", "turboquant",
+                                                                  "--compress-activations", "--scale-decay", "0.9"]),
+        ("DDP AdamW + 4-bit activations", "ddp", ["--optimizer", "adamw", "--compress-activations"]),
     ],
     "onebit": [
         ("DDP fp32 AdamW", "ddp", ["--optimizer", "adamw"]),
