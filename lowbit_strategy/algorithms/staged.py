@@ -374,6 +374,17 @@ class StagedOptimizer(Optimizer):
     def _end_warmup(self) -> None:
         """Called once, at the end of the last warm-up step."""
 
+    # ---- diagnostics (callbacks.DivergenceMonitor) -------------------------------------------
+    def divergence_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, tensor)`` pairs whose spread across ranks shows how far the ranks' views
+        differ: in the compression stage the local part of the momentum each rank sends,
+        (1-β1)·g_i (the β1·m part is the same everywhere); nothing during warm-up, when
+        gradients are averaged before the step."""
+        if self.global_step <= self._warmup_steps:
+            return []
+        return [(p, p.grad * (1 - grp["betas"][0])) for grp in self.param_groups for p in grp["params"]
+                if p.grad is not None and p.numel()]
+
 
 # ---- the algorithm-interface side -------------------------------------------------------
 

@@ -99,16 +99,6 @@ class _OneBitOptimizer(StagedOptimizer):
         return r
 
     # ---- diagnostics (callbacks.DivergenceMonitor) -------------------------------------------
-    def divergence_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(param, tensor)`` pairs whose spread across ranks shows how far the ranks' views
-        differ: in the compression stage the local part of the momentum each rank sends,
-        (1-β1)·g_i (the β1·m part is the same everywhere); nothing during warm-up, when
-        gradients are averaged before the step."""
-        if self.global_step <= self.freeze_step:
-            return []
-        return [(p, p.grad * (1 - grp["betas"][0])) for grp in self.param_groups for p in grp["params"]
-                if p.grad is not None and p.numel()]
-
     def variance_ratios(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, r)``: the unclipped ratio of frozen to fresh variance denominators (1-bit
         LAMB's r, Algorithm 1 line 17) of the last compression step, where tracked."""

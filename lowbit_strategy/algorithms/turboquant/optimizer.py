@@ -121,15 +121,7 @@ class TurboQuantAdamW(StagedOptimizer):
         U.adam_apply_(p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
                       v_step=step)
 
-    # ---- diagnostics (callbacks.DivergenceMonitor) -------------------------------------------
-    def divergence_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(param, (1-β1)·g_i)``: the local part of the momentum each rank sends in the
-        compression stage (what the compressed mean has to average); nothing during warm-up."""
-        if self.global_step <= self.warmup_steps:
-            return []
-        return [(p, p.grad * (1 - grp["betas"][0])) for grp in self.param_groups for p in grp["params"]
-                if p.grad is not None and p.numel()]
-
+    # ---- diagnostics (callbacks.DivergenceMonitor; divergence_tensors is the base class's) ----
     def replica_tensors(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Tensors that should be the same on every rank, by kind: ``variance`` (``v``: equal
         under ``variance="synchronized"``, drifting under ``"local"``) and, under ``"local"``,

@@ -3,23 +3,13 @@ and, with nothing to send, the compression stage), validation, NaN safety, sched
 form choice and the per-group RMS the scale EMA follows."""
 import pytest
 import torch
-from torch import nn
 
 from lowbit_strategy import TurboQuantAdamW
 from lowbit_strategy.algorithms.turboquant.communicator import choose_form, group_rms
 from lowbit_strategy.codecs.hadamard import hadamard_rotate
+from tests.algorithms.onebit.test_optimizer import _grads, _model
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.05
-
-
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def _grads(step: int, params) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=gen) * (1 + i) for i, p in enumerate(params)]
 
 
 def _run(opt_cls, steps, dtype=torch.float32, **kw):
