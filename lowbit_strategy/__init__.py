@@ -19,6 +19,7 @@ from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
+from lowbit_strategy import nn  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "attach",
     "bitdp_hook",
     "keep_local_gradients",
+    "nn",
     "load_rank_states",
     "save_rank_states",
     "__version__",
