@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.algorithms.onebit import update as U
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.rank_state import to_cpu
@@ -366,7 +367,11 @@ class StagedOptimizer(Optimizer):
         return state
 
     def _warmup(self, group: dict, p: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        raise NotImplementedError
+        """One warm-up step: ``torch.optim.AdamW`` bit for bit (1-bit LAMB overrides it with LAMB)."""
+        state = self._state(p)
+        beta1, beta2 = group["betas"]
+        U.adamw_(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                 eps=group["eps"], weight_decay=group["weight_decay"], step=step)
 
     def _compressed(self, group: dict, p: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         raise NotImplementedError

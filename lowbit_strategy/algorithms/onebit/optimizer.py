@@ -129,12 +129,6 @@ class OneBitAdam(_OneBitOptimizer):
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
 
-    def _warmup(self, group, p, grad, step):
-        state = self._state(p)
-        beta1, beta2 = group["betas"]
-        U.adamw_(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
-                 eps=group["eps"], weight_decay=group["weight_decay"], step=step)
-
     def _compressed(self, group, p, mean, step):
         state = self._state(p)
         beta1, beta2 = group["betas"]

@@ -96,12 +96,6 @@ class TurboQuantAdamW(StagedOptimizer):
         self.variance = variance
         self.scale_decay = float(scale_decay)
 
-    def _warmup(self, group, p, grad, step):
-        state = self._state(p)
-        beta1, beta2 = group["betas"]
-        U.adamw_(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
-                 eps=group["eps"], weight_decay=group["weight_decay"], step=step)
-
     def _compressed(self, group, p, mean, step):
         state = self._state(p)
         beta1, beta2 = group["betas"]
