@@ -10,7 +10,8 @@ it returns the mean over ranks of their TurboQuant encodings
   :func:`~lowbit_strategy.collectives.turboquant_scale_groups`): ``s ← γ·s + (1-γ)·rms(u)``,
   started from the first step's RMS so a fresh bucket is accurate at once. The RMS is
   taken before the rotation: the rotation is orthonormal on every group, so it is the RMS
-  of the rotated group the codec scales;
+  of the rotated group the codec scales. With ``γ = 0`` (the default) the codec's own RMS
+  of each group is the scale and nothing is kept (an empty tensor in the state);
 * the **server error** of the two-stage form (its re-encoding's error feedback).
 
 The form (all-gather or two-stage) is chosen per bucket once, by the config (``form``) or,
@@ -92,7 +93,6 @@ class TurboQuantCommunicator(BucketCommunicator):
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
         n = flat.numel()
         two_stage = self.form_of(key, n) == "two_stage"
-        padded, size = turboquant_scale_groups(n, self.world_size, self.codec.block, two_stage)
         if saved is not None and (saved[1].numel() > 0) != two_stage:
             saved = None  # saved under the other form
         if saved is None:
@@ -101,18 +101,25 @@ class TurboQuantCommunicator(BucketCommunicator):
             scale = None
         else:  # copies: the step may still be skipped, and then the state must not move
             worker, server, scale = (t.clone() for t in saved)
-        rms = group_rms(flat + worker, padded, size)
-        if scale is None or scale.numel() != rms.numel() or self.scale_decay == 0:
-            scale = rms
+        if self.scale_decay == 0:
+            # each step's own RMS: the codec computes it from the rotated vector it encodes
+            # anyway, so no extra pass here; nothing to keep for the next step
+            scale, kept = None, flat.new_zeros(0)
         else:
-            scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
+            padded, size = turboquant_scale_groups(n, self.world_size, self.codec.block, two_stage)
+            rms = group_rms(flat + worker, padded, size)
+            if scale is None or scale.numel() != rms.numel():
+                scale = rms
+            else:
+                scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
+            kept = scale
         if two_stage:
             handle = turboquant_two_stage_mean_start(flat, self.codec, server, self.group, scale=scale,
                                                      worker_error=worker, check=self.debug, traffic=self.traffic)
         else:
             handle = turboquant_allgather_mean_start(flat, self.codec, self.group, scale=scale, worker_error=worker,
                                                      check=self.debug, traffic=self.traffic)
-        return (worker, server, scale), handle
+        return (worker, server, kept), handle
 
     def _non_finite(self, job: Job) -> bool:
         scales = job.handle.server_scales if hasattr(job.handle, "server_scales") else job.handle.scales

@@ -39,8 +39,9 @@ def _loss(model, rank, step):
 
 def _train(rank, cfg, steps, start=1, resume=None, nan_at=None, after_step=None, dtype=torch.float32, **opt_kw):
     ddp = nn.parallel.DistributedDataParallel(_model().to(dtype))
+    opt_kw.setdefault("scale_decay", DECAY)
     opt = TurboQuantAdamW(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=WARMUP,
-                          scale_decay=DECAY, **opt_kw)
+                          **opt_kw)
     sync = lowbit_strategy.attach(ddp, [opt], cfg)
     if resume is not None:
         weights, optim, entry = resume
@@ -192,10 +193,10 @@ def _check_safety(rank, world_size):
             saved.update({k: tuple(t.clone() for t in v) for k, v in o.communicator.errors.items()})
             saved["weights"] = [p.detach().clone() for p in model.parameters()]
 
-    for form in ("allgather", "two_stage"):
-        saved.clear()
+    for form, decay in (("allgather", DECAY), ("two_stage", DECAY), ("allgather", 0.0), ("two_stage", 0.0)):
+        saved.clear()  # (decay 0: the codec's own RMS is the scale, and must flag the NaN too)
         with pytest.warns(RuntimeWarning, match="non-finite"):
-            model, opt, _ = _train(rank, _config(form), STEPS, nan_at=STEPS, after_step=snapshot)
+            model, opt, _ = _train(rank, _config(form), STEPS, nan_at=STEPS, after_step=snapshot, scale_decay=decay)
         assert opt.skipped_steps == 1
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved.pop("weights")))
         assert all(all(torch.equal(a, b) for a, b in zip(opt.communicator.errors[k], v)) for k, v in saved.items())
