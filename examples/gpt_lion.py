@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import sysconfig
@@ -28,13 +27,14 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lowbit_strategy  # registers the lowbit_* strategies: must come before Trainer(...)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from callbacks import CommStats, MomentumSync  # noqa: E402
 from callbacks import ActivationCompression  # noqa: E402
+from examples.causal_lm import CausalLM, Windows  # noqa: E402,F401  (Windows: the other examples import it from here)
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -51,20 +51,6 @@ def stdlib_bytes(limit: int = 6 * 2**20) -> torch.Tensor:
         if total >= limit:
             break
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
-
-
-class Windows(Dataset):
-    """Non-overlapping windows of ``seq + 1`` tokens: (input, next-token target)."""
-
-    def __init__(self, tokens: torch.Tensor, seq: int):
-        self.tokens, self.seq = tokens, seq
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq
-
-    def __getitem__(self, i):
-        w = self.tokens[i * self.seq: i * self.seq + self.seq + 1]
-        return w[:-1], w[1:]
 
 
 # ---- model --------------------------------------------------------------------------
@@ -84,12 +70,16 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(pl.LightningModule):
+class GPT(CausalLM):
+    """A byte-level GPT (vocabulary 256) with learned positions and tied embeddings; its
+    training, optimizers and sampling are :class:`~examples.causal_lm.CausalLM`'s."""
+
     def __init__(self, vocab=256, seq=128, d=192, layers=4, heads=4, lr=1e-3, weight_decay=0.1,
                  optimizer="lion", warmup=50, total_steps=1000, freeze_step=None, variance="synchronized",
                  scale_decay=0.0):
         super().__init__()
         self.save_hyperparameters()
+        self.context = seq
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
@@ -110,43 +100,19 @@ class GPT(pl.LightningModule):
             h = block(h)
         return self.lm_head(self.ln_f(h))
 
-    def _loss(self, batch):
-        x, y = batch
-        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+    def save_weights(self, path) -> None:
+        """Hyperparameters and weights in one file (what ``make demo`` writes for the notebook)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"hparams": dict(self.hparams), "state_dict": self.state_dict()}, path)
 
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        elif hp.optimizer in ("onebit_adam", "onebit_lamb"):
-            # 1-bit Adam/LAMB: full-precision warm-up, then 1-bit momenta (freeze at 20 % by default)
-            cls = lowbit_strategy.OneBitAdam if hp.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
-            opt = cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                      freeze_step=hp.freeze_step or max(1, hp.total_steps // 5))
-        elif hp.optimizer == "turboquant":
-            # TurboQuant-Adam: full-precision warm-up (20 % by default), then 4-bit momenta
-            opt = lowbit_strategy.TurboQuantAdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                                                  warmup_steps=hp.freeze_step or max(1, hp.total_steps // 5),
-                                                  variance=hp.variance, scale_decay=hp.scale_decay)
-        else:
-            opt = lowbit_strategy.Lion(self.parameters(), lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
-
-        def schedule(step):  # linear warm-up, cosine decay to 10%
-            if step < hp.warmup:
-                return (step + 1) / hp.warmup
-            frac = min(1.0, (step - hp.warmup) / max(1, hp.total_steps - hp.warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    @classmethod
+    def load_weights(cls, path, **changes) -> "GPT":
+        """The model :meth:`save_weights` wrote, with some hyperparameters changed (the
+        optimizer and schedule of a fine-tuning run; not the shapes)."""
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model = cls(**{**saved["hparams"], **changes})
+        model.load_state_dict(saved["state_dict"])
+        return model
 
 
 # ---- driver -------------------------------------------------------------------------
@@ -194,6 +160,8 @@ def parse(argv=None):
     p.add_argument("--lowbit", nargs="*", default=[], metavar="KEY=VALUE",
                    help="LowBitConfig overrides on top of --strategy's preset, e.g. bitdp_quantize='*'")
     p.add_argument("--out", default="", help="write a JSON summary here")
+    p.add_argument("--save-weights", default="", metavar="PATH",
+                   help="write the trained model here (GPT.load_weights reads it; examples/finetune.ipynb starts from it)")
     return p.parse_args(argv)
 
 
@@ -242,6 +210,9 @@ def main(argv=None) -> dict:
         report(summary)
         if args.out:
             Path(args.out).write_text(json.dumps(summary, indent=2))
+        if args.save_weights:
+            model.save_weights(args.save_weights)
+            print(f"  weights saved to     {args.save_weights}")
     return summary
 
 
