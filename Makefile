@@ -12,6 +12,9 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c const
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e ".[dev]"
+	# transformers (the notebook's Hugging Face path) beside the environment, not in it: see
+	# pyproject.toml's dev extra; tests/examples/tiny_hf.py adds it to the tests that need it
+	$(PIP_INSTALL) --upgrade --target $(VENV)/hf-overlay "transformers>=4.46"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import lowbit_strategy
 from examples.causal_lm import ByteTokenizer, HFCausalLM, reference_manual_text, split_windows
 from examples.gpt_lion import GPT, stdlib_bytes
-from tests.examples.tiny_hf import write_tiny_gpt2
+from tests.examples.tiny_hf import use_transformers, write_tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,6 @@ def test_gpt_weights_file_round_trips_with_changed_training_hparams(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    pytest.importorskip("transformers", reason="transformers is in the dev extra; CI installs it")
     return write_tiny_gpt2(tmp_path_factory.mktemp("hf") / "tiny-gpt2")
 
 
@@ -125,11 +124,15 @@ def test_hf_model_fine_tunes_through_the_trainer(tiny_hf):
     assert last < first - 0.5, (first, last)
 
 
-def test_hf_model_errors_name_the_field(tmp_path):
+def test_hf_model_errors_name_the_field_and_the_fix(tmp_path, monkeypatch):
+    use_transformers()
     with pytest.raises(FileNotFoundError, match="path=.*is not a directory"):
         HFCausalLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="optimizer='sgd'"):
         HFCausalLM(str(tmp_path), optimizer="sgd")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r'pip install "lowbit-strategy\[hf\]"'):
+        HFCausalLM(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from examples.build_finetune_notebook import NOTEBOOK, build, execute
 from examples.gpt_lion import GPT
-from tests.examples.tiny_hf import write_tiny_gpt2
+from tests.examples.tiny_hf import use_transformers, write_tiny_gpt2
 
 RUNS = ["Lion Cub", "DDP + Lion", "BitDP 2-bit + AdamW", "DDP + AdamW"]
 
@@ -82,9 +82,9 @@ def test_notebook_runs_offline_pretraining_its_own_gpt(tmp_path):
 
 @pytest.mark.slow
 def test_notebook_fine_tunes_a_local_hugging_face_model(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is in the dev extra; CI installs it")
+    overlay = use_transformers()  # the kernel imports transformers from there too
     model = write_tiny_gpt2(tmp_path / "tiny-gpt2")
-    cells = _run(tmp_path, LOWBIT_HF_MODEL=str(model))
+    cells = _run(tmp_path, LOWBIT_HF_MODEL=str(model), **({"PYTHONPATH": overlay} if overlay else {}))
     assert f"Hugging Face model from {model}" in _text(cells[1])
     assert _text(cells[2]) == ""  # no pretraining
     # 12k of the tiny model's 38k parameters are the (tied) embeddings, which BitDP keeps fp32

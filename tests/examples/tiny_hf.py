@@ -1,12 +1,40 @@
-"""A tiny Hugging Face causal LM written to a local directory, as a user's downloaded model
-would be: GPT-2 architecture (Conv1D layers, tied head) with random weights, and a byte-level
-BPE tokenizer trained on the reference-manual text. Built offline in about a second."""
+"""Transformers for the tests of the Hugging Face path, and a tiny model to run them on.
+
+:func:`use_transformers` makes ``transformers`` importable: from the environment when it is
+installed there (``pip install "lowbit-strategy[hf]"``), otherwise from ``<venv>/hf-overlay``,
+where the Makefile installs it so that it stays off the path of every other test process
+(torchmetrics imports it with each ``import lightning`` when it is installed).
+
+:func:`write_tiny_gpt2` writes a tiny causal LM to a local directory, as a user's downloaded
+model would be: GPT-2 architecture (Conv1D layers, tied head) with random weights, and a
+byte-level BPE tokenizer trained on the reference-manual text. Offline, about a second.
+"""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from pathlib import Path
+
+OVERLAY = Path(sys.prefix) / "hf-overlay"
+
+
+def use_transformers() -> str | None:
+    """Makes transformers importable here; returns the ``PYTHONPATH`` a child process needs
+    for it (None when it is installed in the environment itself)."""
+    if str(OVERLAY) not in sys.path and importlib.util.find_spec("transformers") is not None:
+        return None
+    if not (OVERLAY / "transformers").is_dir():
+        raise RuntimeError(f"the Hugging Face tests need transformers: `make venv` installs it in {OVERLAY}, "
+                           'or pip install "lowbit-strategy[hf]"')
+    if str(OVERLAY) not in sys.path:
+        sys.path.append(str(OVERLAY))  # after the environment's own packages: theirs win
+        importlib.invalidate_caches()
+    return str(OVERLAY)
 
 
 def write_tiny_gpt2(path: Path, vocab: int = 320, context: int = 64, seed: int = 0) -> Path:
+    use_transformers()
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
