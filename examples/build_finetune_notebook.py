@@ -29,7 +29,8 @@ the bytes each rank sent per step against DDP's fp32 allreduce, and a few genera
 before and after.
 
 It runs top to bottom on two CPU cores in three to four minutes, offline. With a larger
-Hugging Face model, lower `FINETUNE_STEPS` and `BATCH` in the next cell first.
+Hugging Face model, lower `FINETUNE_STEPS` and `BATCH` in the next cell first, and mind the
+memory: the notebook keeps the pretrained model and each run's fine-tuned copy.
 
 **Pretrained weights**, the first that exists of:
 1. a Hugging Face causal LM in a local directory: set `LOWBIT_HF_MODEL=/path/to/model`
@@ -52,7 +53,7 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 ROOT = Path.cwd().parent if Path.cwd().name == "examples" else Path.cwd()  # the repository
 sys.path.insert(0, str(ROOT))
@@ -111,15 +112,15 @@ if pretrained is None:
     ("code", """\
 tokens = torch.tensor(tokenizer.encode(reference_manual_text()))
 train_set, val_set = split_windows(tokens, seq=min(128, pretrained.context))
+val_set = Subset(val_set, range(min(len(val_set), 20 * BATCH)))  # the same windows on 1 or 2 ranks
 train_loader = DataLoader(train_set, batch_size=BATCH, shuffle=True, drop_last=True)
 val_loader = DataLoader(val_set, batch_size=BATCH)
-VAL_BATCHES = 10
 
 quiet = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
              enable_progress_bar=False)
-before = pl.Trainer(devices=1, limit_val_batches=VAL_BATCHES, **quiet).validate(
-    pretrained, val_loader, verbose=False)[0]["val_loss"]
-print(f"{len(tokens):,} tokens of new text ({len(train_set)} training windows of {train_set.seq}); "
+before = pl.Trainer(devices=1, **quiet).validate(pretrained, val_loader, verbose=False)[0]["val_loss"]
+print(f"{len(tokens):,} tokens of new text ({len(train_set)} training windows of {train_set.seq}, "
+      f"{len(val_set)} held out); "
       f"validation loss before fine-tuning: {before:.3f}")
 
 PROMPTS = ["The ", "A class "]
@@ -173,9 +174,8 @@ def finetune(strategy, optimizer, lr):
     log_dir = Path(logger.log_dir)  # fixes the version here, before the ranks fork
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=FINETUNE_STEPS, logger=logger,
-        log_every_n_steps=1, val_check_interval=FINETUNE_STEPS // 2, check_val_every_n_epoch=None,
-        limit_val_batches=VAL_BATCHES, num_sanity_val_steps=0,
-        callbacks=[CommStats(), PrintProgress(every=FINETUNE_STEPS // 4)],
+        log_every_n_steps=1, val_check_interval=max(1, FINETUNE_STEPS // 2), check_val_every_n_epoch=None,
+        num_sanity_val_steps=0, callbacks=[CommStats(), PrintProgress(every=max(1, FINETUNE_STEPS // 4))],
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
     print(f"{strategy} with {optimizer}, lr {lr:g}")
     pl.seed_everything(0, verbose=False)  # the same data order in every run
@@ -188,7 +188,8 @@ def finetune(strategy, optimizer, lr):
     sent = [b for _, b in series("comm/bytes_per_step")]
     recorded = isinstance(trainer.strategy, lowbit_strategy.LowBitStrategy)  # plain DDP records no traffic
     return dict(model=model, seconds=seconds, train=series("train_loss"), val=series("val_loss"),
-                bytes_per_step=sum(sent) / len(sent) if recorded else ddp_bytes)
+                bytes_per_step=sum(sent) / len(sent) if recorded else ddp_bytes,
+                last_step_bytes=sent[-1] if recorded else ddp_bytes)
 
 
 gpt = not HF_MODEL  # a pretrained Hugging Face model wants smaller steps
@@ -205,8 +206,10 @@ REFERENCE = {"Lion Cub": "DDP + Lion", "BitDP 2-bit + AdamW": "DDP + AdamW"}""")
 
 Training loss as a running mean over 10 steps, validation loss as dots (the held-out text is
 the manual's last topics, which the model finds easier than the average training window, so
-the dots sit below the curves). DDP's fp32 ring allreduce sends `2 (P-1)/P · 4 · N` bytes per rank and step
-for `N` trainable parameters; the low-bit runs' bytes are what their collectives recorded."""),
+the dots sit below the curves). DDP's fp32 ring allreduce sends `2 (P-1)/P · 4 · N` bytes per
+rank and step for `N` trainable parameters; the low-bit runs' bytes are what their collectives
+recorded, averaged over every step (BitDP sends its first two steps in fp32, so its last step,
+as in the progress lines, sends less than its mean)."""),
     ("code", """\
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
@@ -241,13 +244,13 @@ right.invert_yaxis()
 fig.tight_layout()
 plt.show()
 
-table = ["| run | KiB sent per rank and step | less than DDP | final validation loss | against its reference | fit time |",
-         "|---|---:|---:|---:|---:|---:|"]
+table = ["| run | KiB sent per rank and step | less than DDP | last step | final validation loss "
+         "| against its reference | fit time |", "|---|---:|---:|---:|---:|---:|---:|"]
 for name, run in runs.items():
     ref = runs.get(REFERENCE.get(name))
     delta = f"{run['val'][-1][1] - ref['val'][-1][1]:+.3f}" if ref else "reference"
     table.append(f"| {name} | {run['bytes_per_step'] / 2**10:,.1f} | {ddp_bytes / run['bytes_per_step']:.1f}x "
-                 f"| {run['val'][-1][1]:.3f} | {delta} | {run['seconds']:.0f} s |")
+                 f"| {run['last_step_bytes'] / 2**10:,.1f} | {run['val'][-1][1]:.3f} | {delta} | {run['seconds']:.0f} s |")
 display(Markdown("\\n".join(table)))"""),
     ("md", """\
 ## 5. Samples before and after
@@ -276,14 +279,18 @@ def build() -> nbformat.NotebookNode:
     return nb
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = 1200, env: dict | None = None) -> nbformat.NotebookNode:
+def execute(nb: nbformat.NotebookNode, timeout: int = 1200, env: dict | None = None,
+            append_path: str | None = None) -> nbformat.NotebookNode:
     """Runs every cell in a fresh kernel started in ``examples/`` (as Jupyter would), with
-    ``env`` added to this process's environment."""
+    ``env`` added to this process's environment and ``append_path`` appended to the kernel's
+    ``sys.path`` (after its own packages, unlike ``PYTHONPATH``) before the first cell."""
     import os
 
     from nbclient import NotebookClient
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}})
+    extra = [f"--IPKernelApp.exec_lines=import sys; sys.path.append({append_path!r})"] if append_path else []
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}},
+                            extra_arguments=extra)
     client.execute(env={**os.environ, **(env or {})})
     return nb
 

@@ -25,6 +25,9 @@ from torch.utils.data import Dataset
 import lowbit_strategy
 
 OPTIMIZERS = ("lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant")
+#: the hyperparameters a fine-tuning run may change (the rest describe the model's shape)
+TRAINING_HPARAMS = ("optimizer", "lr", "weight_decay", "warmup", "total_steps", "freeze_step", "variance",
+                    "scale_decay")
 
 
 # ---- text -----------------------------------------------------------------------------
@@ -108,16 +111,18 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def with_hparams(self, **changes) -> "CausalLM":
-        """A deep copy with some hyperparameters changed (the optimizer, ``lr``, the schedule's
-        ``total_steps``, ...): how one pretrained model starts several fine-tuning runs."""
-        unknown = set(changes) - set(self.hparams)
+        """A deep copy with some training hyperparameters changed (:data:`TRAINING_HPARAMS`:
+        the optimizer, ``lr``, the schedule's ``total_steps``, ...): how one pretrained model
+        starts several fine-tuning runs. Loggers record the changed values."""
+        unknown = set(changes) - (set(TRAINING_HPARAMS) & set(self.hparams))
         if unknown:
-            raise ValueError(f"with_hparams: unknown hyperparameter(s) {sorted(unknown)}; "
-                             f"this model has {sorted(self.hparams)}")
+            raise ValueError(f"with_hparams: {sorted(unknown)} cannot be changed on a built model; "
+                             f"change one of {sorted(set(TRAINING_HPARAMS) & set(self.hparams))}")
         if "optimizer" in changes and changes["optimizer"] not in OPTIMIZERS:
             raise ValueError(f"with_hparams: optimizer={changes['optimizer']!r}; use one of {OPTIMIZERS}")
         twin = copy.deepcopy(self)
         twin.hparams.update(changes)
+        twin._hparams_initial = copy.deepcopy(twin._hparams)  # what loggers write (hparams.yaml)
         return twin
 
     @torch.no_grad()
@@ -190,4 +195,5 @@ class HFCausalLM(CausalLM):
         self.context = min(max_context, limit or max_context)
 
     def forward(self, ids):
-        return self.net(input_ids=ids).logits
+        return self.net(input_ids=ids, use_cache=False).logits  # no key/value cache: training, and
+        # generate() feeds the whole window each time

@@ -23,9 +23,10 @@ def test_committed_notebook_holds_the_builders_cells():
     nbformat.validate(committed)
 
 
-def _run(tmp_path, **env) -> list[nbformat.NotebookNode]:
+def _run(tmp_path, append_path=None, **env) -> list[nbformat.NotebookNode]:
     nb = build()
-    execute(nb, timeout=600, env={"LOWBIT_NOTEBOOK_QUICK": "1", "LOWBIT_NOTEBOOK_LOGS": str(tmp_path / "logs"), **env})
+    execute(nb, timeout=600, env={"LOWBIT_NOTEBOOK_QUICK": "1", "LOWBIT_NOTEBOOK_LOGS": str(tmp_path / "logs"), **env},
+            append_path=append_path)
     return [c for c in nb.cells if c.cell_type == "code"]
 
 
@@ -50,7 +51,7 @@ def _check_common(cells, tmp_path, bitdp_at_least: float) -> dict[str, list[str]
     before = float(re.search(r"validation loss before fine-tuning: ([0-9.]+)", "".join(map(_text, cells))).group(1))
     table = _table(cells)
     assert list(table) == RUNS
-    for name, (kib, less, val, against, seconds) in table.items():
+    for name, (kib, less, last, val, against, seconds) in table.items():
         assert math.isfinite(float(val)) and float(val) < before, (name, val, before)  # fine-tuning helped
         if name.startswith("DDP"):
             assert less == "1.0x" and against == "reference"
@@ -58,6 +59,9 @@ def _check_common(cells, tmp_path, bitdp_at_least: float) -> dict[str, list[str]
             assert abs(float(against)) < 0.1, (name, against)
     assert float(table["Lion Cub"][1].rstrip("x")) >= 3.9  # 8-bit lanes at least
     assert float(table["BitDP 2-bit + AdamW"][1].rstrip("x")) > bitdp_at_least
+    bitdp_mean, bitdp_last = (float(table["BitDP 2-bit + AdamW"][i].replace(",", "")) for i in (0, 2))
+    assert bitdp_last < bitdp_mean  # the first steps went in fp32 (BitDP's warm-up)
+    assert table["Lion Cub"][0] == table["Lion Cub"][2]  # Lion Cub compresses from the first step
     samples = _text(cells[-1])
     for name in RUNS:
         assert f"--- after {name}\n" in samples
@@ -84,7 +88,7 @@ def test_notebook_runs_offline_pretraining_its_own_gpt(tmp_path):
 def test_notebook_fine_tunes_a_local_hugging_face_model(tmp_path):
     overlay = use_transformers()  # the kernel imports transformers from there too
     model = write_tiny_gpt2(tmp_path / "tiny-gpt2")
-    cells = _run(tmp_path, LOWBIT_HF_MODEL=str(model), **({"PYTHONPATH": overlay} if overlay else {}))
+    cells = _run(tmp_path, append_path=overlay, LOWBIT_HF_MODEL=str(model))
     assert f"Hugging Face model from {model}" in _text(cells[1])
     assert _text(cells[2]) == ""  # no pretraining
     # 12k of the tiny model's 38k parameters are the (tied) embeddings, which BitDP keeps fp32

@@ -20,13 +20,16 @@ OVERLAY = Path(sys.prefix) / "hf-overlay"
 
 
 def use_transformers() -> str | None:
-    """Makes transformers importable here; returns the ``PYTHONPATH`` a child process needs
-    for it (None when it is installed in the environment itself)."""
+    """Makes transformers importable here; returns the path a child process must append to
+    its ``sys.path`` for it (None when it is installed in the environment itself). Skips the
+    test when neither has it."""
     if str(OVERLAY) not in sys.path and importlib.util.find_spec("transformers") is not None:
         return None
-    if not (OVERLAY / "transformers").is_dir():
-        raise RuntimeError(f"the Hugging Face tests need transformers: `make venv` installs it in {OVERLAY}, "
-                           'or pip install "lowbit-strategy[hf]"')
+    if not (OVERLAY / "transformers").is_dir():  # an environment not made by the Makefile (CI's is)
+        import pytest
+
+        pytest.skip(f"the Hugging Face tests need transformers: `make venv` installs it in {OVERLAY}, "
+                    'or pip install "lowbit-strategy[hf]"')
     if str(OVERLAY) not in sys.path:
         sys.path.append(str(OVERLAY))  # after the environment's own packages: theirs win
         importlib.invalidate_caches()
