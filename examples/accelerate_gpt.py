@@ -29,7 +29,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.gpt_lion import GPT, Windows, stdlib_bytes  # noqa: E402
+from examples.causal_lm import split_windows  # noqa: E402
+from examples.gpt_lion import GPT, stdlib_bytes  # noqa: E402
 from lowbit_strategy.accelerate import LowBitAccelerator  # noqa: E402
 
 #: the optimizer each algorithm drives (the example's choice for ``--optimizer auto``;
@@ -71,9 +72,9 @@ def main(argv=None) -> dict:
     cfg = accelerator.lowbit_config
     set_seed(args.seed)
     tokens = stdlib_bytes(int(args.data_mb * 2**20))
-    split = int(len(tokens) * 0.9)
-    train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch_size, shuffle=True, drop_last=True)
-    val = DataLoader(Windows(tokens[split:], args.seq), batch_size=args.batch_size)
+    train_set, val_set = split_windows(tokens, args.seq)  # the last 10 % held out
+    train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val = DataLoader(val_set, batch_size=args.batch_size)
     optimizer = OPTIMIZER_FOR.get(cfg.algorithm, "adamw") if args.optimizer == "auto" else args.optimizer
     lr = args.lr or (1e-3 if optimizer == "lion" else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=optimizer,

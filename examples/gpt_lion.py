@@ -34,7 +34,7 @@ import lowbit_strategy  # registers the lowbit_* strategies: must come before Tr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from callbacks import CommStats, MomentumSync  # noqa: E402
 from callbacks import ActivationCompression  # noqa: E402
-from examples.causal_lm import CausalLM, Windows  # noqa: E402,F401  (Windows: the other examples import it from here)
+from examples.causal_lm import CausalLM, Windows, split_windows  # noqa: E402,F401  (Windows: the others import it from here)
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -170,9 +170,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.devices)))
     pl.seed_everything(args.seed, verbose=False)
     tokens = stdlib_bytes(int(args.data_mb * 2**20))
-    split = int(len(tokens) * 0.9)
-    train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch_size, shuffle=True, drop_last=True)
-    val = DataLoader(Windows(tokens[split:], args.seq), batch_size=args.batch_size)
+    train_set, val_set = split_windows(tokens, args.seq)  # the last 10 % held out
+    train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val = DataLoader(val_set, batch_size=args.batch_size)
     steps = args.max_steps if args.max_steps > 0 else 2000
     lr = args.lr or (1e-3 if args.optimizer == "lion" else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=args.optimizer, total_steps=steps,
