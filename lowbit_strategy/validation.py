@@ -92,3 +92,17 @@ def as_patterns(name: str, value: Any) -> tuple[str, ...] | None:
         return tuple(v.strip() for v in value)
     raise ConfigError(name, value, "expected None or a non-empty list of parameter-name patterns (fnmatch), "
                                    "e.g. ['*.attn.*.weight']")
+
+
+def check_number(cls: str, name: str, value: Any, low: float, high: float | None = None,
+                 low_open: bool = False) -> float:
+    """``value`` as a float; ``ValueError`` naming ``cls`` and ``name`` unless it is a real
+    number (not a bool, not NaN) in ``[low, high)`` (``(low, high)`` with ``low_open``).
+    For constructor arguments of optimizers and layers (config fields use the converters
+    above, which raise :class:`ConfigError`)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'})"
+        raise ValueError(f"{cls}: {name} must be a number in {span}, got {value!r}")
+    return float(value)

@@ -53,6 +53,15 @@ def full_allreduce_start(
     return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
 
 
+def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
+    """DDP's own averaging of a gradient bucket, in place and bit for bit: its reducer scales
+    each gradient by 1/P (a multiply, not a divide: they differ in the last bit when P is not
+    a power of two) before the SUM allreduce, so fp16 does not overflow. The future resolves
+    to ``buf``."""
+    buf.mul_(1.0 / g.world_size(group))
+    return g.all_reduce_sum_async(buf, group, op, traffic)
+
+
 def compensated_allreduce_reference(
     inputs: list[torch.Tensor],
     worker_errors: list[torch.Tensor],

@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -253,14 +254,6 @@ class BitDPState:
         return self.plans[key]
 
 
-def _mean_allreduce(buf: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
-    """Full-precision mean of the whole bucket, bit-identical to DDP without a hook: its
-    reducer scales each gradient by 1/P (a multiply, not a divide: they differ in the last
-    bit when P is not a power of two) before the SUM allreduce, so fp16 does not overflow."""
-    buf.mul_(1.0 / g.world_size(group))
-    return g.all_reduce_sum_async(buf, group, op, traffic)
-
-
 def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook running BitDP (Algorithm 1) on one bucket; returns a future
     resolving to the bucket buffer overwritten with the mean gradient over ranks."""
@@ -274,9 +267,9 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     warmup = state.iter < state.start_iter
     state.maybe_increase_iter(bucket)
     if warmup:
-        return _mean_allreduce(buf, group, "bitdp.warmup.allreduce", traffic)
+        return mean_allreduce_async(buf, group, "bitdp.warmup.allreduce", traffic)
     if not plan.quantized:
-        return _mean_allreduce(buf, group, "bitdp.full.allreduce", traffic)
+        return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic)
     p = g.world_size(group)
     # Whether this rank's bucket holds NaN/Inf: a device-side flag, sent beside the scales,
     # so every rank decides from the gathered data alone (no blocking agreement here).

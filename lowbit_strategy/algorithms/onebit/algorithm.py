@@ -15,7 +15,9 @@ from __future__ import annotations
 from lowbit_strategy.algorithms.base import Algorithm
 from lowbit_strategy.algorithms.onebit.communicator import OneBitCommunicator
 from lowbit_strategy.algorithms.onebit.config import OneBitAdamConfig, OneBitLambConfig
-from lowbit_strategy.algorithms.onebit.optimizer import OneBitAdam, OneBitLamb, _OneBitOptimizer
+from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
+from lowbit_strategy.algorithms.onebit.lamb import OneBitLamb
+from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
 from lowbit_strategy.algorithms.staged import StagedSync, check_local_gradient_precision, rank0_state_without_errors
 
 

@@ -50,8 +50,8 @@ from typing import Iterable
 
 import torch
 
-from lowbit_strategy.algorithms.onebit import update as U
-from lowbit_strategy.algorithms.staged import StagedOptimizer, check_number
+from lowbit_strategy.algorithms.staged import StagedOptimizer, adam
+from lowbit_strategy.validation import check_number
 
 #: accepted values of ``variance``
 VARIANCES = ("synchronized", "local")
@@ -112,7 +112,7 @@ class TurboQuantAdamW(StagedOptimizer):
             step_m = m.masked_fill(v == 0, 0)
         else:
             step_m = m
-        U.adam_apply_(p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
+        adam.adam_apply_(p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
                       v_step=step)
 
     # ---- diagnostics (callbacks.DivergenceMonitor; divergence_tensors is the base class's) ----

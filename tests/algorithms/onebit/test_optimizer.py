@@ -127,7 +127,7 @@ def test_onebit_lamb_against_reference_lamb_both_stages():
 
 
 def test_ratio_clips_in_the_papers_order():
-    from lowbit_strategy.algorithms.onebit.update import clip_ratio
+    from lowbit_strategy.algorithms.onebit.lamb import clip_ratio
 
     last = torch.tensor(3.9)
     # rate clip first (3.9 * 1.1 = 4.29), then the hard bound 4.0

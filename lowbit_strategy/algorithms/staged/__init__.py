@@ -1,0 +1,32 @@
+"""Two-stage optimizers with a compressed momentum: the parts 1-bit Adam / 1-bit LAMB and
+TurboQuant-Adam share.
+
+Both papers train in two stages. **Warm-up**: the plain optimizer on gradients averaged in
+full precision (the DDP hook averages them exactly as DDP does). **Compression**: gradients
+stay local; each rank forms its momentum from its own gradient, ``m_i = β1·m + (1-β1)·g_i``,
+and a compressed collective returns the mean of the ``m_i`` (the same on every rank); the
+optimizer then applies its update. What differs is the collective (error-compensated
+1-bit signs; Hadamard + Lloyd–Max codes) and the update (frozen or live variance), which
+the subclasses and their communicators supply. Shared here, one module each:
+
+* :mod:`.optimizer` — :class:`StagedOptimizer`: the stage switch, the fixed bucket layout
+  of the fused momentum buffers, the overlap entry from the DDP hook
+  (:meth:`~StagedOptimizer.grads_ready`), the NaN/Inf rule (a step non-finite on any rank
+  is skipped on every rank, state untouched);
+* :mod:`.communicator` — :class:`BucketCommunicator`: one compressed collective per bucket,
+  started from the hook or at ``step()``, the defer-one rule, and rank-local per-bucket
+  state (error buffers, scales) committed only when the step is applied;
+* :mod:`.sync` — :class:`StagedSync`: the algorithm-interface side (the hook: mean
+  allreduce during warm-up, local gradients + overlap afterwards; attach; per-rank
+  checkpoints);
+* :mod:`.adam` — Adam's per-parameter arithmetic (``torch.optim.AdamW`` bit for bit, and
+  the update with a given variance), which both families use.
+
+Everything reads ``group["lr"]`` at every step, so LR schedulers work.
+"""
+from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Job, Key
+from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
+from lowbit_strategy.algorithms.staged.sync import StagedSync, check_local_gradient_precision, rank0_state_without_errors
+
+__all__ = ["BucketCommunicator", "Job", "Key", "StagedOptimizer", "StagedSync", "check_local_gradient_precision",
+           "rank0_state_without_errors"]

@@ -1,0 +1,34 @@
+"""Adam's per-parameter arithmetic, shared by every staged optimizer (1-bit Adam / LAMB and
+TurboQuant-Adam): the warm-up stage and every update with a given variance.
+
+Pure tensor functions: no process group, no optimizer state dict. The optimizers call them
+the same way whether the momentum came from a compressed collective, from the DDP hook's
+averaged gradient or from a single process, and the tests call them to build references.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
+           beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    """One ``torch.optim.AdamW`` step on ``p`` (decoupled weight decay, bias correction), with
+    the same operations in the same order as torch's single-tensor implementation, so the
+    warm-up stage equals DDP + AdamW bit for bit."""
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    adam_apply_(p, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, v_step=step)
+
+
+def adam_apply_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                eps: float, step: int, v_step: int) -> None:
+    """``p -= lr · m̂ / (sqrt(v̂) + eps)`` with m̂ = m / (1 - β1^step) and v̂ = v / (1 - β2^v_step).
+
+    In 1-bit Adam's compression stage ``v`` is the variance frozen at ``v_step =
+    freeze_step`` ("1-bit Adam", Tang et al., arXiv:2102.02888, Algorithm 1: the frozen
+    variance preconditions momentum SGD), so its bias correction stays the one it had when
+    it was frozen, and the first compressed step continues the warm-up's arithmetic without
+    a jump. TurboQuant-Adam passes its live variance with ``v_step = step``."""
+    denom = (v.sqrt() / (1 - beta2 ** v_step) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** step)))

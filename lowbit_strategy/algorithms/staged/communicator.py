@@ -1,0 +1,148 @@
+"""The staged optimizers' communicator: one compressed collective per bucket of the
+optimizer's fixed layout, started from the DDP hook or at ``step()``, with rank-local
+per-bucket state committed only when a step is applied (:mod:`lowbit_strategy.algorithms.staged`)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lowbit_strategy import buckets
+from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives import wire
+
+logger = logging.getLogger(__name__)
+
+#: a bucket of the optimizer's layout: the indices of its parameters in ``param_groups`` order
+Key = tuple[int, ...]
+
+
+@dataclass
+class Job:
+    """One bucket's collective in flight."""
+
+    key: Key
+    like: list               # the momenta sent (shapes and dtypes of the results)
+    state: tuple             # this step's rank-local state of the bucket, committed on success
+    handle: object           # .gather() -> .wait() -> the flat mean
+
+
+class BucketCommunicator:
+    """Process group + per-bucket rank-local state: the mean over ranks of each bucket's
+    momenta through a compressed collective (subclasses: :meth:`_start_bucket`,
+    :meth:`_non_finite`).
+
+    Two ways in, with the same result bit for bit: :meth:`launch` from the DDP hook, one
+    bucket at a time as backward makes its gradients ready, then :meth:`collect` in
+    ``step()``; or :meth:`synchronize` in ``step()``. Buckets are the optimizer's own fixed
+    layout (not DDP's, which DDP rebuilds after its first iteration): a compressed result
+    depends on which elements share a scale, so a fixed layout keeps overlap on and off,
+    and a resumed run, bit for bit the same. A step's new state is only committed
+    (:meth:`commit`) once the optimizer applies the step; a skipped step keeps the old one
+    (:meth:`discard`).
+    """
+
+    #: name used in log messages
+    label = "compressed"
+
+    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False):
+        self.group = group
+        self.world_size = g.world_size(group)
+        #: elements per bucket of the optimizer's fixed layout
+        self.bucket_numel = buckets.bucket_numel(bucket_size_mb)
+        self.debug = debug
+        self.traffic = wire.TrafficLog()
+        #: per bucket: the committed rank-local state (a tuple of tensors)
+        self.errors: dict[Key, tuple] = {}
+        self._inflight: dict[Key, Job] = {}
+        self._finished: list[Job] = []
+
+    # ---- subclass hooks ----------------------------------------------------------------
+    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, object]:
+        """Start the collective of one bucket's flat float32 momenta (``flat`` may be used as
+        the output buffer). ``saved``: the bucket's committed state, or None (a new bucket):
+        returns ``(this step's state, handle)``; never modify ``saved`` in place."""
+        raise NotImplementedError
+
+    def _non_finite(self, job: Job) -> bool:
+        """After the wait: whether any rank's input to this bucket was non-finite (the same
+        verdict on every rank)."""
+        raise NotImplementedError
+
+    # ---- one bucket ----------------------------------------------------------------
+    def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
+        flat = buckets.flatten([m.float() for m in momenta])
+        saved = self.errors.get(key)
+        if saved is not None and (saved[0].numel() != flat.numel() or saved[0].device != flat.device):
+            saved = None
+        if saved is None and self.errors:
+            logger.info("lowbit: %s bucket %s is new (bucket layout changed); its state starts afresh", self.label,
+                        key[:4] + ((...,) if len(key) > 4 else ()))
+        state, handle = self._start_bucket(key, flat, saved)
+        return Job(key, list(momenta), state, handle)
+
+    def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], bool]:
+        pending = [job.handle.gather() for job in jobs]  # second phases launched first, in order
+        results, bad = [], False
+        for job, handle in zip(jobs, pending):
+            flat = handle.wait()
+            bad = bad or self._non_finite(job)
+            results.append(buckets.unflatten(flat.view(-1), job.like))
+        self._finished.extend(jobs)
+        return results, bad
+
+    # ---- overlapped with backward --------------------------------------------------
+    def launch(self, key: Key, momenta: Sequence[torch.Tensor]) -> None:
+        """Start one bucket's collective (from the communication hook)."""
+        stale = self._inflight.pop(key, None)
+        if stale is not None:  # a second backward before step(): its result is superseded
+            self._finish([stale])
+            self._finished.remove(stale)
+        # Defer-one rule: start the second phase of the buckets launched before this one, in
+        # launch order (the same on every rank), so it overlaps the rest of backward.
+        for job in self._inflight.values():
+            job.handle.gather()
+        self._inflight[key] = self._start(key, momenta)
+
+    def pending(self) -> bool:
+        return bool(self._inflight)
+
+    def collect(self) -> tuple[dict[Key, list[torch.Tensor]], bool]:
+        """Finish every launched bucket: ``({key: mean momenta}, any rank non-finite)``."""
+        jobs, self._inflight = list(self._inflight.values()), {}
+        results, bad = self._finish(jobs)
+        return {job.key: r for job, r in zip(jobs, results)}, bad
+
+    # ---- at step time ----------------------------------------------------------------
+    def synchronize(self, jobs: Sequence[tuple[Key, Sequence[torch.Tensor]]]) -> tuple[list[list[torch.Tensor]], bool]:
+        """Mean momenta of each ``(key, momenta)`` bucket, in the order given:
+        ``(results per bucket, any rank non-finite)``."""
+        return self._finish([self._start(key, momenta) for key, momenta in jobs])
+
+    def commit(self) -> None:
+        """The step was applied: this step's per-bucket state becomes the state."""
+        for job in self._finished:
+            self.errors[job.key] = job.state
+        self._finished = []
+
+    def discard(self) -> None:
+        """The step was skipped: keep the previous state."""
+        self._finished = []
+
+    # ---- rank-local state --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"world_size": self.world_size,
+                "errors": {",".join(map(str, k)): tuple(t.detach().cpu().clone() for t in v)
+                           for k, v in self.errors.items()}}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        if state.get("world_size", self.world_size) != self.world_size:
+            logger.warning("lowbit: %s state was saved at world size %s, running %d: it starts afresh",
+                           self.label, state.get("world_size"), self.world_size)
+            self.errors = {}
+            return
+        self.errors = {tuple(int(i) for i in k.split(",")): tuple(t.to(device) for t in v)
+                       for k, v in state.get("errors", {}).items()}
+

@@ -1,0 +1,219 @@
+"""The staged optimizers' base class: warm-up, then compressed momenta (the stage switch,
+the fixed bucket layout, the overlap entry from the DDP hook, the NaN/Inf rule;
+:mod:`lowbit_strategy.algorithms.staged`)."""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from lowbit_strategy import buckets
+from lowbit_strategy.algorithms.staged import adam
+from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Key
+from lowbit_strategy.validation import check_number
+
+
+class StagedOptimizer(Optimizer):
+    """Warm-up, then compressed momenta: the stage switch, the communicator wiring and the
+    safety rules. Subclasses supply :meth:`_warmup` and :meth:`_compressed` (per-parameter
+    arithmetic) and may override :meth:`_local_momentum` and :meth:`_end_warmup`.
+
+    ``warmup``: steps of the first stage (``warmup_name`` is how the subclass calls it in
+    its signature and errors); ``step_key``: the ``param_groups`` entry counting applied
+    steps (it travels in the optimizer's state dict).
+    """
+
+    def __init__(self, params: Iterable, defaults: dict, warmup: int, warmup_name: str, step_key: str,
+                 min_warmup: int = 1):
+        name = type(self).__name__
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < min_warmup:
+            raise ValueError(f"{name}: {warmup_name} must be an int >= {min_warmup} (full-precision steps before "
+                             f"compression), got {warmup!r}")
+        betas = defaults["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        check_number(name, "lr", defaults["lr"], 0.0)
+        check_number(name, "betas[0]", betas[0], 0.0, 1.0)
+        check_number(name, "betas[1]", betas[1], 0.0, 1.0)
+        check_number(name, "eps", defaults["eps"], 0.0, low_open=True)
+        check_number(name, "weight_decay", defaults["weight_decay"], 0.0)
+        super().__init__(params, {**defaults, "betas": tuple(betas)})
+        self._warmup_steps = warmup
+        self._step_key = step_key
+        self.skipped_steps = 0
+        self.attach_communicator(None)
+
+    # ---- stage ---------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones not counted)."""
+        return max((grp.get(self._step_key, 0) for grp in self.param_groups), default=0)
+
+    @property
+    def stage(self) -> str:
+        """``"warmup"`` or ``"compression"``: the stage of the *next* step."""
+        return "warmup" if self.global_step < self._warmup_steps else "compression"
+
+    def attach_communicator(self, communicator: Optional[BucketCommunicator]) -> None:
+        """Make this optimizer distributed (or single-process again with None)."""
+        self.communicator = communicator
+        self._layout = None
+        self._ready: set[int] = set()
+        self._launched: set[Key] = set()
+
+    @property
+    def _distributed(self) -> bool:
+        return self.communicator is not None and self.communicator.world_size > 1
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for grp in self.param_groups for p in grp["params"]]
+
+    def _group_of(self) -> dict[int, dict]:
+        return {id(p): grp for grp in self.param_groups for p in grp["params"]}
+
+    def layout(self) -> list[Key]:
+        """The fused momentum buffers: parameter indices (in ``param_groups`` order), last
+        parameter first — the order backward produces gradients — cut into buckets of the
+        config's ``bucket_size_mb``. Fixed for the optimizer's life, on every rank: each
+        bucket's compressed result depends on which elements share its scale."""
+        if self._layout is None:
+            # (parameter, its group) by index and index by id: built once, read by every hook call
+            self._slots = [(p, grp) for grp in self.param_groups for p in grp["params"]]
+            self._index_of = {id(p): i for i, (p, _) in enumerate(self._slots)}
+            order = [i for i in reversed(range(len(self._slots))) if self._slots[i][0].requires_grad
+                     and self._slots[i][0].numel()]
+            numels = [self._slots[i][0].numel() for i in order]
+            self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)]
+        return self._layout
+
+    # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
+    @torch.no_grad()
+    def grads_ready(self, params: list) -> None:
+        """Some parameters' local gradients are final (called from the communication hook
+        during backward): start the collective of every layout bucket whose gradients are
+        now all ready (DDP calls the hook in the same order on every rank, so every rank
+        starts the same buckets in the same order); :meth:`step` finishes them and
+        synchronizes the rest."""
+        layout = self.layout()
+        now = {self._index_of[id(p)] for p in params if id(p) in self._index_of}
+        if now & self._ready:  # a second backward before step(): its gradients supersede the first's
+            self._ready, self._launched = set(), set()
+        self._ready |= now
+        for key in layout:  # layout order: the same on every rank
+            if key not in self._launched and all(i in self._ready for i in key):
+                self._launched.add(key)
+                self.communicator.launch(key, self._momenta(key))
+
+    def _momenta(self, key: Key) -> list[torch.Tensor]:
+        out = []
+        for i in key:
+            p, group = self._slots[i]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
+            out.append(self._local_momentum(group, p, grad))
+        return out
+
+    def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """β1·m + (1-β1)·g_i for this rank's gradient, in a new tensor."""
+        return self._state(p)["exp_avg"].lerp(grad.view_as(p), 1 - group["betas"][0])
+
+    # ---- step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self.global_step + 1
+        applied = self._warmup_step(step) if step <= self._warmup_steps else self._compressed_step(step)
+        if applied:
+            for group in self.param_groups:
+                group[self._step_key] = step
+            if step == self._warmup_steps:
+                self._end_warmup()
+        return loss
+
+    def _skip(self) -> bool:
+        self.skipped_steps += 1
+        warnings.warn(f"{type(self).__name__}: non-finite gradient (NaN/Inf) on at least one rank; step skipped on "
+                      "every rank, weights, moments and error buffers unchanged", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _check_dense(self, params) -> None:
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use dense embeddings")
+
+    def _warmup_step(self, step: int) -> bool:
+        """The plain optimizer on the (hook-averaged, hence identical) gradients; parameters
+        without a gradient are skipped, as torch's optimizers do."""
+        active = [(grp, p) for grp in self.param_groups for p in grp["params"] if p.grad is not None]
+        self._check_dense(p for _, p in active)
+        if active and bool(torch.stack([~torch.isfinite(p.grad).all() for _, p in active]).any()):
+            return self._skip()
+        for grp, p in active:
+            self._warmup(grp, p, p.grad, step)
+        return bool(active)
+
+    def _compressed_step(self, step: int) -> bool:
+        """The compression stage for every parameter of the layout: its mean momentum
+        through the communicator (a parameter without a gradient counts as a zero gradient:
+        the fused buffer always holds every parameter), then the update. One process: the
+        exact momentum (nothing to send)."""
+        params, group_of = self._params(), self._group_of()
+        self._check_dense(params)
+        if not self._distributed:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
+                return self._skip()
+            means = {i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params)
+                     if p.grad is not None}
+        else:
+            comm = self.communicator
+            layout = self.layout()
+            by_key, bad = comm.collect() if comm.pending() else ({}, False)
+            rest = [key for key in layout if key not in by_key]
+            results, bad_rest = comm.synchronize([(key, self._momenta(key)) for key in rest])
+            by_key.update(zip(rest, results))
+            self._ready, self._launched = set(), set()
+            if bad or bad_rest:
+                comm.discard()
+                return self._skip()
+            comm.commit()
+            means = {i: m for key, ms in by_key.items() for i, m in zip(key, ms)}
+        for i, mean in means.items():
+            self._compressed(group_of[id(params[i])], params[i], mean, step)
+        return bool(means)
+
+    # ---- per-parameter arithmetic (subclasses) ---------------------------------------------
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _warmup(self, group: dict, p: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """One warm-up step: ``torch.optim.AdamW`` bit for bit (1-bit LAMB overrides it with LAMB)."""
+        state = self._state(p)
+        beta1, beta2 = group["betas"]
+        adam.adamw_(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                 eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+
+    def _compressed(self, group: dict, p: torch.Tensor, mean: torch.Tensor, step: int) -> None:
+        raise NotImplementedError
+
+    def _end_warmup(self) -> None:
+        """Called once, at the end of the last warm-up step."""
+
+    # ---- diagnostics (callbacks.DivergenceMonitor) -------------------------------------------
+    def divergence_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, tensor)`` pairs whose spread across ranks shows how far the ranks' views
+        differ: in the compression stage the local part of the momentum each rank sends,
+        (1-β1)·g_i (the β1·m part is the same everywhere); nothing during warm-up, when
+        gradients are averaged before the step."""
+        if self.global_step <= self._warmup_steps:
+            return []
+        return [(p, p.grad * (1 - grp["betas"][0])) for grp in self.param_groups for p in grp["params"]
+                if p.grad is not None and p.numel()]

@@ -1,0 +1,123 @@
+"""The staged optimizers behind the algorithm interface: one :class:`~lowbit_strategy.algorithms.base.Sync`
+for every :class:`~lowbit_strategy.algorithms.staged.optimizer.StagedOptimizer`
+(:mod:`lowbit_strategy.algorithms.staged`)."""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
+from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
+from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.reference import mean_allreduce_async
+from lowbit_strategy.rank_state import to_cpu
+
+logger = logging.getLogger(__name__)
+
+
+class StagedSync(Sync):
+    """One optimizer-level :class:`~.base.Sync` for every :class:`StagedOptimizer`.
+
+    The DDP hook does what the optimizer's stage needs: during warm-up it averages the bucket
+    in full precision exactly as DDP does; in the compression stage it keeps the gradients
+    local and, with ``overlap``, tells the optimizer which gradients are ready, so the
+    optimizer starts the collective of every complete bucket of its own layout while
+    backward goes on. Rank-local state in checkpoints: each optimizer's ``state`` and its
+    communicator's per-bucket state. Subclasses set :attr:`optimizer_class`,
+    :attr:`algorithm_name` and implement :meth:`make_communicator`.
+    """
+
+    level = "optimizer"
+    #: the optimizer class this algorithm drives
+    optimizer_class: type = StagedOptimizer
+    algorithm_name = ""
+    #: how the optimizer's arguments are described in the wrong-optimizer error
+    arguments_hint = ""
+
+    def __init__(self, config, module: torch.nn.Module, group=None):
+        super().__init__(config, group)
+        self.section = getattr(config, self.algorithm_name)
+        self.overlap = self.section.overlap
+        self.optimizers: list[StagedOptimizer] = []
+        self._owner: dict[int, StagedOptimizer] = {}
+        self._hook_traffic = wire.TrafficLog()
+
+    def make_communicator(self, optimizer: StagedOptimizer) -> BucketCommunicator:
+        raise NotImplementedError
+
+    def bucket_ready(self, bucket):
+        params = bucket.parameters()
+        owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
+        if any(opt.stage == "warmup" for opt in owners) or not owners:
+            return mean_allreduce_async(bucket.buffer(), self.group, "staged.warmup.allreduce", self._hook_traffic)
+        if self.overlap:
+            for opt in owners:  # the same order on every rank
+                if opt._distributed:
+                    opt.grads_ready([p for p in params if self._owner.get(id(p)) is opt])
+        return super().bucket_ready(bucket)
+
+    def disable_overlap(self, reason: str) -> None:
+        if self.overlap:
+            logger.info("lowbit: %s synchronizes momenta in optimizer.step(), not during backward: %s "
+                        "(during warm-up gradients are averaged during backward either way)",
+                        self.optimizer_class.__name__, reason)
+        self.overlap = False
+
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
+        cls = self.optimizer_class
+        for opt in optimizers:
+            if type(opt) is not cls:
+                raise LowBitSetupError(
+                    f"{who or f'LowBitConfig(algorithm={self.algorithm_name})'} drives lowbit_strategy.{cls.__name__}, "
+                    f"but got {type(opt).__module__}.{type(opt).__name__}. Use lowbit_strategy.{cls.__name__}(...)"
+                    f"{self.arguments_hint}, or plain DDP / algorithm='bitdp' for other optimizers."
+                )
+        self.optimizers = list(optimizers)
+        self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
+        for opt in self.optimizers:
+            opt.attach_communicator(self.make_communicator(opt))
+
+    def detach(self) -> None:
+        self._owner = {}
+        for opt in self.optimizers:
+            opt.attach_communicator(None)
+
+    def traffic_logs(self) -> list[wire.TrafficLog]:
+        return [self._hook_traffic] + [opt.communicator.traffic for opt in self.optimizers
+                                       if opt.communicator is not None]
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [{"state": to_cpu(opt.state_dict()["state"]),
+                                "errors": opt.communicator.state_dict() if opt.communicator else {}}
+                               for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("optimizers", [])
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"{self.optimizer_class.__name__} state holds {len(saved)} optimizers, the run has "
+                             f"{len(self.optimizers)}")
+        for opt, own in zip(self.optimizers, saved):
+            opt.load_state_dict({**opt.state_dict(), "state": own["state"]})
+            if opt.communicator is not None:
+                device = next((p.device for grp in opt.param_groups for p in grp["params"]), "cpu")
+                opt.communicator.load_state_dict(own.get("errors") or {}, device)
+
+
+def check_local_gradient_precision(precision: Optional[str]) -> None:
+    """Refuse ``16-mixed``: in the compression stage gradients stay local, so each rank's
+    GradScaler could skip a different step and the ranks would hang."""
+    if precision == "16-mixed":
+        raise LowBitSetupError(
+            "Optimizers that keep gradients local (1-bit Adam/LAMB, TurboQuantAdamW) do not support "
+            "precision='16-mixed': each rank's GradScaler could skip a different step and the ranks would hang. "
+            "Use precision='bf16-mixed' or '32-true' (the optimizers skip non-finite steps on all ranks together)."
+        )
+
+
+def rank0_state_without_errors(states: list[dict]) -> dict:
+    """Another world size: the optimizer state of rank 0 and no per-bucket communicator state
+    (it describes chunks of the old world size; error feedback restarts from 0)."""
+    return {"optimizers": [{"state": own["state"], "errors": {}} for own in states[0]["optimizers"]]}
