@@ -43,7 +43,7 @@ Choices (the paper's formulas for these steps did not survive; documented here):
 
 ``backend``:
 
-* ``"torch"``: this module's torch code, on any device.
+* ``"torch"``: torch operations (:mod:`.turboquant_torch`), on any device.
 * ``"triton"``: fused encode and decode kernels (:mod:`.turboquant_triton`; one pass over
   memory each way instead of ~15), bit-exact against ``"torch"`` (same code bytes, same
   decoded bits); the tail past the last full block, and blocks above 8192 elements, run the
@@ -57,13 +57,13 @@ encoded by one decodes identically by the other).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from lowbit_strategy.codecs.bits import pack, unpack
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _blocked_fwht, check_block, hadamard_signs
+from lowbit_strategy.codecs import turboquant_torch
+from lowbit_strategy.codecs.bits import unpack
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, check_block, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook
 
 #: accepted values of ``backend``
@@ -206,37 +206,7 @@ class TurboQuantCodec:
     def _groups(self, n: int) -> int:
         return -(-n // self.block)
 
-    def _apply_scales(self, v: torch.Tensor, scales: torch.Tensor, op) -> torch.Tensor:
-        """``op(v_group, scale_group)`` in place on every scale group of flat ``v``."""
-        n, b = v.numel(), self.block
-        if scales.numel() == 1:
-            op(v, scales.view(()))
-            return v
-        q = n // b
-        if q:
-            op(v[: q * b].view(q, b), scales[:q].view(q, 1))
-        if n > q * b:
-            op(v[q * b :], scales[q])
-        return v
 
-    def _rms(self, y: torch.Tensor) -> torch.Tensor:
-        """Per-group RMS of flat float32 ``y`` (see "RMS order" in the module docstring):
-        full groups by the adjacent-pair tree that the Triton kernel reproduces exactly."""
-        n, b = y.numel(), self.block
-        q = n // b
-        parts = []
-        if q:
-            sq = y[: q * b].view(q, b) * y[: q * b].view(q, b)
-            while sq.shape[1] > 1:
-                pairs = sq.view(q, -1, 2)
-                sq = pairs[:, :, 0] + pairs[:, :, 1]
-            # the square root in float64, rounded once to float32: the correctly rounded
-            # float32 square root (torch's float32 sqrt on CPU is not always), which is what
-            # the kernel's IEEE sqrt gives
-            parts.append(sq.view(q).mul_(1.0 / b).double().sqrt_().float())
-        if n > q * b:
-            parts.append((torch.linalg.vector_norm(y[q * b :]) / math.sqrt(n - q * b)).view(1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _check_scale(self, scale, n: int, device: torch.device) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
@@ -251,20 +221,6 @@ class TurboQuantCodec:
             )
         return s.clone()
 
-    def _level_index(self, z: torch.Tensor) -> torch.Tensor:
-        """uint8 index of the nearest level: the number of midpoints strictly below ``z``
-        (``torch.bucketize(z, midpoints, right=False)``). Up to 15 midpoints (4 bits) as
-        one comparison pass per midpoint, which on CPU is a few times faster than
-        bucketize's binary search; wider codebooks use bucketize. Same codes either way."""
-        _, mids = self._tables(z.device)
-        if self.bits <= 4:
-            acc = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
-            above = torch.empty(z.shape, dtype=torch.bool, device=z.device)
-            for k in range(mids.numel()):
-                torch.gt(z, mids[k], out=above)
-                acc.add_(above)
-            return acc
-        return torch.bucketize(z, mids, out_int32=True).to(torch.uint8)
 
     def _use_triton(self, device: torch.device) -> bool:
         """Whether this call runs the Triton kernels (see ``backend`` in the module docstring)."""
@@ -292,28 +248,16 @@ class TurboQuantCodec:
             s = self._sign_bits[key] = (bits, cpu[m:].to(device))
         return s
 
+
+
     def _encode_torch(self, v: torch.Tensor, signs, scale, *, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes (packed) and scales of flat float32 ``v`` (whole tensor, or the part after
-        the fused blocks: it starts on a group boundary and a code byte). ``signs``: float
-        ±1 for ``v`` (``None``: no rotation); ``scale``: ``None`` (RMS) or checked scales
-        for ``v``'s groups (1 value: shared). ``v`` is not modified unless ``owned``."""
-        if signs is not None:
-            y = _blocked_fwht(v * signs, self.block)
-        else:
-            y = v if owned else v.clone()
-        scales = self._rms(y) if scale is None else scale
-        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-        self._apply_scales(y, safe, torch.Tensor.div_)
-        return pack(self._level_index(y), self.lane_bits, validate=False), scales
+        """:func:`.turboquant_torch.encode` with this codec's settings."""
+        return turboquant_torch.encode(v, signs, scale, block=self.block, midpoints=self._tables(v.device)[1],
+                                       bits=self.bits, lane_bits=self.lane_bits, owned=owned)
 
     def _decode_torch(self, idx: torch.Tensor, scales: torch.Tensor, signs) -> torch.Tensor:
-        """Flat float32 values of unpacked codes ``idx`` (starting on a group boundary)."""
-        levels, _ = self._tables(idx.device)
-        y = levels.index_select(0, idx.to(torch.int32))
-        self._apply_scales(y, scales, torch.Tensor.mul_)
-        if signs is not None:
-            y = _blocked_fwht(y, self.block).mul_(signs)
-        return y
+        """:func:`.turboquant_torch.decode` with this codec's settings."""
+        return turboquant_torch.decode(idx, scales, signs, block=self.block, levels=self._tables(idx.device)[0])
 
     # -- API -------------------------------------------------------------------------------
 

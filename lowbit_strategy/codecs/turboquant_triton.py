@@ -40,7 +40,7 @@ cannot reproduce. So the codec's RMS of a full block is defined by an explicit o
 both backends compute: square every element, then a pairwise tree over adjacent elements
 (``s[i] = s[2i] + s[2i + 1]``, ``log2(block)`` levels), then ``sqrt(sum · (1/block))``
 (``1/block`` is a power of two: exact) correctly rounded to float32. The torch backend
-computes the same tree with strided views (:meth:`.turboquant.TurboQuantCodec._rms`) and
+computes the same tree with strided views (:func:`.turboquant_torch.group_rms`) and
 takes the square root in float64, rounded once to float32 — torch's float32 ``sqrt`` on CPU
 is sometimes one ulp off, and a float64 square root (even one ulp off) of a float32 value,
 rounded to float32, is the correctly rounded result; the kernel uses ``sqrt_rn``. The

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
-from lowbit_strategy.codecs import turboquant as tq_module
+from lowbit_strategy.codecs.hadamard import _blocked_fwht
 
 
 def _import_interpreted():
@@ -153,7 +153,7 @@ def test_rms_rule_is_the_documented_tree():
     _, fused = both(4, block)
     x = sample(3 * block, torch.float32, seed=4)
     got = fused.encode(x).scales
-    y = tq_module._blocked_fwht(x * fused.signs(x.numel(), x.device), block)
+    y = _blocked_fwht(x * fused.signs(x.numel(), x.device), block)
     for b in range(3):
         level = [v * v for v in y[b * block : (b + 1) * block].tolist()]
         level = torch.tensor(level, dtype=torch.float32)
