@@ -252,22 +252,7 @@ def compensated_allreduce_start(
     allreduces in the same order.
     """
     p = g.world_size(group)
-    try:
-        _validate(x, worker_error, server_error, out, p, block)
-    except (TypeError, ValueError) as e:
-        if not check:
-            raise
-        problem = e
-    else:
-        problem = None
-    if check:  # every rank learns about a bad rank or a length mismatch, and all raise
-        try:
-            mine = x if isinstance(x, torch.Tensor) else torch.empty(0)
-            g.check_consistent(mine, group, _WHAT, None if problem is None else str(problem), traffic)
-        except ValueError:
-            if problem is not None:
-                raise problem from None
-            raise
+    g.validated(lambda: _validate(x, worker_error, server_error, out, p, block), x, group, _WHAT, check, traffic)
     rank = g.rank(group)
     c = chunk_bytes(x.numel(), p)
     # worker (Algorithm 1, line 7), padded to P chunks of c bytes

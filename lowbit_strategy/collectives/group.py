@@ -183,3 +183,26 @@ def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = No
             f"{what}: ranks passed tensors of different lengths {lengths} (index = rank); "
             "every rank must synchronize the same number of elements"
         )
+
+
+def validated(validate, x, group, what: str, check: bool, traffic=None) -> None:
+    """Run ``validate()`` (argument checks that raise ``TypeError``/``ValueError``). Without
+    ``check`` its error propagates on this rank alone; with ``check`` every rank learns about
+    a bad rank or a length mismatch (:func:`check_consistent`: one small all-gather) and all
+    of them raise together, this rank's own error first."""
+    try:
+        validate()
+    except (TypeError, ValueError) as e:
+        if not check:
+            raise
+        problem: Exception | None = e
+    else:
+        problem = None
+    if check:
+        try:
+            mine = x if isinstance(x, torch.Tensor) else torch.empty(0)
+            check_consistent(mine, group, what, None if problem is None else str(problem), traffic)
+        except ValueError:
+            if problem is not None:
+                raise problem from None
+            raise
