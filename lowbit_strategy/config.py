@@ -21,68 +21,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
+from lowbit_strategy.algorithms import REGISTRY
+from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
 
 __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
-
-#: Fields every algorithm shares, with their defaults.
-SHARED_FIELDS: dict[str, Any] = {
-    "algorithm": "lion",
-    "bucket_size_mb": 25.0,
-    "warmup_steps": 0,
-    "link_bandwidth_gbps": 1.0,
-    "link_latency_us": 50.0,
-    "debug": False,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """Base of an algorithm's config section (a frozen dataclass).
-
-    Subclasses set :attr:`name` (the algorithm's name, also the key of the section in
-    YAML, keyword arguments and ``LOWBIT_<NAME>_<FIELD>``) and validate in
-    ``__post_init__`` with :meth:`_set` and the converters of :mod:`lowbit_strategy.validation`,
-    naming fields through :meth:`field_name` so errors read ``LowBitConfig.<name>.<field>``.
-    """
-
-    name: ClassVar[str] = ""
-
-    @classmethod
-    def field_name(cls, field: str) -> str:
-        return f"{cls.name}.{field}"
-
-    @classmethod
-    def fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Section":
-        if isinstance(values, cls):
-            return values
-        if not isinstance(values, Mapping):
-            raise ConfigError(cls.name, values, f"expected a mapping of {cls.name} fields: {', '.join(cls.fields())}")
-        for key in values:
-            if key not in cls.fields():
-                raise ConfigError(cls.field_name(str(key)), values[key],
-                                  f"unknown field{suggestion(key, cls.fields())}; fields are: {', '.join(cls.fields())}")
-        return cls(**dict(values))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def _set(self, field: str, value: Any) -> None:
-        object.__setattr__(self, field, value)  # frozen: only __post_init__ writes
-
-
-def _registry():
-    # Imported late: the algorithm packages import this module for Section.
-    from lowbit_strategy import algorithms
-
-    return algorithms.REGISTRY
-
 
 class LowBitConfig:
     """Every knob of the low-bit algorithms, validated once, immutable afterwards.
@@ -109,7 +54,7 @@ class LowBitConfig:
     def __init__(self, algorithm: str = "lion", bucket_size_mb: float = 25.0, warmup_steps: int = 0,
                  link_bandwidth_gbps: float = 1.0, link_latency_us: float = 50.0, debug: bool = False,
                  **sections: Any) -> None:
-        registry = _registry()
+        registry = REGISTRY
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (immutable)
         set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
         set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True))
@@ -188,7 +133,7 @@ class LowBitConfig:
     def known_keys(cls, algorithm: str | None = None) -> tuple[str, ...]:
         """Every keyword :class:`LowBitConfig` accepts (shorthands for ``algorithm``'s section
         when given, else for every section)."""
-        registry = _registry()
+        registry = REGISTRY
         keys = list(SHARED_FIELDS) + list(registry)
         for name, algo in registry.items():
             keys += [f"{name}_{f}" for f in algo.section.fields()]

@@ -8,7 +8,7 @@ optimizer and/or hook, selection and ``ALGORITHM`` entry, and one line below.
 from __future__ import annotations
 
 from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
-from lowbit_strategy.config import SHARED_FIELDS
+from lowbit_strategy.section import SHARED_FIELDS
 
 REGISTRY: dict[str, Algorithm] = {}
 

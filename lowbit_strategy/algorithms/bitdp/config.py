@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lowbit_strategy.config import Section
+from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int, as_patterns, is_none
 
 REDUCTIONS = ("mean", "paper")

@@ -30,7 +30,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -44,7 +44,9 @@ from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.summed import summed_allreduce_start
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.summed import lane_for, max_levels
-from lowbit_strategy.config import LowBitConfig
+
+if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
+    from lowbit_strategy.config import LowBitConfig
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +198,11 @@ class LionCommunicator:
     """
 
     def __init__(self, config: LowBitConfig | None = None, group=None):
-        self.config = LowBitConfig() if config is None else config
+        if config is None:  # the default config, imported here: lowbit_strategy.config imports the algorithms
+            from lowbit_strategy.config import LowBitConfig
+
+            config = LowBitConfig()
+        self.config = config
         if self.config.algorithm != "lion":
             raise ValueError(f"LionCommunicator needs algorithm='lion', got {self.config.algorithm!r}")
         self.group = group

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lowbit_strategy.config import Section
+from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int, as_patterns, is_none
 
 MODES = ("auto", "1bit", "sign", "lp", "fp32", "bf16")

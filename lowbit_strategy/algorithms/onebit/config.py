@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lowbit_strategy.config import Section
+from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_int, is_none
 
 

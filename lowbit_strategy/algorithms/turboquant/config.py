@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from lowbit_strategy.codecs.hadamard import check_block
-from lowbit_strategy.config import Section
+from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int
 
 #: accepted values of ``form``
