@@ -50,6 +50,12 @@ class Sync:
 
     #: "gradient" (the hook averages gradients) or "optimizer" (the optimizer syncs)
     level: str = "optimizer"
+    #: whether synchronization starts from the DDP hook during backward, from gradients as
+    #: backward leaves them: then a front end must call :meth:`disable_overlap` before
+    #: anything changes gradients between backward and ``optimizer.step()`` (clipping).
+    #: Optimizer-level algorithms set it from their config section's ``overlap``; gradient-level
+    #: ones keep False (what the hook averages is the gradient the step uses).
+    overlap: bool = False
 
     def __init__(self, config, group: Optional[dist.ProcessGroup] = None):
         self.config = config

@@ -24,7 +24,6 @@ Notes for users:
 """
 from __future__ import annotations
 
-import atexit
 import logging
 from typing import Any
 
@@ -38,7 +37,7 @@ from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.ddp import build_sync
+from lowbit_strategy.integrations.ddp import build_sync, destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +46,6 @@ __all__ = ["LowBitStrategy", "LowBitSetupError", "VARIANTS", "register_strategie
 
 def _unwrap(opt):
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
-
-
-def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class LowBitStrategy(DDPStrategy):
@@ -83,12 +77,8 @@ class LowBitStrategy(DDPStrategy):
     # ---- wiring ---------------------------------------------------------------------
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        # Lightning destroys the process group at exit only for NCCL. A gloo group left to
-        # interpreter finalization sometimes aborts a *_spawn worker after training
-        # ("terminate called without an active exception", ~1 run in 10 here), which the
-        # launcher reports as a failed fit. Destroy it while Python is still whole.
-        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
-        atexit.register(_destroy_process_group)
+        # Lightning destroys the process group at exit only for NCCL
+        destroy_process_group_at_exit()
 
     def configure_ddp(self) -> None:
         # DDP's buckets are the units the hook compresses and launches during backward, so

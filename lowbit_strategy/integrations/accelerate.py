@@ -52,7 +52,7 @@ from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.ddp import build_sync, load_rank_states, save_rank_states
+from lowbit_strategy.integrations.ddp import build_sync, destroy_process_group_at_exit, load_rank_states, save_rank_states
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,16 @@ def _unwrap_compiled(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """One prepared DDP model: its algorithm's :class:`Sync` and the optimizers attached to it
+    (their ids, in attach order)."""
+
+    model: torch.nn.parallel.DistributedDataParallel
+    sync: Sync
+    attached: list[int] = dataclasses.field(default_factory=list)
+
+
 class LowBitAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` sets up the configured low-bit algorithm.
 
@@ -130,9 +140,7 @@ class LowBitAccelerator(Accelerator):
         if not isinstance(overlap, bool):
             raise TypeError(f"LowBitAccelerator(overlap=...) must be True or False, got {overlap!r}")
         self.lowbit_overlap = overlap
-        self.lowbit_syncs: list[Sync] = []
-        self._lowbit_models: list[torch.nn.parallel.DistributedDataParallel] = []
-        self._lowbit_attached: list[list[int]] = []
+        self._lowbit_prepared: list[_Prepared] = []
         self._lowbit_load_dir: str | None = None
         # Accelerate itself refuses some precisions only later (or on some devices): check
         # what was asked for first, so the message is the algorithm's, then what was set up.
@@ -146,6 +154,8 @@ class LowBitAccelerator(Accelerator):
                         _launched_world_size())
             accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
+        if dist.is_available() and dist.is_initialized():
+            destroy_process_group_at_exit()
         self._check_precision(str(self.mixed_precision))
         if self.distributed_type.name in _NOT_DDP:
             raise LowBitSetupError(
@@ -155,6 +165,11 @@ class LowBitAccelerator(Accelerator):
         self._configure_ddp_kwargs()
         self.register_save_state_pre_hook(self._save_lowbit_states)
         self.register_load_state_pre_hook(self._remember_load_dir)
+
+    @property
+    def lowbit_syncs(self) -> list[Sync]:
+        """The :class:`Sync` of every prepared DDP model, in the order they were prepared."""
+        return [p.sync for p in self._lowbit_prepared]
 
     # ---- setup --------------------------------------------------------------------
     def _who(self) -> str:
@@ -182,14 +197,12 @@ class LowBitAccelerator(Accelerator):
         prepared = super().prepare_model(model, *args, **kwargs)
         ddp = _unwrap_compiled(prepared)
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
-                not any(ddp is m for m in self._lowbit_models):
+                not any(ddp is p.model for p in self._lowbit_prepared):
             sync = build_sync(self.lowbit_config, ddp, group=None)
             ddp.register_comm_hook(sync.hook_state, sync.comm_hook)
             if not self.lowbit_overlap:
                 sync.disable_overlap("LowBitAccelerator(overlap=False)")
-            self.lowbit_syncs.append(sync)
-            self._lowbit_models.append(ddp)
-            self._lowbit_attached.append([])
+            self._lowbit_prepared.append(_Prepared(ddp, sync))
             self._attach_optimizers()
         elif not self.lowbit_syncs and self.num_processes == 1:
             logger.info("lowbit: one process, nothing to synchronize: %s trains as a plain single-process model",
@@ -207,12 +220,12 @@ class LowBitAccelerator(Accelerator):
         """Attach every prepared optimizer to the sync of the model whose parameters it holds
         (again whenever that set changes; the same order on every rank)."""
         optimizers = [_real_optimizer(o) for o in self._optimizers]
-        for k, (sync, ddp) in enumerate(zip(self.lowbit_syncs, self._lowbit_models)):
-            owned = {id(p) for p in ddp.parameters()}
+        for prepared in self._lowbit_prepared:
+            owned = {id(p) for p in prepared.model.parameters()}
             mine = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
-            if mine and [id(o) for o in mine] != self._lowbit_attached[k]:
-                sync.attach(mine, who=self._who())
-                self._lowbit_attached[k] = [id(o) for o in mine]
+            if mine and [id(o) for o in mine] != prepared.attached:
+                prepared.sync.attach(mine, who=self._who())
+                prepared.attached = [id(o) for o in mine]
 
     # ---- gradients changed after backward -------------------------------------------
     def backward(self, loss, **kwargs: Any) -> None:
@@ -229,9 +242,9 @@ class LowBitAccelerator(Accelerator):
                 sync.disable_overlap(reason)
 
     def _refuse_if_overlapping(self, what: str) -> None:
-        # ``overlap`` is the attribute of algorithms that synchronize during backward; the
-        # others (gradient-level ones) have nothing in flight that clipping could miss
-        busy = [s for s in self.lowbit_syncs if getattr(s, "overlap", False)]
+        # Sync.overlap: the algorithm synchronizes during backward; the others (gradient-level
+        # ones) have nothing in flight that clipping could miss
+        busy = [s for s in self.lowbit_syncs if s.overlap]
         if busy:
             raise LowBitSetupError(
                 f"{what} changes the gradients after backward, but {self._who()} already started synchronizing "
@@ -263,7 +276,7 @@ class LowBitAccelerator(Accelerator):
     def ddp_bytes_per_step(self) -> int:
         """Bytes one rank would send per optimizer step with DDP's fp32 ring allreduce of every
         trainable parameter of the prepared models (0 on one process)."""
-        numel = sum(p.numel() for m in self._lowbit_models for p in m.parameters() if p.requires_grad)
+        numel = sum(p.numel() for m in self._lowbit_prepared for p in m.model.parameters() if p.requires_grad)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return wire.allreduce_bytes(4 * numel, world)
 
@@ -319,7 +332,7 @@ class LowBitAccelerator(Accelerator):
         """Accelerate's ``free_memory``; the prepared models' algorithms are detached first."""
         for sync in self.lowbit_syncs:
             sync.detach()
-        self.lowbit_syncs, self._lowbit_models, self._lowbit_attached = [], [], []
+        self._lowbit_prepared = []
         return super().free_memory(*objects)
 
 
