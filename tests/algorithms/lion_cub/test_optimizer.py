@@ -13,19 +13,11 @@ from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.summed import max_levels
 from lowbit_strategy.algorithms.lion_cub import resolve_mode
 from tests.distributed import run_ranks
+from tests.training import batch as _batch
+from tests.training import model as _model
 
 STEPS = 6
 LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5))
-
-
-def _batch(rank, step):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, 20, (4, 3), generator=gen), torch.randint(0, 5, (4,), generator=gen)
 
 
 def _grads(model, rank, step):

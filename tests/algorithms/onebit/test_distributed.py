@@ -15,42 +15,21 @@ from torch import nn
 
 import lowbit_strategy
 from lowbit_strategy import LowBitConfig, LowBitSetupError, OneBitAdam, OneBitLamb
-from lowbit_strategy.algorithms.onebit import update as U
 from lowbit_strategy.collectives.compensated import server_chunk_length
 from lowbit_strategy.collectives.reference import compensated_allreduce_reference
-from tests.algorithms.lion_cub.test_optimizer import _batch, _model
 from tests.distributed import run_ranks
+from tests.training import ddp_adamw, loss as _loss, model as _model, same_on_every_rank as _same_on_every_rank, train
 
 LR, BETAS, EPS, WD, FREEZE, STEPS = 1e-2, (0.9, 0.999), 1e-8, 0.01, 3, 7
 
 
-def _loss(model, rank, step):
-    x, y = _batch(rank, step)
-    return nn.functional.cross_entropy(model(x), y)
-
-
 def _train(rank, cls, cfg, steps, start=1, resume=None, nan_at=None, after_step=None, dtype=torch.float32,
            twice=False, **opt_kw):
-    ddp = nn.parallel.DistributedDataParallel(_model().to(dtype))
-    opt = cls(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=FREEZE, **opt_kw)
-    sync = lowbit_strategy.attach(ddp, [opt], cfg)
-    if resume is not None:
-        weights, optim, entry = resume
-        ddp.module.load_state_dict(weights)
-        opt.load_state_dict(optim)
-        lowbit_strategy.load_rank_states(sync, entry)
-    for step in range(start, steps + 1):
-        opt.zero_grad()
-        loss = _loss(ddp, rank, step)
-        if nan_at == step and rank == 1:  # an overflow in rank 1's backward
-            loss = loss * float("inf")
-        loss.backward()
-        if twice:  # accumulation without no_sync: DDP's hooks run again, the second gradient counts
-            _loss(ddp, rank, step + 100).backward()
-        opt.step()
-        if after_step is not None:
-            after_step(step, ddp, opt)
-    return ddp, opt, sync
+    def make(params):
+        return cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=FREEZE, **opt_kw)
+
+    return train(rank, make, cfg, steps, start=start, resume=resume, nan_at=nan_at, after_step=after_step,
+                 dtype=dtype, twice=twice)
 
 
 def _simulate(world_size, cls, layout, steps, switch, block=None, **opt_kw):
@@ -95,23 +74,11 @@ def _simulate(world_size, cls, layout, steps, switch, block=None, **opt_kw):
     return params, worker, server
 
 
-def _same_on_every_rank(model):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, flat)
-    assert all(torch.equal(every[0], e) for e in every[1:]), "replicas differ"
-
-
 def _check_adam(rank, world_size):
     # warm-up: DDP + torch.optim.AdamW bit for bit, replicas identical after every step
     cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005)
     ours, opt, sync = _train(rank, OneBitAdam, cfg, FREEZE, after_step=lambda s, m, o: _same_on_every_rank(m))
-    ddp = nn.parallel.DistributedDataParallel(_model())
-    ref = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    for step in range(1, FREEZE + 1):
-        ref.zero_grad()
-        _loss(ddp, rank, step).backward()
-        ref.step()
+    ddp = ddp_adamw(rank, FREEZE, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters()))
     assert opt.stage == "compression"
 

@@ -21,8 +21,9 @@ from lowbit_strategy.algorithms.turboquant.communicator import group_rms
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import turboquant_scale_groups, turboquant_server_chunk_length
 from lowbit_strategy.collectives.reference import turboquant_mean_reference
-from tests.algorithms.lion_cub.test_optimizer import _batch, _model
 from tests.distributed import run_ranks
+from tests.training import ddp_adamw, every_rank as _every_rank, flat as _flat, loss as _loss, model as _model
+from tests.training import same_on_every_rank as _same_on_every_rank, train
 
 LR, BETAS, EPS, WD, WARMUP, STEPS, BLOCK, DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01, 3, 8, 16, 0.9
 
@@ -32,32 +33,13 @@ def _config(form="allgather", **kw):
                         turboquant_block=BLOCK, **kw)
 
 
-def _loss(model, rank, step):
-    x, y = _batch(rank, step)
-    return nn.functional.cross_entropy(model(x), y)
-
-
 def _train(rank, cfg, steps, start=1, resume=None, nan_at=None, after_step=None, dtype=torch.float32, **opt_kw):
-    ddp = nn.parallel.DistributedDataParallel(_model().to(dtype))
     opt_kw.setdefault("scale_decay", DECAY)
-    opt = TurboQuantAdamW(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=WARMUP,
-                          **opt_kw)
-    sync = lowbit_strategy.attach(ddp, [opt], cfg)
-    if resume is not None:
-        weights, optim, entry = resume
-        ddp.module.load_state_dict(weights)
-        opt.load_state_dict(optim)
-        lowbit_strategy.load_rank_states(sync, entry)
-    for step in range(start, steps + 1):
-        opt.zero_grad()
-        loss = _loss(ddp, rank, step)
-        if nan_at == step and rank == 1:
-            loss = loss * float("inf")
-        loss.backward()
-        opt.step()
-        if after_step is not None:
-            after_step(step, ddp, opt)
-    return ddp, opt, sync
+
+    def make(params):
+        return TurboQuantAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=WARMUP, **opt_kw)
+
+    return train(rank, make, cfg, steps, start=start, resume=resume, nan_at=nan_at, after_step=after_step, dtype=dtype)
 
 
 def _simulate(world_size, layout, steps, switch, two_stage, variance):
@@ -112,30 +94,10 @@ def _simulate(world_size, layout, steps, switch, two_stage, variance):
     return params, state
 
 
-def _every_rank(t):
-    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, t.contiguous())
-    return every
-
-
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _same_on_every_rank(model):
-    every = _every_rank(_flat(model))
-    assert all(torch.equal(every[0], e) for e in every[1:]), "replicas differ"
-
-
 def _check_against_simulation(rank, world_size):
     # warm-up: DDP + torch.optim.AdamW bit for bit
     ours, opt, _ = _train(rank, _config(), WARMUP, after_step=lambda s, m, o: _same_on_every_rank(m))
-    ddp = nn.parallel.DistributedDataParallel(_model())
-    ref = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    for step in range(1, WARMUP + 1):
-        ref.zero_grad()
-        _loss(ddp, rank, step).backward()
-        ref.step()
+    ddp = ddp_adamw(rank, WARMUP, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters()))
     assert opt.stage == "compression"
 
