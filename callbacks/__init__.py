@@ -2,6 +2,7 @@
 
 A separate top-level package: it depends on :mod:`lowbit_strategy`, never the reverse.
 """
+
 from callbacks.activation_compression import ActivationCompression
 from callbacks.comm_stats import CommStats
 from callbacks.divergence import DivergenceMonitor

@@ -27,10 +27,11 @@ pass, from the training batch start to ``on_before_backward``; ``measure=False``
 off, e.g. when the first step must not hold the uncompressed inputs while it counts them,
 see the meter). The result is :attr:`ActivationCompression.report`.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 from torch import nn
@@ -77,11 +78,16 @@ class ActivationCompression(pl.Callback):
         if not trainer.is_global_zero:
             return
         if names:
-            kept = [n for n, m in pl_module.named_modules()
-                    if isinstance(m, nn.Linear) and not isinstance(m, TurboQuantLinear)]
+            kept = [
+                n
+                for n, m in pl_module.named_modules()
+                if isinstance(m, nn.Linear) and not isinstance(m, TurboQuantLinear)
+            ]
             logger.info(
                 "ActivationCompression: %d linear layers keep their input for backward as %d-bit codes: %s%s",
-                len(names), self.bits, ", ".join(names),
+                len(names),
+                self.bits,
+                ", ".join(names),
                 f" (left exact: {', '.join(kept)})" if kept else "",
             )
         elif not self.swapped:
@@ -108,9 +114,12 @@ class ActivationCompression(pl.Callback):
             logger.info(
                 "ActivationCompression: the first training batch kept %s for backward (%s without compression, "
                 "%.2fx); linear inputs %s (%s without, %.1fx less)",
-                _mib(r.total_bytes), _mib(r.total_bytes_uncompressed),
+                _mib(r.total_bytes),
+                _mib(r.total_bytes_uncompressed),
                 r.total_bytes_uncompressed / r.total_bytes if r.total_bytes else 1.0,
-                _mib(r.linear_input_bytes), _mib(r.linear_input_bytes_uncompressed), r.linear_input_ratio,
+                _mib(r.linear_input_bytes),
+                _mib(r.linear_input_bytes_uncompressed),
+                r.linear_input_ratio,
             )
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:

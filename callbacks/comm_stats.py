@@ -12,6 +12,7 @@ each other and the backward pass, so they are not a share of the step; only Lion
 ``overlap=False`` blocks in ``step()`` for them. :attr:`bytes_per_step` averages over every step, warm-up
 iterations (sent at full precision) included.
 """
+
 from __future__ import annotations
 
 import lightning.pytorch as pl
@@ -47,7 +48,7 @@ class CommStats(pl.Callback):
         self._last_step = trainer.global_step
         sent, seconds = 0, 0.0
         for lg in self._logs(trainer):
-            new = lg.records[self._seen.get(id(lg), 0):]
+            new = lg.records[self._seen.get(id(lg), 0) :]
             self._seen[id(lg)] = len(lg.records)
             sent += sum(r.bytes_sent for r in new)
             seconds += sum(r.seconds for r in new)

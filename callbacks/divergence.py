@@ -30,6 +30,7 @@ Sign rates are running means over the monitored steps of one run (torchmetrics
 ``torch.multiprocessing`` moves pickled tensors into shared memory, so every rank would add
 into the same two scalars (a race that once pushed ``sign/match`` above 1).
 """
+
 from __future__ import annotations
 
 import lightning.pytorch as pl
@@ -58,13 +59,19 @@ class DivergenceMonitor(pl.Callback):
     @staticmethod
     def _auditable(trainer):
         """Optimizers that can audit a step against the full-precision direction (Lion Cub)."""
-        return [o for o in trainer.optimizers if getattr(o, "communicator", None) is not None
-                and hasattr(o, "audit_next_step")]
+        return [
+            o
+            for o in trainer.optimizers
+            if getattr(o, "communicator", None) is not None and hasattr(o, "audit_next_step")
+        ]
 
     @staticmethod
     def _monitored(trainer):
-        return [o for o in trainer.optimizers if getattr(o, "communicator", None) is not None
-                and hasattr(o, "divergence_tensors")]
+        return [
+            o
+            for o in trainer.optimizers
+            if getattr(o, "communicator", None) is not None and hasattr(o, "divergence_tensors")
+        ]
 
     def on_train_start(self, trainer, pl_module) -> None:
         for opt in self._monitored(trainer):
@@ -103,13 +110,14 @@ class DivergenceMonitor(pl.Callback):
             return {}
         parts = [t.detach().float().reshape(-1) for _, t in pairs]
         flat = torch.cat(parts)
-        both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group,
-                              traffic=opt.communicator.traffic)
+        both = full_allreduce(torch.cat([flat, flat * flat]), opt.communicator.group, traffic=opt.communicator.traffic)
         world = opt.communicator.world_size
         mean, mean_sq = (both / world).split(flat.numel())
         std = (mean_sq - mean * mean).clamp_min(0).sqrt()
-        out = {f"divergence/{names.get(id(p), 'param')}": float(s.max())
-               for (p, _), s in zip(pairs, std.split([t.numel() for t in parts]))}
+        out = {
+            f"divergence/{names.get(id(p), 'param')}": float(s.max())
+            for (p, _), s in zip(pairs, std.split([t.numel() for t in parts]))
+        }
         out["divergence/max"] = max(out.values())
         return out
 
@@ -127,8 +135,10 @@ class DivergenceMonitor(pl.Callback):
             all_gather(every, flat, comm.group, f"divergence.{kind}", comm.traffic)
             every = every.view(comm.world_size, -1)
             gap = (every - every[0]).abs().amax(dim=0)
-            values = {f"spread/{kind}/{names.get(id(p), 'param')}": float(s.max())
-                      for (p, _), s in zip(pairs, gap.split([t.numel() for t in parts]))}
+            values = {
+                f"spread/{kind}/{names.get(id(p), 'param')}": float(s.max())
+                for (p, _), s in zip(pairs, gap.split([t.numel() for t in parts]))
+            }
             values[f"spread/{kind}/max"] = max(values.values())
             out.update(values)
         return out

@@ -11,9 +11,10 @@ config, which stays the one source of truth — so ``auto`` plans with momentum 
 mind, and the optimizer counts the steps. With any other strategy it warns and does
 nothing (without a low-bit strategy there is nothing rank-local to sync).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -37,8 +38,10 @@ class MomentumSync(pl.Callback):
         strategy = trainer.strategy
         configure = getattr(strategy, "configure_lowbit", None)
         if configure is None or strategy.lowbit_config.algorithm != "lion":
-            rank_zero_warn("MomentumSync does nothing here: it needs a LowBitStrategy running Lion Cub "
-                           "(strategy='lowbit_lion' and family)")
+            rank_zero_warn(
+                "MomentumSync does nothing here: it needs a LowBitStrategy running Lion Cub "
+                "(strategy='lowbit_lion' and family)"
+            )
             return
         configure(momentum_sync_every=self.every, momentum_sync_layers=self.layers)
 

@@ -10,6 +10,8 @@ family) without importing Lightning: they are registered the moment
 itself loads Lightning when first used. Importing touches no CUDA and compiles nothing
 (safe before a notebook's fork); re-importing re-registers harmlessly.
 """
+
+from lowbit_strategy import nn  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
 from lowbit_strategy.algorithms import REGISTRY as ALGORITHMS
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
@@ -19,7 +21,6 @@ from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
-from lowbit_strategy import nn  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
 
 __version__ = "0.1.0"
 

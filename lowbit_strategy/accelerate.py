@@ -11,6 +11,7 @@ The public import path; the code lives with the other front ends in
 :mod:`lowbit_strategy.integrations.accelerate`. Importing this module imports Accelerate
 (``pip install "lowbit-strategy[accelerate]"``); the rest of ``lowbit_strategy`` never does.
 """
+
 from lowbit_strategy.integrations.accelerate import PRECISIONS, STATE_FILE, LowBitAccelerator, LowBitSetupError
 
 __all__ = ["LowBitAccelerator", "LowBitSetupError", "PRECISIONS", "STATE_FILE"]

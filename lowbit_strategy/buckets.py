@@ -5,9 +5,10 @@ buffer. The plan depends only on the tensors' order and sizes, so every rank com
 same plan without talking. Tensors are planned in the order given; callers that want the
 first bucket ready first during backward pass them last-layer first.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

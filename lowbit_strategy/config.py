@@ -6,7 +6,7 @@
     LowBitConfig(algorithm="lion", mode="lp", bits=8)        # the same: shorthand for the active section
     LowBitConfig(algorithm="bitdp", bitdp_bits=1)            # <section>_<field> reaches any section
     LowBitConfig.from_yaml("lowbit.yaml")                    # algorithm: bitdp / bitdp: {bits: 1}
-    LowBitConfig.from_env()                                  # LOWBIT_CONFIG=path, LOWBIT_ALGORITHM, LOWBIT_BITDP_BITS, LOWBIT_BITS
+    LowBitConfig.from_env()        # LOWBIT_CONFIG=path, LOWBIT_ALGORITHM, LOWBIT_BITDP_BITS, LOWBIT_BITS
 
 The shared fields (:data:`SHARED_FIELDS`) apply to every algorithm. Each algorithm in the
 registry (:mod:`lowbit_strategy.algorithms`) contributes a :class:`Section`, a frozen
@@ -16,18 +16,21 @@ or the environment) are converted to each field's type. Every invalid value rais
 :class:`ConfigError` naming the field (``LowBitConfig.lion.mode``), the value and what is
 allowed; an unreadable or malformed YAML file names the file and the line.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from lowbit_strategy.algorithms import REGISTRY
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
 
 __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
+
 
 class LowBitConfig:
     """Every knob of the low-bit algorithms, validated once, immutable afterwards.
@@ -48,12 +51,26 @@ class LowBitConfig:
     as ``<section>_<field>`` (``bitdp_bits=1``).
     """
 
-    __slots__ = ("algorithm", "bucket_size_mb", "warmup_steps", "link_bandwidth_gbps", "link_latency_us",
-                 "debug", "_sections")
+    __slots__ = (
+        "algorithm",
+        "bucket_size_mb",
+        "warmup_steps",
+        "link_bandwidth_gbps",
+        "link_latency_us",
+        "debug",
+        "_sections",
+    )
 
-    def __init__(self, algorithm: str = "lion", bucket_size_mb: float = 25.0, warmup_steps: int = 0,
-                 link_bandwidth_gbps: float = 1.0, link_latency_us: float = 50.0, debug: bool = False,
-                 **sections: Any) -> None:
+    def __init__(
+        self,
+        algorithm: str = "lion",
+        bucket_size_mb: float = 25.0,
+        warmup_steps: int = 0,
+        link_bandwidth_gbps: float = 1.0,
+        link_latency_us: float = 50.0,
+        debug: bool = False,
+        **sections: Any,
+    ) -> None:
         registry = REGISTRY
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (immutable)
         set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
@@ -75,24 +92,31 @@ class LowBitConfig:
                 if isinstance(value, Section):
                     value = value.to_dict()
                 if not isinstance(value, Mapping):
-                    raise ConfigError(key, value, f"expected a mapping of {key} fields: "
-                                                  f"{', '.join(registry[key].section.fields())}")
+                    raise ConfigError(
+                        key, value, f"expected a mapping of {key} fields: {', '.join(registry[key].section.fields())}"
+                    )
                 out[key].update(value)
         for key, value in given.items():
             if key in registry:
                 continue
-            section = next((n for n in registry if key.startswith(n + "_")
-                            and key[len(n) + 1:] in registry[n].section.fields()), None)
+            section = next(
+                (n for n in registry if key.startswith(n + "_") and key[len(n) + 1 :] in registry[n].section.fields()),
+                None,
+            )
             if section is not None:
-                out[section][key[len(section) + 1:]] = value
+                out[section][key[len(section) + 1 :]] = value
             elif key in active.fields():
                 out[self.algorithm][key] = value
             else:
                 known = self.known_keys(self.algorithm)
-                raise ConfigError(key, value, f"unknown field{suggestion(key, known)}; shared fields: "
-                                              f"{', '.join(SHARED_FIELDS)}; {self.algorithm} fields: "
-                                              f"{', '.join(active.fields())}; other sections: "
-                                              f"{', '.join(n for n in registry if n != self.algorithm)}")
+                raise ConfigError(
+                    key,
+                    value,
+                    f"unknown field{suggestion(key, known)}; shared fields: "
+                    f"{', '.join(SHARED_FIELDS)}; {self.algorithm} fields: "
+                    f"{', '.join(active.fields())}; other sections: "
+                    f"{', '.join(n for n in registry if n != self.algorithm)}",
+                )
         return out
 
     # ---- reading ------------------------------------------------------------------
@@ -143,14 +167,14 @@ class LowBitConfig:
 
     # ---- building -----------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "LowBitConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> LowBitConfig:
         """From a mapping of shared fields, sections and shorthands (see the class doc)."""
         if not isinstance(values, Mapping):
             raise ConfigError("<root>", values, "expected a mapping of field names to values")
         return cls(**{str(k): v for k, v in values.items()})
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "LowBitConfig":
+    def from_yaml(cls, path: str | os.PathLike) -> LowBitConfig:
         """From a YAML mapping, either at the top level or under a ``lowbit:`` key."""
         import yaml
 
@@ -169,13 +193,15 @@ class LowBitConfig:
         if isinstance(data, Mapping) and set(data) == {"lowbit"}:
             data = data["lowbit"] or {}
         if not isinstance(data, Mapping):
-            raise ConfigError("<file>", str(path), f"expected a mapping of field names to values, got a "
-                                                   f"{type(data).__name__}")
+            raise ConfigError(
+                "<file>", str(path), f"expected a mapping of field names to values, got a {type(data).__name__}"
+            )
         return cls.from_dict(data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "LOWBIT_",
-                 **defaults: Any) -> "LowBitConfig":
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, prefix: str = "LOWBIT_", **defaults: Any
+    ) -> LowBitConfig:
         """From the environment, over ``defaults``: ``LOWBIT_CONFIG`` names a YAML file read
         first; then ``LOWBIT_<FIELD>`` for a shared field or a field of the active section
         (``LOWBIT_MODE=lp``) and ``LOWBIT_<SECTION>_<FIELD>`` for any section
@@ -189,16 +215,20 @@ class LowBitConfig:
         for var in sorted(env):
             if not var.startswith(prefix) or var == prefix + "CONFIG":
                 continue
-            key = var[len(prefix):]
+            key = var[len(prefix) :]
             if key not in known:
-                raise ConfigError(key.lower(), env[var], f"unknown variable {var}{suggestion(key, known)}; "
-                                                         f"use {prefix}<FIELD> or {prefix}<SECTION>_<FIELD>")
+                raise ConfigError(
+                    key.lower(),
+                    env[var],
+                    f"unknown variable {var}{suggestion(key, known)}; use {prefix}<FIELD> or {prefix}<SECTION>_<FIELD>",
+                )
             values[known[key]] = env[var]
         return cls.from_dict(values)
 
     @classmethod
-    def coerce(cls, source: "LowBitConfig | Mapping[str, Any] | str | os.PathLike | None" = None,
-               **overrides: Any) -> "LowBitConfig":
+    def coerce(
+        cls, source: LowBitConfig | Mapping[str, Any] | str | os.PathLike | None = None, **overrides: Any
+    ) -> LowBitConfig:
         """Any accepted form (config, dict, YAML path or None) with keyword overrides on top."""
         if source is None:
             base: dict[str, Any] = {}
@@ -212,15 +242,16 @@ class LowBitConfig:
             raise ConfigError("<root>", source, "expected a LowBitConfig, a dict, a YAML file path or None")
         return cls.from_dict({**base, **overrides})
 
-    def replace(self, **changes: Any) -> "LowBitConfig":
+    def replace(self, **changes: Any) -> LowBitConfig:
         return self.coerce(self, **changes)
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
-            else value
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        )
     return out
 
 

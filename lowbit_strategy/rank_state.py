@@ -10,10 +10,12 @@ bit. Another world size: the algorithm's ``merge_states`` builds one state for e
 (the mean, for momenta and residuals; 1-bit Adam/LAMB restart their errors at 0), with a
 logged warning quoting its rule; never a silent mismatch.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,11 @@ def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[lis
     if entry["world_size"] == world_size:
         return entry["states"][rank]
     rule = " ".join((merge.__doc__ or "merged by the algorithm's rule").split())
-    logger.warning("lowbit: checkpoint written with world size %d, resuming with %d; %s: %s",
-                   entry["world_size"], world_size, what, rule)
+    logger.warning(
+        "lowbit: checkpoint written with world size %d, resuming with %d; %s: %s",
+        entry["world_size"],
+        world_size,
+        what,
+        rule,
+    )
     return merge(entry["states"])

@@ -6,10 +6,12 @@ the registry (:mod:`lowbit_strategy.algorithms`) checks sections against
 registry) holds the shared fields and one section per algorithm. So imports point one way:
 ``config`` → ``algorithms`` → ``section`` → ``validation``.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from lowbit_strategy.validation import ConfigError, suggestion
 
@@ -47,15 +49,18 @@ class Section:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Section":
+    def from_dict(cls, values: Mapping[str, Any]) -> Section:
         if isinstance(values, cls):
             return values
         if not isinstance(values, Mapping):
             raise ConfigError(cls.name, values, f"expected a mapping of {cls.name} fields: {', '.join(cls.fields())}")
         for key in values:
             if key not in cls.fields():
-                raise ConfigError(cls.field_name(str(key)), values[key],
-                                  f"unknown field{suggestion(key, cls.fields())}; fields are: {', '.join(cls.fields())}")
+                raise ConfigError(
+                    cls.field_name(str(key)),
+                    values[key],
+                    f"unknown field{suggestion(key, cls.fields())}; fields are: {', '.join(cls.fields())}",
+                )
         return cls(**dict(values))
 
     def to_dict(self) -> dict[str, Any]:

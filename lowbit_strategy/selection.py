@@ -23,11 +23,12 @@ matches if any of its names matches. **A pattern that matches no parameter is an
 (a typo would otherwise silently select nothing), raised as :class:`ValueError` naming the
 field, the pattern and what the names look like.
 """
+
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from torch import nn
 
@@ -51,8 +52,12 @@ def is_conv1d(module: nn.Module) -> bool:
     """A Hugging Face ``transformers.pytorch_utils.Conv1D`` (a linear layer, weight ``in x
     out``), recognized without importing transformers."""
     w = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
-            and getattr(module, "nf", None) == w.shape[1])
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(w, nn.Parameter)
+        and w.dim() == 2
+        and getattr(module, "nf", None) == w.shape[1]
+    )
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -70,7 +75,7 @@ def is_linear_weight(module: nn.Module, attr: str) -> bool:
 class Owner:
     """A parameter as seen from one module owning it."""
 
-    name: str          # qualified name, e.g. "blocks.0.attn.in_proj_weight"
+    name: str  # qualified name, e.g. "blocks.0.attn.in_proj_weight"
     module: nn.Module
     attr: str
 
@@ -173,8 +178,10 @@ class PatternSet:
         for pt in self.patterns:
             if pt not in self.used:
                 shown = ", ".join(example_names[:6])
-                raise ValueError(f"{self.field}: pattern {pt!r} matches no parameter name (names look like: "
-                                 f"{shown}, ...); fix the pattern or remove it")
+                raise ValueError(
+                    f"{self.field}: pattern {pt!r} matches no parameter name (names look like: "
+                    f"{shown}, ...); fix the pattern or remove it"
+                )
 
 
 def select_params(model: nn.Module, layers: str | Sequence[str], field: str = "layers") -> list[nn.Parameter]:
@@ -197,4 +204,3 @@ def select_params(model: nn.Module, layers: str | Sequence[str], field: str = "l
 def param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name in ``model`` (for logging per layer)."""
     return {k: own[0].name for k, own in owners(model).items()}
-

@@ -6,11 +6,13 @@ already, ``LOWBIT_*`` environment variables are not); each converter accepts bot
 the field's type, and raises :class:`ConfigError` naming the field, the value and what is
 allowed. Config objects validate once, when they are built; the hot paths trust them.
 """
+
 from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -90,12 +92,14 @@ def as_patterns(name: str, value: Any) -> tuple[str, ...] | None:
         value = value.split(",")
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
         return tuple(v.strip() for v in value)
-    raise ConfigError(name, value, "expected None or a non-empty list of parameter-name patterns (fnmatch), "
-                                   "e.g. ['*.attn.*.weight']")
+    raise ConfigError(
+        name, value, "expected None or a non-empty list of parameter-name patterns (fnmatch), e.g. ['*.attn.*.weight']"
+    )
 
 
-def check_number(cls: str, name: str, value: Any, low: float, high: float | None = None,
-                 low_open: bool = False) -> float:
+def check_number(
+    cls: str, name: str, value: Any, low: float, high: float | None = None, low_open: bool = False
+) -> float:
     """``value`` as a float; ``ValueError`` naming ``cls`` and ``name`` unless it is a real
     number (not a bool, not NaN) in ``[low, high)`` (``(low, high)`` with ``low_open``).
     For constructor arguments of optimizers and layers (config fields use the converters

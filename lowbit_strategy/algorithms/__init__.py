@@ -5,6 +5,7 @@ Front ends (plain DDP, Lightning, Accelerate) look an algorithm up here by
 algorithm themselves. Adding one: a package ``algorithms/<name>/`` with its config section,
 optimizer and/or hook, selection and ``ALGORITHM`` entry, and one line below.
 """
+
 from __future__ import annotations
 
 from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
@@ -17,8 +18,10 @@ def register(algorithm: Algorithm) -> Algorithm:
     """Add ``algorithm`` to :data:`REGISTRY` (its section's fields may not shadow shared ones)."""
     clash = set(algorithm.section.fields()) & set(SHARED_FIELDS)
     if clash or algorithm.section.name != algorithm.name:
-        raise ValueError(f"algorithm {algorithm.name!r}: section must be named {algorithm.name!r} and not "
-                         f"redefine shared fields {sorted(clash)}")
+        raise ValueError(
+            f"algorithm {algorithm.name!r}: section must be named {algorithm.name!r} and not "
+            f"redefine shared fields {sorted(clash)}"
+        )
     REGISTRY[algorithm.name] = algorithm
     return algorithm
 

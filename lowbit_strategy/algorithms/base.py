@@ -26,10 +26,12 @@ Two places to synchronize:
   overlaps its collective with backward launches it there instead (same order on every
   rank: DDP hands buckets over in the same order everywhere).
 """
+
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
 # annotations and accepts only the real dist.GradBucket / Future[Tensor] objects.
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,10 +59,10 @@ class Sync:
     #: ones keep False (what the hook averages is the gradient the step uses).
     overlap: bool = False
 
-    def __init__(self, config, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, config, group: dist.ProcessGroup | None = None):
         self.config = config
         self.group = group
-        self.algorithm: Optional["Algorithm"] = None  # the registry entry; set by the front end
+        self.algorithm: Algorithm | None = None  # the registry entry; set by the front end
 
     # ---- the DDP communication hook ------------------------------------------------
     @property
@@ -121,7 +123,7 @@ def _no_merge(states: list) -> dict:
     return {}
 
 
-def _any_precision(precision: Optional[str]) -> None:
+def _any_precision(precision: str | None) -> None:
     return None
 
 
@@ -145,5 +147,5 @@ class Algorithm:
     build: Callable[..., Sync]
     strategy_names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     merge_states: Callable[[list], dict] = _no_merge
-    check_precision: Callable[[Optional[str]], None] = _any_precision
+    check_precision: Callable[[str | None], None] = _any_precision
     summary: str = ""

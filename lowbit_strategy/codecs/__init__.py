@@ -3,6 +3,7 @@
 Nothing here talks to a process group (that is :mod:`lowbit_strategy.collectives`), and
 importing it touches no CUDA and compiles nothing, so it is safe before a fork.
 """
+
 from lowbit_strategy.codecs.bits import LANE_BITS, Lane, lane, narrowest_lane, pack, unpack
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.codecs.lp import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels

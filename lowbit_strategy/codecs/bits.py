@@ -26,6 +26,7 @@ ordinary integer allreduce.
 Padding: a length that is not a multiple of ``k`` is padded with zero codes up to a whole
 word; :func:`unpack` needs the original length ``n`` to drop them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,9 +73,7 @@ def lane(bits: int) -> Lane:
     try:
         return _LANES[int(bits)]
     except (KeyError, TypeError, ValueError):
-        raise ValueError(
-            f"lane_bits={bits!r} is not supported; use one of {LANE_BITS}"
-        ) from None
+        raise ValueError(f"lane_bits={bits!r} is not supported; use one of {LANE_BITS}") from None
 
 
 def narrowest_lane(max_value: int) -> Lane:
@@ -100,8 +99,7 @@ def _check_codes(codes: torch.Tensor, spec: Lane, *, validate: bool) -> None:
         lo, hi = (int(v) for v in torch.aminmax(codes))  # one pass for both bounds
         if lo < 0 or hi > spec.capacity:
             raise ValueError(
-                f"codes must lie in [0, {spec.capacity}] for a {spec.bits}-bit lane, "
-                f"got values in [{lo}, {hi}]"
+                f"codes must lie in [0, {spec.capacity}] for a {spec.bits}-bit lane, got values in [{lo}, {hi}]"
             )
 
 
@@ -205,15 +203,11 @@ def unpack(words: torch.Tensor, lane_bits: int, n: int) -> torch.Tensor:
     """
     spec = lane(lane_bits)
     if words.dtype != spec.word_dtype:
-        raise TypeError(
-            f"a {spec.bits}-bit lane is packed in {spec.word_dtype} words, got {words.dtype}"
-        )
+        raise TypeError(f"a {spec.bits}-bit lane is packed in {spec.word_dtype} words, got {words.dtype}")
     if words.dim() != 1:
         raise ValueError(f"words must be 1-D, got shape {tuple(words.shape)}")
     if n < 0 or n > words.numel() * spec.per_word:
-        raise ValueError(
-            f"cannot unpack n={n} codes from {words.numel()} words of {spec.per_word} lanes"
-        )
+        raise ValueError(f"cannot unpack n={n} codes from {words.numel()} words of {spec.per_word} lanes")
     k = spec.per_word
     if k == 1:
         return words[:n].clone()

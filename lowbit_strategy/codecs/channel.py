@@ -13,6 +13,7 @@ g ≈ s ⊙ q with one scale per row, minimizing ||g - s ⊙ q||² (Eq. 3):
 Codes are returned as unsigned lane values ready for :func:`lowbit_strategy.codecs.bits.pack`:
 1-bit: 1 for +1, 0 for -1;  2-bit: 0 for 0, 1 for +1, 2 for -1.
 """
+
 from __future__ import annotations
 
 import torch

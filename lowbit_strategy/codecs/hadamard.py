@@ -34,6 +34,7 @@ rounded first); outputs are flat float32 tensors of ``n`` elements on the input'
 The butterfly is ``O(n log block)``: each pass views the data as ``(…, 2, h)`` and writes
 ``a + b`` and ``a − b`` into a second buffer (two buffers in all, no dense matrix).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,13 +49,7 @@ MAX_BLOCK = 2**20
 
 def check_block(block) -> int:
     """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]."""
-    if (
-        isinstance(block, bool)
-        or not isinstance(block, int)
-        or block < 2
-        or block > MAX_BLOCK
-        or block & (block - 1)
-    ):
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block > MAX_BLOCK or block & (block - 1):
         raise ValueError(f"block must be a power of two in [2, {MAX_BLOCK}], got {block!r}")
     return block
 

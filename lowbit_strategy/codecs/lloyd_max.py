@@ -17,8 +17,8 @@ differences of ``erfc`` so the far tail keeps its precision. Starts from the con
 means of equal-probability cells and alternates the two steps until no level moves by more
 than ``1e-12`` (at most 200 000 rounds; reaching the cap raises ``RuntimeError``, which
 does not happen for 2..8 bits; the slowest mode of the iteration needs ~100 000 rounds
-at 8 bits, a few seconds once per process, milliseconds up to 5 bits). Then the levels are symmetrized exactly and rounded once
-to float32.
+at 8 bits, a few seconds once per process, milliseconds up to 5 bits). Then the levels
+are symmetrized exactly and rounded once to float32.
 
 Results are cached per ``bits`` (:func:`functools.lru_cache` over an immutable tuple);
 :func:`lloyd_max_codebook` returns a fresh tensor on every call, so a caller writing into
@@ -27,6 +27,7 @@ it cannot change what the next caller gets.
 Known values (Max 1960): 2 bits: ``±0.4528, ±1.510``, MSE 0.1175; 4 bits: MSE 0.009497
 (of the unit variance). :func:`lloyd_max_mse` gives the MSE of a codebook for N(0, 1).
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,9 +75,7 @@ def _half_levels(bits: int) -> tuple[float, ...]:
     bounds.append(math.inf)
     prev = None
     for _ in range(_MAX_ROUNDS):
-        levels = [
-            (_pdf(a) - _pdf(b)) / (_upper_tail(a) - _upper_tail(b)) for a, b in zip(bounds, bounds[1:])
-        ]
+        levels = [(_pdf(a) - _pdf(b)) / (_upper_tail(a) - _upper_tail(b)) for a, b in zip(bounds, bounds[1:])]
         if prev is not None and max(abs(a - b) for a, b in zip(levels, prev)) <= _TOL:
             return tuple(levels)
         prev = levels
@@ -84,7 +83,7 @@ def _half_levels(bits: int) -> tuple[float, ...]:
     raise RuntimeError(f"Lloyd–Max iteration for bits={bits} did not converge in {_MAX_ROUNDS} rounds")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _codebook(bits: int) -> tuple[float, ...]:
     half = _half_levels(bits)
     return tuple(-v for v in reversed(half)) + half

@@ -25,6 +25,7 @@ Supported p: 0, 1, 2 and inf.
 Codes are int8 for bits <= 8 and int16 for bits <= 16. Quantization is scale invariant:
 Q_p(c·x) = Q_p(x) for any c > 0 (exactly so for powers of two).
 """
+
 from __future__ import annotations
 
 import math

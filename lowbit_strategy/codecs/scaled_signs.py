@@ -48,6 +48,7 @@ Rules:
 * **Non-finite input** gives a NaN/inf scale, and with it a non-finite error buffer; check
   the input before compressing (an optimizer skipping an overflowed step must skip this too).
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,7 @@ def check_input(x, name: str, what: str) -> None:
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(
-            f"{what}: {name} must be a floating-point tensor ({', '.join(map(str, INPUT_DTYPES))}), "
-            f"got dtype {x.dtype}"
+            f"{what}: {name} must be a floating-point tensor ({', '.join(map(str, INPUT_DTYPES))}), got dtype {x.dtype}"
         )
 
 
@@ -95,8 +95,7 @@ def check_error_buffer(buf, numel: int, device: torch.device, name: str, what: s
         )
     if buf.numel() != numel:
         raise ValueError(
-            f"{what}: {name} must hold {sized_by} = {numel} elements, got {buf.numel()} "
-            f"(shape {tuple(buf.shape)})"
+            f"{what}: {name} must hold {sized_by} = {numel} elements, got {buf.numel()} (shape {tuple(buf.shape)})"
         )
     if buf.device != device:
         raise ValueError(f"{what}: {name} is on {buf.device}, the input on {device}; keep them on one device")
@@ -125,10 +124,20 @@ def _block_pieces(n: int, length: int, block: int):
     pieces = [
         (0, (full_rows, whole, block), (length, block, 1), slice(0, full_rows), slice(0, whole)),
         (whole * block, (full_rows, 1, tail), (length, tail, 1), slice(0, full_rows), slice(whole, whole + 1)),
-        (full_rows * length, (1, rest_whole, block), (length, block, 1),
-         slice(full_rows, full_rows + 1), slice(0, rest_whole)),
-        (full_rows * length + rest_whole * block, (1, 1, rest_tail), (length, rest_tail, 1),
-         slice(full_rows, full_rows + 1), slice(rest_whole, rest_whole + 1)),
+        (
+            full_rows * length,
+            (1, rest_whole, block),
+            (length, block, 1),
+            slice(full_rows, full_rows + 1),
+            slice(0, rest_whole),
+        ),
+        (
+            full_rows * length + rest_whole * block,
+            (1, 1, rest_tail),
+            (length, rest_tail, 1),
+            slice(full_rows, full_rows + 1),
+            slice(rest_whole, rest_whole + 1),
+        ),
     ]
     return [piece for piece in pieces if math.prod(piece[1])]
 

@@ -10,6 +10,7 @@ alternating the choice between steps fixes it at no cost:
 ``torch.optim`` counts it), so the very first step breaks ties upwards. The same rule is
 used for the local signs a rank sends and for the tied votes of a majority.
 """
+
 from __future__ import annotations
 
 import torch

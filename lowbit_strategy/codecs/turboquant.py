@@ -55,6 +55,7 @@ Choices (the paper's formulas for these steps did not survive; documented here):
 The backends agree bit for bit on one device type, so ranks may mix them there (a payload
 encoded by one decodes identically by the other).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -206,8 +207,6 @@ class TurboQuantCodec:
     def _groups(self, n: int) -> int:
         return -(-n // self.block)
 
-
-
     def _check_scale(self, scale, n: int, device: torch.device) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
             s = scale.detach().to(device=device, dtype=torch.float32).reshape(-1)
@@ -216,11 +215,8 @@ class TurboQuantCodec:
         else:
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
         if s.numel() not in (1, self._groups(n)):
-            raise ValueError(
-                f"scale must hold 1 or ceil(n / block) = {self._groups(n)} values, got {s.numel()}"
-            )
+            raise ValueError(f"scale must hold 1 or ceil(n / block) = {self._groups(n)} values, got {s.numel()}")
         return s.clone()
-
 
     def _use_triton(self, device: torch.device) -> bool:
         """Whether this call runs the Triton kernels (see ``backend`` in the module docstring)."""
@@ -248,12 +244,18 @@ class TurboQuantCodec:
             s = self._sign_bits[key] = (bits, cpu[m:].to(device))
         return s
 
-
-
     def _encode_torch(self, v: torch.Tensor, signs, scale, *, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`.turboquant_torch.encode` with this codec's settings."""
-        return turboquant_torch.encode(v, signs, scale, block=self.block, midpoints=self._tables(v.device)[1],
-                                       bits=self.bits, lane_bits=self.lane_bits, owned=owned)
+        return turboquant_torch.encode(
+            v,
+            signs,
+            scale,
+            block=self.block,
+            midpoints=self._tables(v.device)[1],
+            bits=self.bits,
+            lane_bits=self.lane_bits,
+            owned=owned,
+        )
 
     def _decode_torch(self, idx: torch.Tensor, scales: torch.Tensor, signs) -> torch.Tensor:
         """:func:`.turboquant_torch.decode` with this codec's settings."""
@@ -296,10 +298,16 @@ class TurboQuantCodec:
         scales = given if given is not None else torch.empty(self._groups(n), dtype=torch.float32, device=device)
         sign_bits, rest_signs = self._triton_signs(n, m, device) if self.rotate else (None, None)
         tt.encode_blocks(
-            v, q, b,
-            sign_bits=sign_bits, scales=given, midpoints=self._tables(device)[1],
-            bits=self.bits, lane_bits=self.lane_bits,
-            codes_out=codes, scales_out=None if given is not None else scales,
+            v,
+            q,
+            b,
+            sign_bits=sign_bits,
+            scales=given,
+            midpoints=self._tables(device)[1],
+            bits=self.bits,
+            lane_bits=self.lane_bits,
+            codes_out=codes,
+            scales_out=None if given is not None else scales,
         )
         if m < n:  # the rest (tail pieces; one odd block of 2): the torch code
             rest_scale = None if given is None else given if given.numel() == 1 else given[q:]
@@ -338,9 +346,14 @@ class TurboQuantCodec:
         out = torch.empty(n, dtype=payload.dtype, device=device)
         sign_bits, rest_signs = self._triton_signs(n, m, device) if self.rotate else (None, None)
         tt.decode_blocks(
-            payload.codes.contiguous(), q, b,
-            sign_bits=sign_bits, scales=scales, levels=self._tables(device)[0],
-            lane_bits=self.lane_bits, out=out,
+            payload.codes.contiguous(),
+            q,
+            b,
+            sign_bits=sign_bits,
+            scales=scales,
+            levels=self._tables(device)[0],
+            lane_bits=self.lane_bits,
+            out=out,
         )
         if m < n:
             idx = unpack(payload.codes[m // per_byte :], self.lane_bits, n - m)

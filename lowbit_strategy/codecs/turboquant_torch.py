@@ -6,10 +6,11 @@ bit; the codec also runs it on whatever the kernels leave over (the tail past th
 block). The rules (scale groups, the RMS order, ties, clamping, packing) are the codec's,
 in :mod:`.turboquant`'s module docstring. Pure: no process group, no host synchronization.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -17,8 +18,9 @@ from lowbit_strategy.codecs.bits import pack
 from lowbit_strategy.codecs.hadamard import _blocked_fwht
 
 
-def apply_scales(v: torch.Tensor, scales: torch.Tensor, block: int,
-                 op: Callable[[torch.Tensor, torch.Tensor], object]) -> torch.Tensor:
+def apply_scales(
+    v: torch.Tensor, scales: torch.Tensor, block: int, op: Callable[[torch.Tensor, torch.Tensor], object]
+) -> torch.Tensor:
     """``op(v_group, scale_group)`` in place on every scale group of flat ``v`` (groups of
     ``block`` elements, the last one partial; one scale: every group)."""
     n, b = v.numel(), block
@@ -68,8 +70,17 @@ def level_index(z: torch.Tensor, midpoints: torch.Tensor, bits: int) -> torch.Te
     return torch.bucketize(z, midpoints, out_int32=True).to(torch.uint8)
 
 
-def encode(v: torch.Tensor, signs: torch.Tensor | None, scale: torch.Tensor | None, *, block: int,
-           midpoints: torch.Tensor, bits: int, lane_bits: int, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(
+    v: torch.Tensor,
+    signs: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    *,
+    block: int,
+    midpoints: torch.Tensor,
+    bits: int,
+    lane_bits: int,
+    owned: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (packed) and scales of flat float32 ``v`` (a whole tensor, or the part after the
     fused blocks: it starts on a group boundary and a code byte). ``signs``: float ±1 for
     ``v`` (``None``: no rotation); ``scale``: ``None`` (RMS) or checked scales for ``v``'s
@@ -84,8 +95,9 @@ def encode(v: torch.Tensor, signs: torch.Tensor | None, scale: torch.Tensor | No
     return pack(level_index(y, midpoints, bits), lane_bits, validate=False), scales
 
 
-def decode(idx: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None, *, block: int,
-           levels: torch.Tensor) -> torch.Tensor:
+def decode(
+    idx: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None, *, block: int, levels: torch.Tensor
+) -> torch.Tensor:
     """Flat float32 values of unpacked codes ``idx`` (starting on a group boundary)."""
     y = levels.index_select(0, idx.to(torch.int32))
     apply_scales(y, scales, block, torch.Tensor.mul_)

@@ -70,6 +70,7 @@ Import cost: this module imports ``triton`` (optional: ``pip install
 "lowbit-strategy[triton]"``); :mod:`.turboquant` imports it only when a Triton backend is
 used. :data:`AVAILABLE` says whether triton could be imported.
 """
+
 from __future__ import annotations
 
 import math
@@ -141,10 +142,23 @@ if AVAILABLE:
 
     @triton.jit
     def _encode_kernel(
-        x_ptr, sgn_ptr, scale_in_ptr, mids_ptr, codes_ptr, scale_out_ptr,
-        nblocks, nbytes, inv_sqrt_b, inv_b,
-        R: tl.constexpr, B: tl.constexpr, LOG2B: tl.constexpr, ROTATE: tl.constexpr,
-        SCALE_MODE: tl.constexpr, BITS: tl.constexpr, LANE: tl.constexpr,
+        x_ptr,
+        sgn_ptr,
+        scale_in_ptr,
+        mids_ptr,
+        codes_ptr,
+        scale_out_ptr,
+        nblocks,
+        nbytes,
+        inv_sqrt_b,
+        inv_b,
+        R: tl.constexpr,
+        B: tl.constexpr,
+        LOG2B: tl.constexpr,
+        ROTATE: tl.constexpr,
+        SCALE_MODE: tl.constexpr,
+        BITS: tl.constexpr,
+        LANE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -189,10 +203,20 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_kernel(
-        codes_ptr, sgn_ptr, scale_ptr, levels_ptr, out_ptr,
-        nblocks, inv_sqrt_b,
-        R: tl.constexpr, B: tl.constexpr, LOG2B: tl.constexpr, ROTATE: tl.constexpr,
-        SHARED_SCALE: tl.constexpr, LANE: tl.constexpr, OUT_BF16: tl.constexpr,
+        codes_ptr,
+        sgn_ptr,
+        scale_ptr,
+        levels_ptr,
+        out_ptr,
+        nblocks,
+        inv_sqrt_b,
+        R: tl.constexpr,
+        B: tl.constexpr,
+        LOG2B: tl.constexpr,
+        ROTATE: tl.constexpr,
+        SHARED_SCALE: tl.constexpr,
+        LANE: tl.constexpr,
+        OUT_BF16: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -307,8 +331,15 @@ def encode_blocks(
         nblocks * block // (8 // lane_bits),
         1.0 / math.sqrt(block),
         1.0 / block,
-        R=rows, B=block, LOG2B=log2b, ROTATE=sign_bits is not None, SCALE_MODE=mode,
-        BITS=bits, LANE=lane_bits, num_warps=warps, **_LAUNCH,
+        R=rows,
+        B=block,
+        LOG2B=log2b,
+        ROTATE=sign_bits is not None,
+        SCALE_MODE=mode,
+        BITS=bits,
+        LANE=lane_bits,
+        num_warps=warps,
+        **_LAUNCH,
     )
 
 
@@ -337,7 +368,13 @@ def decode_blocks(
         out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
         nblocks,
         1.0 / math.sqrt(block),
-        R=rows, B=block, LOG2B=block.bit_length() - 1, ROTATE=sign_bits is not None,
-        SHARED_SCALE=scales.numel() == 1, LANE=lane_bits, OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=warps, **_LAUNCH,
+        R=rows,
+        B=block,
+        LOG2B=block.bit_length() - 1,
+        ROTATE=sign_bits is not None,
+        SHARED_SCALE=scales.numel() == 1,
+        LANE=lane_bits,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=warps,
+        **_LAUNCH,
     )

@@ -13,6 +13,7 @@ comparison of those planes with a constant. That is about 3 word operations per 
 (each full adder turns 3 words into 2 in 5 operations), so O(P) operations per 64
 elements, independent of the element count of a word.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Each function takes a tensor and a ``group`` (default: the default process group
 the world size from that group, runs its torch.distributed calls and records the bytes
 this rank sent and received (:mod:`.wire`). They know nothing of optimizers.
 """
+
 from lowbit_strategy.collectives.cost_model import Estimate, cheapest, estimate
 from lowbit_strategy.collectives.majority import majority_vote
 from lowbit_strategy.collectives.reference import full_allreduce

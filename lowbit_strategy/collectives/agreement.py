@@ -4,17 +4,19 @@ and whether any rank saw NaN/Inf.
 With local gradients both can differ across ranks; acting on a local view would make ranks
 enter different collectives (a hang) or diverge. One small int32 SUM allreduce answers both.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from lowbit_strategy.collectives import group as g
 
 
-def agree(has_grad: Sequence[bool], nonfinite, group, op: str, traffic=None,
-          device: torch.device | str = "cpu") -> tuple[list[bool], bool]:
+def agree(
+    has_grad: Sequence[bool], nonfinite, group, op: str, traffic=None, device: torch.device | str = "cpu"
+) -> tuple[list[bool], bool]:
     """``([any rank has a gradient for parameter i], any rank non-finite)``.
 
     ``nonfinite``: this rank's flag (a bool, a 0-d tensor on the device, or None for

@@ -72,6 +72,7 @@ Non-finite input gives non-finite scales, results and errors on every rank (with
 blocks: in the blocks holding it); check the input first (1-bit Adam/LAMB skip an
 overflowed step before compressing).
 """
+
 from __future__ import annotations
 
 import torch
@@ -182,7 +183,10 @@ class CompensatedAllreduce(g.TwoPhase):
         mean = scaled_sign_mean(self._received.view(p, c), self._scales, block)
         real = max(0, min(8 * c, n - 8 * c * rank))  # elements of this chunk that are not padding
         bits, scale = scaled_sign_compress(
-            mean[:real], self._server_error.view(-1)[:real], nbytes=c, block=block,
+            mean[:real],
+            self._server_error.view(-1)[:real],
+            nbytes=c,
+            block=block,
             chunk=None if block is None else 8 * c,  # (1, nb): padding blocks get 0
         )
         del mean
@@ -218,7 +222,11 @@ def _validate(x, worker_error, server_error, out, p: int, block) -> None:
         raise ValueError(f"{_WHAT}: x is empty")
     check_error_buffer(worker_error, n, x.device, "worker_error", _WHAT, "x.numel()")
     check_error_buffer(
-        server_error, server_chunk_length(n, p), x.device, "server_error", _WHAT,
+        server_error,
+        server_chunk_length(n, p),
+        x.device,
+        "server_error",
+        _WHAT,
         f"server_chunk_length(x.numel(), P={p})",
     )
     if out is not None:
@@ -256,8 +264,9 @@ def compensated_allreduce_start(
     rank = g.rank(group)
     c = chunk_bytes(x.numel(), p)
     # worker (Algorithm 1, line 7), padded to P chunks of c bytes
-    bits, scale = scaled_sign_compress(x, worker_error, nbytes=p * c, block=block,
-                                       chunk=None if block is None else 8 * c)
+    bits, scale = scaled_sign_compress(
+        x, worker_error, nbytes=p * c, block=block, chunk=None if block is None else 8 * c
+    )
     received = torch.empty_like(bits)
     f_signs = g.all_to_all_async(received, bits, group, "compensated.signs", traffic)
     if block is None:  # one scale: every rank needs it

@@ -34,6 +34,7 @@ vector to every peer, ``(P-1)·N/2`` bytes, so it beats the float32 ring (``2(P-
 then all-gather of the re-encoded chunks) is ~8x below float32 at any P, with one
 all-to-all's latency more.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,6 +96,7 @@ def _lp(p, r, ring, lane):
 def _word(bits):
     def rule(p, r, ring, lane):
         return bits, 2 * r, ring * bits
+
     return rule
 
 
@@ -123,17 +125,25 @@ def _turboquant_two_stage(p, r, ring, lane):
 
 #: algorithm name (``lp`` for every ``lpB``) -> its row of the table in the module doc
 RULES = {
-    "1bit": _onebit, "onebit_table1": _onebit_table1, "sign": _sign, "lp": _lp,
-    "fp32": _word(32), "bf16": _word(16), "direct": _direct,
-    "param_server": _param_server, "param_server_naive": _param_server_naive,
-    "turboquant_allgather": _turboquant_allgather, "turboquant_two_stage": _turboquant_two_stage,
+    "1bit": _onebit,
+    "onebit_table1": _onebit_table1,
+    "sign": _sign,
+    "lp": _lp,
+    "fp32": _word(32),
+    "bf16": _word(16),
+    "direct": _direct,
+    "param_server": _param_server,
+    "param_server_naive": _param_server_naive,
+    "turboquant_allgather": _turboquant_allgather,
+    "turboquant_two_stage": _turboquant_two_stage,
 }
 
 
 def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth_bps: float) -> Estimate:
     """Cost of algorithm ``name`` ("1bit", "sign", "lpB" for a B-bit lane, "fp32", "bf16",
-    "turboquant_allgather", "turboquant_two_stage", or a Table 1 baseline from :data:`PAPER_ALGORITHMS`). Raises ``ValueError`` for an
-    unknown name and ``OverflowError`` for an lp lane too narrow for ``world_size``."""
+    "turboquant_allgather", "turboquant_two_stage", or a Table 1 baseline from
+    :data:`PAPER_ALGORITHMS`). Raises ``ValueError`` for an unknown name and
+    ``OverflowError`` for an lp lane too narrow for ``world_size``."""
     p, n = int(world_size), int(numel)
     if p < 1 or n < 0:
         raise ValueError(f"world_size must be >= 1 and numel >= 0, got {world_size}, {numel}")

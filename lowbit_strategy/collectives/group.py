@@ -5,6 +5,7 @@ network entirely when the group has one rank, record traffic (:mod:`.wire`), and
 the torch 2.13 renames (``all_gather_single`` replaces the deprecated
 ``all_gather_into_tensor``; the fallback keeps torch >= 2.4 working).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -99,7 +100,7 @@ class TwoPhase:
     implement :meth:`_second_phase`.
     """
 
-    _pending: "Pending | None" = None
+    _pending: Pending | None = None
 
     def gather(self) -> Pending:
         if self._pending is None:
@@ -122,8 +123,11 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
     context (its active :func:`~.wire.recording` logs), with launch-to-completion seconds."""
     p = world_size(group)
     nbytes = inp.numel() * inp.element_size()
-    n = {"gather": wire.all_gather_bytes(nbytes, p), "allreduce": wire.allreduce_bytes(nbytes, p),
-         "all_to_all": wire.all_to_all_bytes(nbytes // p, p)}[kind]
+    n = {
+        "gather": wire.all_gather_bytes(nbytes, p),
+        "allreduce": wire.allreduce_bytes(nbytes, p),
+        "all_to_all": wire.all_to_all_bytes(nbytes // p, p),
+    }[kind]
     ctx, start = contextvars.copy_context(), time.perf_counter()
     if p == 1:
         if kind != "allreduce":

@@ -23,6 +23,7 @@ The two collectives run asynchronously (:func:`majority_vote_start`, then
 :meth:`MajorityVote.gather`), so an optimizer can start the all-to-all of every bucket
 during backward and finish the votes at its step.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ What DDP does today (fp32), or with ``fp16_compress_hook``-style casting (bf16/f
 sum over ranks of ``x``, sent as ``wire_dtype``. It is the reference every compressed
 collective is compared with, and Lion Cub's ``fp32`` / ``bf16`` modes.
 """
+
 from __future__ import annotations
 
 import math
@@ -176,16 +177,17 @@ def _compensated_blocks_reference(inputs, worker_errors, server_errors, block: i
             for i in range(p):  # rank order
                 term = (scales[i][r, b] / p) * signs[i][lo:hi]
                 mean = term if mean is None else mean + term
-            y = mean + server_errors[r].reshape(-1)[lo - r * chunk: hi - r * chunk]
-            result[lo:hi], _, _, server_error[lo - r * chunk: hi - r * chunk] = compress(y)
+            y = mean + server_errors[r].reshape(-1)[lo - r * chunk : hi - r * chunk]
+            result[lo:hi], _, _, server_error[lo - r * chunk : hi - r * chunk] = compress(y)
         new_server_errors.append(server_error)
 
     result = result.to(inputs[0].dtype).view(inputs[0].shape)
     return [result.clone() for _ in range(p)], new_worker_errors, new_server_errors
 
 
-def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_errors=None, worker_errors=None,
-                              scales=None):
+def turboquant_mean_reference(
+    inputs, codec, two_stage: bool = False, server_errors=None, worker_errors=None, scales=None
+):
     """Single-process simulation of the TurboQuant means of :mod:`.turboquant` on
     ``P = len(inputs)`` ranks: the oracle their tests compare with, bit for bit.
 
@@ -215,8 +217,10 @@ def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_err
     p = len(inputs)
     x0 = inputs[0]
     n = x0.numel()
-    us = [x.reshape(-1).to(torch.float32) if worker_errors is None else x.reshape(-1).to(torch.float32) + worker_errors[i]
-          for i, x in enumerate(inputs)]
+    us = [
+        x.reshape(-1).to(torch.float32) if worker_errors is None else x.reshape(-1).to(torch.float32) + worker_errors[i]
+        for i, x in enumerate(inputs)
+    ]
     scales = scales if scales is not None else [None] * p
 
     def average(decoded):
@@ -247,8 +251,10 @@ def turboquant_mean_reference(inputs, codec, two_stage: bool = False, server_err
             return s
         return s.reshape(p, -1)[r]
 
-    worker_decoded = [[codec.decode(codec.encode(v[r * c:(r + 1) * c], chunk_scale(s, r))) for r in range(p)]
-                      for v, s in zip(padded, scales)]
+    worker_decoded = [
+        [codec.decode(codec.encode(v[r * c : (r + 1) * c], chunk_scale(s, r))) for r in range(p)]
+        for v, s in zip(padded, scales)
+    ]
     pieces, new_server_errors = [], []
     for r in range(p):
         mean = average([worker_decoded[i][r] for i in range(p)])

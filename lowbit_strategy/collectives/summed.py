@@ -15,6 +15,7 @@ the paper silently wraps around past 15 workers at 4 bits; this one never does.)
 
 Bandwidth per rank: 2(P-1)/P · N · lane_bits bits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -81,8 +82,9 @@ def summed_allreduce(
     codes outside the declared range; ``check=True`` adds one small collective verifying
     that every rank passed the same number of elements.
     """
-    return summed_allreduce_start(codes, levels, group, signed=signed, lane_bits=lane_bits, validate=validate,
-                                  check=check, traffic=traffic).wait()
+    return summed_allreduce_start(
+        codes, levels, group, signed=signed, lane_bits=lane_bits, validate=validate, check=check, traffic=traffic
+    ).wait()
 
 
 def summed_allreduce_start(

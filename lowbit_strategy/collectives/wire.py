@@ -17,13 +17,14 @@ Records go to an explicit :class:`TrafficLog` passed as ``traffic=`` and to ever
 with :func:`recording` in the current context (a ``contextvars`` stack, so concurrent
 threads or tasks do not see each other's traffic; DDP hook threads should pass ``traffic=``).
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,7 @@ class TrafficLog:
         self.records.clear()
 
 
-_ACTIVE: contextvars.ContextVar[tuple[TrafficLog, ...]] = contextvars.ContextVar(
-    "lowbit_traffic_logs", default=()
-)
+_ACTIVE: contextvars.ContextVar[tuple[TrafficLog, ...]] = contextvars.ContextVar("lowbit_traffic_logs", default=())
 
 
 @contextlib.contextmanager
@@ -113,7 +112,7 @@ class timed:
 
     __slots__ = ("start", "seconds")
 
-    def __enter__(self) -> "timed":
+    def __enter__(self) -> timed:
         self.start = time.perf_counter()
         return self
 

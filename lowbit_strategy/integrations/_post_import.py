@@ -6,12 +6,13 @@ so that plain-DDP users do not pay for it. A finder on ``sys.meta_path`` waits f
 ``lightning.pytorch.strategies`` and calls the registration right after that module has
 executed, whichever of the two packages is imported first.
 """
+
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -35,24 +35,31 @@ each train alone (``DistributedType.NO``) on a machine without GPUs unless
 it is one of several launched processes and Accelerate finds no device backend, so they
 form one gloo group (``MULTI_CPU``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from accelerate.utils import DistributedDataParallelKwargs
 
 from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.ddp import build_sync, destroy_process_group_at_exit, load_rank_states, save_rank_states
+from lowbit_strategy.integrations.ddp import (
+    build_sync,
+    destroy_process_group_at_exit,
+    load_rank_states,
+    save_rank_states,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +72,15 @@ STATE_FILE = "lowbit_rank_states.pt"
 #: Accelerate modes that do not wrap the model in ``DistributedDataParallel``
 _NOT_DDP = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 #: accelerate.utils probes of the device backends its launcher would use instead of gloo
-_DEVICE_PROBES = ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_sdaa_available",
-                  "is_musa_available", "is_hpu_available", "is_neuron_available")
+_DEVICE_PROBES = (
+    "is_xpu_available",
+    "is_npu_available",
+    "is_mlu_available",
+    "is_sdaa_available",
+    "is_musa_available",
+    "is_hpu_available",
+    "is_neuron_available",
+)
 
 
 def _flag(value: str | None) -> bool:
@@ -133,8 +147,13 @@ class LowBitAccelerator(Accelerator):
     *local* gradient.
     """
 
-    def __init__(self, lowbit: LowBitConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
-                 overlap: bool = True, **accelerator_kwargs: Any) -> None:
+    def __init__(
+        self,
+        lowbit: LowBitConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+        *,
+        overlap: bool = True,
+        **accelerator_kwargs: Any,
+    ) -> None:
         self.lowbit_config = LowBitConfig.from_env() if lowbit is None else LowBitConfig.coerce(lowbit)
         self.lowbit_algorithm = algorithms.get(self.lowbit_config.algorithm)
         if not isinstance(overlap, bool):
@@ -147,11 +166,17 @@ class LowBitAccelerator(Accelerator):
         asked = accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
         if asked:
             self._check_precision(str(getattr(asked, "value", asked)))
-        if (not accelerator_kwargs.get("cpu") and not _flag(os.environ.get("ACCELERATE_USE_CPU"))
-                and _launched_world_size() > 1 and not _has_device_backend()):
-            logger.info("lowbit: %d processes launched on a machine without a GPU: LowBitAccelerator passes "
-                        "cpu=True so that they form one gloo group (MULTI_CPU) instead of each training alone",
-                        _launched_world_size())
+        if (
+            not accelerator_kwargs.get("cpu")
+            and not _flag(os.environ.get("ACCELERATE_USE_CPU"))
+            and _launched_world_size() > 1
+            and not _has_device_backend()
+        ):
+            logger.info(
+                "lowbit: %d processes launched on a machine without a GPU: LowBitAccelerator passes "
+                "cpu=True so that they form one gloo group (MULTI_CPU) instead of each training alone",
+                _launched_world_size(),
+            )
             accelerator_kwargs["cpu"] = True
         super().__init__(**accelerator_kwargs)
         if dist.is_available() and dist.is_initialized():
@@ -161,7 +186,8 @@ class LowBitAccelerator(Accelerator):
             raise LowBitSetupError(
                 f"LowBitAccelerator synchronizes DistributedDataParallel models, but Accelerate is set up for "
                 f"{self.distributed_type.name}; use a multi-GPU / multi-CPU config (distributed_type: MULTI_GPU) "
-                "without DeepSpeed, FSDP, Megatron-LM or XLA")
+                "without DeepSpeed, FSDP, Megatron-LM or XLA"
+            )
         self._configure_ddp_kwargs()
         self.register_save_state_pre_hook(self._save_lowbit_states)
         self.register_load_state_pre_hook(self._remember_load_dir)
@@ -185,7 +211,8 @@ class LowBitAccelerator(Accelerator):
         if handler is not None and handler.comm_hook.value != "no":
             raise LowBitSetupError(
                 f"{self._who()} registers the algorithm's own DDP communication hook and a DDP model takes one; "
-                f"remove comm_hook={handler.comm_hook.value!r} from DistributedDataParallelKwargs")
+                f"remove comm_hook={handler.comm_hook.value!r} from DistributedDataParallelKwargs"
+            )
         handler = handler if handler is not None else DistributedDataParallelKwargs()
         if "bucket_cap_mb" not in handler.to_kwargs():
             handler = dataclasses.replace(handler, bucket_cap_mb=self.lowbit_config.bucket_size_mb)
@@ -196,8 +223,9 @@ class LowBitAccelerator(Accelerator):
         and communication hook (before its first backward)."""
         prepared = super().prepare_model(model, *args, **kwargs)
         ddp = _unwrap_compiled(prepared)
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
-                not any(ddp is p.model for p in self._lowbit_prepared):
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and not any(
+            ddp is p.model for p in self._lowbit_prepared
+        ):
             sync = build_sync(self.lowbit_config, ddp, group=None)
             ddp.register_comm_hook(sync.hook_state, sync.comm_hook)
             if not self.lowbit_overlap:
@@ -205,8 +233,10 @@ class LowBitAccelerator(Accelerator):
             self._lowbit_prepared.append(_Prepared(ddp, sync))
             self._attach_optimizers()
         elif not self.lowbit_syncs and self.num_processes == 1:
-            logger.info("lowbit: one process, nothing to synchronize: %s trains as a plain single-process model",
-                        type(_unwrap_compiled(model)).__name__)
+            logger.info(
+                "lowbit: one process, nothing to synchronize: %s trains as a plain single-process model",
+                type(_unwrap_compiled(model)).__name__,
+            )
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -231,8 +261,9 @@ class LowBitAccelerator(Accelerator):
     def backward(self, loss, **kwargs: Any) -> None:
         if self.gradient_accumulation_steps > 1 and self.gradient_state.plugin_kwargs.get("sync_each_batch"):
             # the hook then runs on every micro-batch, but the update comes once per step
-            self._disable_overlap("GradientAccumulationPlugin(sync_each_batch=True) runs the DDP hook on every "
-                                  "micro-batch")
+            self._disable_overlap(
+                "GradientAccumulationPlugin(sync_each_batch=True) runs the DDP hook on every micro-batch"
+            )
         return super().backward(loss, **kwargs)
 
     def _disable_overlap(self, reason: str) -> None:
@@ -250,7 +281,8 @@ class LowBitAccelerator(Accelerator):
                 f"{what} changes the gradients after backward, but {self._who()} already started synchronizing "
                 "them during backward (overlap). Create the accelerator with LowBitAccelerator(..., overlap=False) "
                 "in scripts that clip or rescale gradients: the update is then formed in optimizer.step() from the "
-                "clipped gradients")
+                "clipped gradients"
+            )
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's ``clip_grad_norm_`` (needs ``LowBitAccelerator(overlap=False)`` with an
@@ -288,8 +320,9 @@ class LowBitAccelerator(Accelerator):
             return
         entries = [save_rank_states(sync) for sync in self.lowbit_syncs]  # collective, every rank
         if entries[0] is not None:
-            torch.save({"algorithm": self.lowbit_config.algorithm, "models": entries},
-                       os.path.join(output_dir, STATE_FILE))
+            torch.save(
+                {"algorithm": self.lowbit_config.algorithm, "models": entries}, os.path.join(output_dir, STATE_FILE)
+            )
 
     def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any):
         """Accelerate's ``save_state`` plus every rank's low-bit state (call it on every rank,
@@ -309,8 +342,11 @@ class LowBitAccelerator(Accelerator):
         if self._lowbit_load_dir is not None and self.lowbit_syncs:
             self._load_lowbit_states(self._lowbit_load_dir)
         elif self._lowbit_load_dir is not None and os.path.exists(os.path.join(self._lowbit_load_dir, STATE_FILE)):
-            logger.info("lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
-                        "the optimizer continues from the main process's state", self._lowbit_load_dir)
+            logger.info(
+                "lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
+                "the optimizer continues from the main process's state",
+                self._lowbit_load_dir,
+            )
         return result
 
     def _load_lowbit_states(self, input_dir: str) -> None:
@@ -318,13 +354,18 @@ class LowBitAccelerator(Accelerator):
         algorithm = self.lowbit_config.algorithm
         saved = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
         if saved is None or saved.get("algorithm") != algorithm:
-            logger.warning("lowbit: %s holds no %s rank-local state; every rank starts from the main process's "
-                           "optimizer state", input_dir, algorithm)
+            logger.warning(
+                "lowbit: %s holds no %s rank-local state; every rank starts from the main process's optimizer state",
+                input_dir,
+                algorithm,
+            )
             return
         if len(saved["models"]) != len(self.lowbit_syncs):
-            raise ValueError(f"{path} holds the low-bit state of {len(saved['models'])} models, but this "
-                             f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
-                             "run that saved it")
+            raise ValueError(
+                f"{path} holds the low-bit state of {len(saved['models'])} models, but this "
+                f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
+                "run that saved it"
+            )
         for sync, entry in zip(self.lowbit_syncs, saved["models"]):
             load_rank_states(sync, entry)
 

@@ -12,11 +12,13 @@
 
 The Lightning strategy (and the Accelerate front end) are built on the same three calls.
 """
+
 from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,8 +57,10 @@ def attach(
     (``clip_grad_norm_``, manual scaling), pass ``overlap=False`` (or call
     ``sync.disable_overlap(reason)``) so that synchronization waits for ``step()``."""
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"attach needs the DistributedDataParallel model, got {type(ddp_model).__name__}; "
-                        "wrap it first: DistributedDataParallel(model)")
+        raise TypeError(
+            f"attach needs the DistributedDataParallel model, got {type(ddp_model).__name__}; "
+            "wrap it first: DistributedDataParallel(model)"
+        )
     cfg = LowBitConfig.coerce(config, **overrides)
     sync = build_sync(cfg, ddp_model, group)
     ddp_model.register_comm_hook(sync.hook_state, sync.comm_hook)
@@ -78,10 +82,12 @@ def load_rank_states(sync: Sync, entry: Mapping[str, Any]) -> None:
     rank = dist.get_rank(group) if world > 1 else 0
     merge = sync.algorithm.merge_states if sync.algorithm is not None else None
     if merge is None and entry["world_size"] != world:
-        raise ValueError("load_rank_states: another world size needs the algorithm's merge; build the sync "
-                         "with build_sync/attach")
-    sync.load_state_dict(rank_state.pick(dict(entry), rank, world, merge,
-                                         f"{sync.config.algorithm} rank-local buffers"))
+        raise ValueError(
+            "load_rank_states: another world size needs the algorithm's merge; build the sync with build_sync/attach"
+        )
+    sync.load_state_dict(
+        rank_state.pick(dict(entry), rank, world, merge, f"{sync.config.algorithm} rank-local buffers")
+    )
 
 
 def _destroy_process_group() -> None:

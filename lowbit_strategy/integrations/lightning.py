@@ -22,12 +22,12 @@ Notes for users:
   (``gradient_clip_val``) clips each rank's *local* gradient, and gradient accumulation
   synchronizes once per real optimizer step.
 """
+
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -96,8 +96,10 @@ class LowBitStrategy(DDPStrategy):
             self.sync.attach([_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}")
             reason = self._gradients_change_after_backward(trainer)
             if reason:
-                self.sync.disable_overlap(f"{reason} may change the gradients after backward, so the synchronized "
-                                          "update must be formed in optimizer.step()")
+                self.sync.disable_overlap(
+                    f"{reason} may change the gradients after backward, so the synchronized "
+                    "update must be formed in optimizer.step()"
+                )
 
     def _gradients_change_after_backward(self, trainer) -> str:
         """Why gradients may change between backward and ``optimizer.step()``, or ''."""
@@ -146,12 +148,20 @@ class LowBitStrategy(DDPStrategy):
         if self.sync is None:
             return
         if entry is None or entry.get("algorithm") != self.lowbit_config.algorithm:
-            logger.warning("lowbit: the checkpoint holds no %s rank-local state; every rank starts from "
-                           "rank 0's optimizer state", self.lowbit_config.algorithm)
+            logger.warning(
+                "lowbit: the checkpoint holds no %s rank-local state; every rank starts from rank 0's optimizer state",
+                self.lowbit_config.algorithm,
+            )
             return
-        self.sync.load_state_dict(rank_state.pick(
-            entry, self.global_rank, self.world_size, self.algorithm.merge_states,
-            f"{self.lowbit_config.algorithm} rank-local buffers"))
+        self.sync.load_state_dict(
+            rank_state.pick(
+                entry,
+                self.global_rank,
+                self.world_size,
+                self.algorithm.merge_states,
+                f"{self.lowbit_config.algorithm} rank-local buffers",
+            )
+        )
 
 
 #: launcher suffix -> start method, like Lightning's ``ddp``, ``ddp_spawn``, ``ddp_notebook``
@@ -160,8 +170,11 @@ VARIANTS = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
 
 def strategy_names() -> dict[str, tuple[algorithms.Algorithm, dict[str, Any]]]:
     """Every registered base name (no variant suffix) -> (algorithm, its init arguments)."""
-    return {name: (algo, dict(kwargs)) for algo in algorithms.REGISTRY.values()
-            for name, kwargs in algo.strategy_names.items()}
+    return {
+        name: (algo, dict(kwargs))
+        for algo in algorithms.REGISTRY.values()
+        for name, kwargs in algo.strategy_names.items()
+    }
 
 
 def register_strategies(registry=StrategyRegistry) -> list[str]:

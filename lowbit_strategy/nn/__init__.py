@@ -18,6 +18,7 @@ head left alone by default), ``decompress_activations`` swaps them back, and
 
 Lightning: ``callbacks.ActivationCompression``. Imports torch only.
 """
+
 from lowbit_strategy.nn.linear import TurboQuantLinear, default_block
 from lowbit_strategy.nn.memory import SavedTensorMeter, SavedTensorStats
 from lowbit_strategy.nn.swap import compress_activations, decompress_activations, select_linears

@@ -53,6 +53,7 @@ process), because the codec caches its rotation's signs per tensor length (one f
 element of each of the last 8 lengths it saw): shared, that is about one fp32 activation
 per distinct input size in the whole model, not one per layer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,7 +79,7 @@ def default_block(in_features: int) -> int:
     return p if p >= MIN_ROW_BLOCK else DEFAULT_BLOCK
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_codec(bits: int, block: int, seed: int) -> TurboQuantCodec:
     """The process's one codec for ``(bits, block, seed)`` (see "Codec sharing")."""
     return TurboQuantCodec(bits=bits, seed=seed, block=block)
@@ -167,8 +168,17 @@ class TurboQuantLinear(nn.Linear):
     an existing layer, keeping its Parameter objects.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 4,
-                 block: int | None = None, seed: int = 0, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        bits: int = 4,
+        block: int | None = None,
+        seed: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(bits, block, seed)
 
@@ -192,7 +202,7 @@ class TurboQuantLinear(nn.Linear):
         return shared_codec(self.bits, self.block, self.seed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, block: int | None = None, seed: int = 0) -> "TurboQuantLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, block: int | None = None, seed: int = 0) -> TurboQuantLinear:
         """A ``TurboQuantLinear`` computing what ``linear`` computes, with the *same*
         ``weight``/``bias`` Parameter objects (an optimizer built on ``linear``'s parameters,
         tied weights and DDP's parameter list stay valid) and the same hooks, buffers and
@@ -204,7 +214,8 @@ class TurboQuantLinear(nn.Linear):
         if type(linear) is not nn.Linear:
             raise TypeError(
                 f"TurboQuantLinear.from_linear: linear must be a torch.nn.Linear (not a subclass, whose forward "
-                f"may do more than F.linear), got {type(linear).__name__}; convert such layers yourself or leave them out"
+                f"may do more than F.linear), got {type(linear).__name__}; "
+                "convert such layers yourself or leave them out"
             )
         new = cls.__new__(cls)
         # shallow copy: the same Parameter objects, copied containers (so adding a hook or a
@@ -217,15 +228,19 @@ class TurboQuantLinear(nn.Linear):
         """The plain ``nn.Linear`` with the same Parameter objects (the inverse of
         :meth:`from_linear`)."""
         new = nn.Linear.__new__(nn.Linear)
-        state = {k: (v.copy() if isinstance(v, dict) else v) for k, v in self.__dict__.items()
-                 if k not in ("bits", "block", "seed")}
+        state = {
+            k: (v.copy() if isinstance(v, dict) else v)
+            for k, v in self.__dict__.items()
+            if k not in ("bits", "block", "seed")
+        }
         new.__dict__.update(state)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+            x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+        )
         if not needs_grad:
             return F.linear(x, w, b)  # nothing to keep for a backward that will not come
         device_type = x.device.type

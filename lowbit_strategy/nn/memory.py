@@ -23,6 +23,7 @@ storage if another op saves it), so during the measured pass those inputs live u
 :meth:`SavedTensorMeter.stop`: stop it before backward (and measure one step, not all
 of them); its counts are exact, the memory high-water mark of that one pass is not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,12 +93,12 @@ class SavedTensorMeter:
         self._reset()
 
     def _reset(self) -> None:
-        self._saved: dict[tuple, int] = {}          # storage key -> nbytes
-        self._linear_inputs: set[tuple] = set()     # storage keys of nn.Linear inputs
-        self._payload: set[tuple] = set()           # storage keys of TurboQuantLinear codes/scales
-        self._compressed: list[torch.Tensor] = []   # inputs TurboQuantLinear compressed (refs, see doc)
+        self._saved: dict[tuple, int] = {}  # storage key -> nbytes
+        self._linear_inputs: set[tuple] = set()  # storage keys of nn.Linear inputs
+        self._payload: set[tuple] = set()  # storage keys of TurboQuantLinear codes/scales
+        self._compressed: list[torch.Tensor] = []  # inputs TurboQuantLinear compressed (refs, see doc)
         self._excluded: set[tuple] = set()
-        self._keep: list[torch.Tensor] = []         # nn.Linear inputs, kept so their addresses stay theirs
+        self._keep: list[torch.Tensor] = []  # nn.Linear inputs, kept so their addresses stay theirs
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ class SavedTensorMeter:
 
     # -- API --------------------------------------------------------------------------------
 
-    def start(self) -> "SavedTensorMeter":
+    def start(self) -> SavedTensorMeter:
         """Start counting (from zero)."""
         if self._hooks_ctx is not None:
             raise RuntimeError("SavedTensorMeter.start: already started; call stop() first")
@@ -159,8 +160,11 @@ class SavedTensorMeter:
         # an input whose storage something else saves anyway costs nothing more uncompressed
         raw_total = sum(k[2] for k in compressed if k not in self._saved and k not in self._excluded)
         # ... but is then a linear input too (nn.Linear would keep that same storage)
-        shared = sum(n for k, n in self._saved.items()
-                     if k in compressed and k not in self._linear_inputs and k not in self._payload)
+        shared = sum(
+            n
+            for k, n in self._saved.items()
+            if k in compressed and k not in self._linear_inputs and k not in self._payload
+        )
         self.stats = SavedTensorStats(
             total_bytes=total,
             linear_input_bytes=linear,
@@ -171,7 +175,7 @@ class SavedTensorMeter:
         self._compressed, self._keep = [], []
         return self.stats
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -21,11 +21,12 @@ The swap keeps the Parameter objects (:meth:`TurboQuantLinear.from_linear`) and 
 modules' order, so ``parameters()``, ``state_dict()`` keys, an optimizer built before or
 after, and checkpoints are the same with and without it.
 """
+
 from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -65,8 +66,11 @@ def select_linears(
     model = unwrap(model)
     inc = check_patterns(f"{field}: include", include)
     exc = check_patterns(f"{field}: exclude", exclude)
-    linears = [(m, names) for m, names in _names_by_module(model).values()
-               if type(m) is nn.Linear or isinstance(m, TurboQuantLinear)]
+    linears = [
+        (m, names)
+        for m, names in _names_by_module(model).values()
+        if type(m) is nn.Linear or isinstance(m, TurboQuantLinear)
+    ]
     all_names = [n for _, names in linears for n in names]
 
     def matching(patterns: tuple[str, ...], names: Iterable[str], used: set[str]) -> bool:

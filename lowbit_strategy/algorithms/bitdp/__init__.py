@@ -4,6 +4,7 @@
 ``config.py`` its config section, ``selection.py`` which gradients are quantized,
 ``hook.py`` the hook and its per-rank state, ``algorithm.py`` its registry entry.
 """
+
 from lowbit_strategy.algorithms.bitdp.algorithm import ALGORITHM, BitDPSync
 from lowbit_strategy.algorithms.bitdp.config import BitDPConfig
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook

@@ -1,5 +1,6 @@
 """BitDP behind the algorithm interface: a gradient-level :class:`~..base.Sync` whose DDP
 hook is :func:`.hook.bitdp_hook`, for any optimizer."""
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,14 @@ class BitDPSync(Sync):
         super().__init__(config, group)
         section: BitDPConfig = config.bitdp
         self.state = BitDPState(
-            bits=section.bits, process_group=group, quantize=section.quantize, exclude=section.exclude,
-            start_iter=max(2, config.warmup_steps), reduction=section.reduction,
-            error_feedback=section.error_feedback, traffic=TrafficLog(),
+            bits=section.bits,
+            process_group=group,
+            quantize=section.quantize,
+            exclude=section.exclude,
+            start_iter=max(2, config.warmup_steps),
+            reduction=section.reduction,
+            error_feedback=section.error_feedback,
+            traffic=TrafficLog(),
         ).attach(module)
 
     @property
@@ -48,8 +54,10 @@ def merge_states(states: list[dict]) -> dict:
     residual, which carries the same untransmitted part of the mean gradient
     (Σ_r e_r / P) into every new rank."""
     names = set.intersection(*(set(s["residuals"]) for s in states))
-    return {"iter": states[0]["iter"],
-            "residuals": {n: torch.stack([s["residuals"][n] for s in states]).mean(0) for n in sorted(names)}}
+    return {
+        "iter": states[0]["iter"],
+        "residuals": {n: torch.stack([s["residuals"][n] for s in states]).mean(0) for n in sorted(names)},
+    }
 
 
 ALGORITHM = Algorithm(

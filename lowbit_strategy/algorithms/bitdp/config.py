@@ -1,4 +1,5 @@
 """BitDP's section of :class:`~lowbit_strategy.config.LowBitConfig` (``config.bitdp``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -49,6 +49,7 @@ survive a restart); :meth:`BitDPState.load_state_dict` restores them. The quanti
 depends only on each parameter's own rows, never on how DDP groups them into buckets, so a
 resume that restores this state continues as the uninterrupted run did.
 """
+
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
 # annotations and accepts only the real objects dist.GradBucket / Future[Tensor], not strings.
 import logging
@@ -58,9 +59,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -69,7 +70,7 @@ from lowbit_strategy.collectives.gathered import (
     matrix_shape,
     pack_payload,
 )
-from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
+from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.selection import check_patterns
 
 logger = logging.getLogger(__name__)
@@ -111,10 +112,20 @@ class BitDPState:
     """
 
     __slots__ = (
-        "bits", "process_group", "quantize", "exclude", "start_iter", "reduction",
-        "chunk_rows", "error_feedback", "traffic",
+        "bits",
+        "process_group",
+        "quantize",
+        "exclude",
+        "start_iter",
+        "reduction",
+        "chunk_rows",
+        "error_feedback",
+        "traffic",
         # internal state
-        "iter", "params", "plans", "residuals",
+        "iter",
+        "params",
+        "plans",
+        "residuals",
     )
 
     def __init__(
@@ -137,7 +148,8 @@ class BitDPState:
             raise _bad("process_group", process_group, "pass a torch.distributed ProcessGroup or None (default group)")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
             raise _bad(
-                "start_iter", start_iter,
+                "start_iter",
+                start_iter,
                 "pass an int >= 2: as with PowerSGD's start_powerSGD_iter, at least the first two "
                 "iterations (DDP's provisional buckets, then their rebuild) run as a plain allreduce",
             )
@@ -222,8 +234,10 @@ class BitDPState:
         buf, params = bucket.buffer(), bucket.parameters()
         key = (bucket.index(), buf.numel())
         cached = self.plans.get(key)
-        if cached is not None and len(cached.param_ids) == len(params) and all(
-            i == id(p) for i, p in zip(cached.param_ids, params)
+        if (
+            cached is not None
+            and len(cached.param_ids) == len(params)
+            and all(i == id(p) for i, p in zip(cached.param_ids, params))
         ):
             return cached
         quantized, full, transposed, offset = [], [], set(), 0
@@ -274,7 +288,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     # Whether this rank's bucket holds NaN/Inf: a device-side flag, sent beside the scales,
     # so every rank decides from the gathered data alone (no blocking agreement here).
     nonfinite = ~torch.isfinite(buf).all()
-    mats = [buf[o: o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
+    mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
     codes, scales, residuals = [], [], {}
@@ -295,12 +309,21 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     # local gradient is encoded already. Otherwise decode into a temporary and copy back.
     direct = buf.dtype == torch.float32 and not plan.transposed
     out = [m.view(-1) for m in mats] if direct else None
-    f_q = gathered_mean_async(words, scl, layout, group, reduction=state.reduction, chunk_rows=state.chunk_rows,
-                              out=out, traffic=traffic, flag=nonfinite)
+    f_q = gathered_mean_async(
+        words,
+        scl,
+        layout,
+        group,
+        reduction=state.reduction,
+        chunk_rows=state.chunk_rows,
+        out=out,
+        traffic=traffic,
+        flag=nonfinite,
+    )
     futures = [f_q]
     fp = None
     if plan.full:
-        fp = torch.cat([buf[o: o + n] for o, n in plan.full]).mul_(1.0 / p)
+        fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / p)
         futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
 
     def assemble(_: torch.futures.Future) -> torch.Tensor:
@@ -315,12 +338,12 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
             state.residuals.update(residuals)
             if out is None:  # decoded into a float32 temporary: cast (and transpose) into the bucket
                 for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
-                    v.copy_(q[e: e + r * c].view(v.shape))
+                    v.copy_(q[e : e + r * c].view(v.shape))
         if fp is not None:
             futures[1].value()
             start = 0
             for o, n in plan.full:
-                buf[o: o + n].copy_(fp[start: start + n])
+                buf[o : o + n].copy_(fp[start : start + n])
                 start += n
         return buf
 

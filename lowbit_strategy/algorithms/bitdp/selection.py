@@ -26,11 +26,12 @@ Overrides by patterns (a pattern matching nothing is an error, as everywhere):
 (rows = dim 0, a 1-D parameter is one row; never a scalar, an empty or an integer tensor);
 ``exclude`` is never quantized and wins over ``quantize``. Selecting nothing at all warns.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from torch import nn
 
@@ -84,8 +85,12 @@ def classify(
     quantize = roles.PatternSet("quantize", roles.check_patterns("quantize", quantize))
     exclude = roles.PatternSet("exclude", roles.check_patterns("exclude", exclude))
     model = roles.unwrap(model)
-    params = {id(p): p for _, mod in model.named_modules(remove_duplicate=False)
-              for p in mod._parameters.values() if p is not None}
+    params = {
+        id(p): p
+        for _, mod in model.named_modules(remove_duplicate=False)
+        for p in mod._parameters.values()
+        if p is not None
+    }
     head = roles.output_embedding(model)
     output_embedding = id(head.weight) if head is not None else None
     out: dict[int, ParamInfo] = {}
@@ -96,12 +101,21 @@ def classify(
             q, why = False, "matches exclude"
         elif quantize:
             q = matched and p.is_floating_point() and p.dim() >= 1 and p.numel() > 0
-            why = "matches quantize" if q else ("not a non-empty floating tensor" if matched
-                                                else "matches no quantize pattern")
+            why = (
+                "matches quantize"
+                if q
+                else ("not a non-empty floating tensor" if matched else "matches no quantize pattern")
+            )
         else:
             q, why = _default(p, owners, output_embedding)
-        out[key] = ParamInfo(tuple(names), tuple(type(o.module).__name__ for o in owners), tuple(p.shape), q, why,
-                             q and _conv1d_weight(owners))
+        out[key] = ParamInfo(
+            tuple(names),
+            tuple(type(o.module).__name__ for o in owners),
+            tuple(p.shape),
+            q,
+            why,
+            q and _conv1d_weight(owners),
+        )
     example = [info.name for info in out.values()]
     exclude.check_all_used(example)
     quantize.check_all_used(example)

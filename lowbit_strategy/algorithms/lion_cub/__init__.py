@@ -6,6 +6,7 @@ Communication Overhead in Distributed Lion).
 update vectors become one compressed collective per bucket, ``selection.py`` which momenta
 are synchronized, ``algorithm.py`` its registry entry.
 """
+
 from lowbit_strategy.algorithms.lion_cub.algorithm import ALGORITHM, LionSync
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator, Plan, resolve_mode
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig

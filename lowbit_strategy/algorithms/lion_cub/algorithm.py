@@ -7,10 +7,11 @@ collective at once, while backward goes on; ``step()`` waits for the results and
 them. Without it, each :class:`Lion` synchronizes everything in ``step()``. The rank-local
 state checkpoints keep is every optimizer's ``state`` (each rank's own momenta).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +32,9 @@ class LionSync(Sync):
     def __init__(self, config, module: torch.nn.Module, group=None):
         super().__init__(config, group)
         section: LionConfig = config.lion
-        self.momentum_params = (momentum_sync_params(module, section.momentum_sync_layers)
-                                if section.momentum_sync_every else [])
+        self.momentum_params = (
+            momentum_sync_params(module, section.momentum_sync_layers) if section.momentum_sync_every else []
+        )
         self.optimizers: list[Lion] = []
         self._traffic: list[TrafficLog] = []
         self.overlap = section.overlap
@@ -62,7 +64,8 @@ class LionSync(Sync):
         for opt in optimizers:
             if not isinstance(opt, Lion):
                 raise LowBitSetupError(
-                    f"{who or 'LowBitConfig(algorithm=lion)'} drives lowbit_strategy.Lion, but got {type(opt).__module__}.{type(opt).__name__}. "
+                    f"{who or 'LowBitConfig(algorithm=lion)'} drives lowbit_strategy.Lion, "
+                    f"but got {type(opt).__module__}.{type(opt).__name__}. "
                     "Use lowbit_strategy.Lion(...) instead, or algorithm='bitdp' (strategy 'lowbit_bitdp') / "
                     "plain DDP for other optimizers (their gradients would otherwise never be synchronized)."
                 )
@@ -78,8 +81,9 @@ class LionSync(Sync):
                 opt.set_momentum_sync(section.momentum_sync_every, self.momentum_params)
             params = [p for grp in opt.param_groups for p in grp["params"]]
             # every rank, same order: auto measures its codecs once and plans with them
-            comm.calibrate(sum(p.numel() for p in params), section.momentum_sync_every,
-                           params[0].device if params else "cpu")
+            comm.calibrate(
+                sum(p.numel() for p in params), section.momentum_sync_every, params[0].device if params else "cpu"
+            )
 
     def detach(self) -> None:
         self._owner = {}
@@ -96,8 +100,9 @@ class LionSync(Sync):
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", [])
         if len(saved) != len(self.optimizers):
-            raise ValueError(f"Lion Cub state holds {len(saved)} optimizers' momenta, the run has "
-                             f"{len(self.optimizers)}")
+            raise ValueError(
+                f"Lion Cub state holds {len(saved)} optimizers' momenta, the run has {len(self.optimizers)}"
+            )
         for opt, own in zip(self.optimizers, saved):
             # torch's load_state_dict moves each buffer to its parameter's device
             opt.load_state_dict({**opt.state_dict(), "state": own})
@@ -120,7 +125,7 @@ def merge_states(states: list[dict]) -> dict:
     return {"optimizers": merged}
 
 
-def check_precision(precision: Optional[str]) -> None:
+def check_precision(precision: str | None) -> None:
     if precision == "16-mixed":
         raise LowBitSetupError(
             "Lion Cub does not support precision='16-mixed': gradients stay local, so each rank's "

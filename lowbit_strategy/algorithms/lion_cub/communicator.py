@@ -24,13 +24,15 @@ parameters have gradients and whether any rank saw a non-finite one, and can aud
 against the full-precision direction (sign match / flip rates, Fig. 4). Every byte goes
 through :mod:`lowbit_strategy.collectives` and lands in :attr:`traffic`.
 """
+
 from __future__ import annotations
 
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,12 +40,11 @@ from lowbit_strategy import buckets
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
 from lowbit_strategy.collectives import cost_model, full_allreduce, wire
+from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
 from lowbit_strategy.collectives.majority import majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
-from lowbit_strategy.collectives.summed import summed_allreduce_start
-from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.summed import lane_for, max_levels
+from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce_start
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
     from lowbit_strategy.config import LowBitConfig
@@ -80,8 +81,13 @@ def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: 
     return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + ("fp32",)
 
 
-def resolve_mode(config: LowBitConfig, world_size: int, numel: int, codec_seconds: dict[str, float] | None = None,
-                 momentum_sync_every: int | None = None) -> Plan:
+def resolve_mode(
+    config: LowBitConfig,
+    world_size: int,
+    numel: int,
+    codec_seconds: dict[str, float] | None = None,
+    momentum_sync_every: int | None = None,
+) -> Plan:
     """Turn the configured mode into a concrete :class:`Plan` for this world size.
 
     ``auto`` picks, among :func:`auto_candidates`, the smallest predicted time for a bucket
@@ -96,8 +102,10 @@ def resolve_mode(config: LowBitConfig, world_size: int, numel: int, codec_second
     mode, bits = lion.mode, lion.bits
     if mode == "auto":
         link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
-        costs = {name: cost_model.estimate(name, world_size, numel, *link).seconds + (codec_seconds or {}).get(name, 0.0)
-                 for name in auto_candidates(config, world_size, momentum_sync_every)}
+        costs = {
+            name: cost_model.estimate(name, world_size, numel, *link).seconds + (codec_seconds or {}).get(name, 0.0)
+            for name in auto_candidates(config, world_size, momentum_sync_every)
+        }
         best = min(costs, key=costs.get)  # first of equal costs: dicts keep the candidates' order
         if best.startswith("lp"):
             mode, bits = "lp", int(best[2:])
@@ -119,8 +127,15 @@ def resolve_mode(config: LowBitConfig, world_size: int, numel: int, codec_second
     return Plan(mode, 32 if mode == "fp32" else 16)
 
 
-def measure_codec_seconds(candidates: Sequence[str], world_size: int, numel: int, p: float,
-                          device: torch.device | str = "cpu", sample: int = 1 << 20, repeat: int = 3) -> dict[str, float]:
+def measure_codec_seconds(
+    candidates: Sequence[str],
+    world_size: int,
+    numel: int,
+    p: float,
+    device: torch.device | str = "cpu",
+    sample: int = 1 << 20,
+    repeat: int = 3,
+) -> dict[str, float]:
     """This rank's encode + decode time of each candidate for ``numel`` elements, timed on
     a sample of at most ``sample`` random values (median of ``repeat``) and scaled linearly.
     Only the local work: the same passes the collectives make around the wire (the receive
@@ -142,8 +157,9 @@ def measure_codec_seconds(candidates: Sequence[str], world_size: int, numel: int
         levels = max_levels(world_size, lane)
         codes = lp_quantize_levels(x, levels, p, validate=False)
         spec = lane_for(world_size, levels, lane_bits=lane)
-        shifted = codes.to(spec.word_dtype) + levels if spec.word_dtype != torch.uint8 else \
-            codes.to(torch.uint8).add_(levels)
+        shifted = (
+            codes.to(spec.word_dtype) + levels if spec.word_dtype != torch.uint8 else codes.to(torch.uint8).add_(levels)
+        )
         words = lanes.pack(shifted, spec.bits, validate=False)
         return torch.sign(lanes.unpack(words, spec.bits, m).to(torch.int32) - levels * world_size)
 
@@ -171,11 +187,11 @@ WARMUP_PLAN = Plan("fp32", 32)
 class _InFlight:
     """One bucket's collective, launched; finished by :meth:`LionCommunicator.finish`."""
 
-    params: list            # the parameters the bucket covers (overlap path), else empty
-    chunk: list             # this rank's update vectors c, in bucket order
+    params: list  # the parameters the bucket covers (overlap path), else empty
+    chunk: list  # this rank's update vectors c, in bucket order
     plan: Plan
-    handle: object          # g.Pending or MajorityVote
-    flagged: bool           # a non-finite flag travels with the payload
+    handle: object  # g.Pending or MajorityVote
+    flagged: bool  # a non-finite flag travels with the payload
 
 
 class LionCommunicator:
@@ -233,10 +249,10 @@ class LionCommunicator:
     def _plan(self, step: int, numel: int) -> Plan:
         if self.plan is None:
             size = self.plan_numel or min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
-            self.plan = resolve_mode(self.config, self.world_size, size, self.codec_seconds,
-                                     self.momentum_sync_every)
-            logger.info("lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan,
-                        self.codec_seconds)
+            self.plan = resolve_mode(self.config, self.world_size, size, self.codec_seconds, self.momentum_sync_every)
+            logger.info(
+                "lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan, self.codec_seconds
+            )
         return self.plan if step > self.config.warmup_steps else WARMUP_PLAN
 
     # ---- the update direction, at step time --------------------------------------------
@@ -259,8 +275,9 @@ class LionCommunicator:
         return out
 
     # ---- the update direction, overlapped with backward ----------------------------------
-    def launch(self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], step: int,
-               nonfinite: torch.Tensor) -> None:
+    def launch(
+        self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], step: int, nonfinite: torch.Tensor
+    ) -> None:
         """Start the collective of one DDP bucket (called from the communication hook):
         ``updates`` are this rank's c for ``params`` (non-empty ones), ``nonfinite`` a
         device-side bool saying whether this rank's gradients in the bucket have NaN/Inf."""
@@ -295,8 +312,9 @@ class LionCommunicator:
         return out, nonfinite
 
     # ---- one bucket: encode + launch, then wait + decode ----------------------------------
-    def start(self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None,
-              params: list | None = None) -> _InFlight:
+    def start(
+        self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None, params: list | None = None
+    ) -> _InFlight:
         """Encode one bucket of update vectors and launch its (first) collective."""
         check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
         kw = dict(check=check, traffic=traffic)
@@ -311,8 +329,9 @@ class LionCommunicator:
             codes = sign_bits(buckets.flatten(chunk), step, check_nan=False)
             if flagged:
                 codes = torch.cat([codes, nonfinite.to(torch.uint8).reshape(1)])
-            handle = summed_allreduce_start(codes, 1, self.group, signed=False, lane_bits=plan.bits,
-                                            validate=False, **kw)
+            handle = summed_allreduce_start(
+                codes, 1, self.group, signed=False, lane_bits=plan.bits, validate=False, **kw
+            )
         else:
             codes = [lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False) for c in chunk]
             if flagged:
@@ -322,8 +341,7 @@ class LionCommunicator:
                 # NaN/Inf input casts to arbitrary integers: keep them inside their lanes, so
                 # that they can never carry into the flag's
                 codes[:-1].clamp_(-plan.levels, plan.levels)
-            handle = summed_allreduce_start(codes, plan.levels, self.group, lane_bits=plan.bits,
-                                            validate=False, **kw)
+            handle = summed_allreduce_start(codes, plan.levels, self.group, lane_bits=plan.bits, validate=False, **kw)
         return _InFlight(params or [], chunk, plan, handle, flagged)
 
     def finish(self, launched: Sequence[_InFlight], audit: bool = False) -> tuple[list[torch.Tensor], bool]:
@@ -347,8 +365,10 @@ class LionCommunicator:
         if audit and not bad:
             audits = [self._audit(job.chunk, flat) for job, flat in zip(launched, flats)]
             total = sum(a[2] for a in audits)
-            self.last_audit = {"sign_match": sum(a[0] for a in audits) / total,
-                               "sign_flip": sum(a[1] for a in audits) / total}
+            self.last_audit = {
+                "sign_match": sum(a[0] for a in audits) / total,
+                "sign_flip": sum(a[1] for a in audits) / total,
+            }
         return flats, bad
 
     def _audit(self, chunk: Sequence[torch.Tensor], direction: torch.Tensor) -> tuple[float, float, int]:
@@ -359,8 +379,9 @@ class LionCommunicator:
         return match, flip, exact.numel()
 
     # ---- agreement and momentum --------------------------------------------------------
-    def agree(self, has_grad: Sequence[bool], nonfinite: torch.Tensor | bool | None,
-              device: torch.device | str = "cpu") -> tuple[list[bool], bool]:
+    def agree(
+        self, has_grad: Sequence[bool], nonfinite: torch.Tensor | bool | None, device: torch.device | str = "cpu"
+    ) -> tuple[list[bool], bool]:
         """Which parameters have a gradient on *any* rank, and whether any rank saw NaN/Inf
         (:func:`lowbit_strategy.collectives.agreement.agree`)."""
         return agree(has_grad, nonfinite, self.group, "lion.agree", self.traffic, device)

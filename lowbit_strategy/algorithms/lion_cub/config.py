@@ -1,4 +1,5 @@
 """Lion Cub's section of :class:`~lowbit_strategy.config.LowBitConfig` (``config.lion``)."""
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,9 @@ class LionConfig(Section):
         bits = None if is_none(self.bits) else as_int(f("bits"), self.bits, 1)
         if mode == "auto" and bits is not None:
             if bits not in BITS_TO_MODE:
-                raise ConfigError(f("bits"), self.bits,
-                                  f"with mode='auto' allowed: None, {', '.join(map(str, BITS_TO_MODE))}")
+                raise ConfigError(
+                    f("bits"), self.bits, f"with mode='auto' allowed: None, {', '.join(map(str, BITS_TO_MODE))}"
+                )
             mode = BITS_TO_MODE[bits]
         if bits not in ALLOWED_BITS[mode]:
             shown = ", ".join("None" if b is None else str(b) for b in ALLOWED_BITS[mode])
@@ -97,5 +99,8 @@ class LionConfig(Section):
         try:
             return as_patterns(cls.field_name("momentum_sync_layers"), value) or "none"
         except ConfigError:
-            raise ConfigError(cls.field_name("momentum_sync_layers"), value,
-                              "allowed: 'auto', 'all', 'none', or a non-empty list of parameter-name patterns") from None
+            raise ConfigError(
+                cls.field_name("momentum_sync_layers"),
+                value,
+                "allowed: 'auto', 'all', 'none', or a non-empty list of parameter-name patterns",
+            ) from None

@@ -25,10 +25,11 @@ Steps are counted globally (:attr:`Lion.global_step`, stored as ``lion_step`` in
 parameter group so checkpoints carry it): the alternating tie rule and momentum sync
 count optimizer steps taken, whichever groups had gradients.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -117,8 +118,12 @@ class Lion(Optimizer):
             bad_somewhere = bool(bad) if bad is not None else False
         if nonfinite or bad_somewhere:
             self.skipped_steps += 1
-            warnings.warn("Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "
-                          "parameter group, weights and momentum unchanged", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "
+                "parameter group, weights and momentum unchanged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return loss
         chosen = {id(p) for p, h in zip(rest, has_grad) if h}
         chosen.update(id(p) for p in params if id(p) in given and p.grad is not None)
@@ -166,8 +171,16 @@ class Lion(Optimizer):
             raise ValueError(f"Lion.set_momentum_sync: every must be an int >= 0, got {every!r}")
         self._momentum_sync = (every, list(params)) if every else None
 
-    def _update(self, group: dict, params: list, grads: list, comm: LionCommunicator | None, step: int,
-                audit: bool, given: dict[int, torch.Tensor]) -> None:
+    def _update(
+        self,
+        group: dict,
+        params: list,
+        grads: list,
+        comm: LionCommunicator | None,
+        step: int,
+        audit: bool,
+        given: dict[int, torch.Tensor],
+    ) -> None:
         """One Lion step for ``params`` of ``group``; ``given`` holds directions already
         synchronized from the DDP hook, the others are computed here."""
         beta1, beta2 = group["betas"]
@@ -191,8 +204,12 @@ class Lion(Optimizer):
         """``(param, momentum)`` for every parameter (zeros before its first step): the
         rank-local tensors whose spread across ranks ``callbacks.DivergenceMonitor`` reports
         (Lion Cub Fig. 6)."""
-        return [(p, self.state[p].get("exp_avg", torch.zeros_like(p))) for grp in self.param_groups
-                for p in grp["params"] if p.numel()]
+        return [
+            (p, self.state[p].get("exp_avg", torch.zeros_like(p)))
+            for grp in self.param_groups
+            for p in grp["params"]
+            if p.numel()
+        ]
 
     def sync_momentum(self, params: Iterable[torch.Tensor]) -> int:
         """Average the momentum of ``params`` across ranks (Lion Cub Sec. 5). Returns how

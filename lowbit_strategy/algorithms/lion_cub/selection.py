@@ -4,9 +4,10 @@ Momentum diverges across ranks almost only in the input embedding and the output
 (where the differing data enters), so ``auto`` syncs just those; the roles and the pattern
 rule (a pattern matching nothing is an error) are :mod:`lowbit_strategy.selection`'s.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import nn
 

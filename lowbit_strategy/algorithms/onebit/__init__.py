@@ -8,11 +8,20 @@ and :class:`OneBitLamb` (Adam's arithmetic is :mod:`lowbit_strategy.algorithms.s
 shared with TurboQuant-Adam), ``communicator.py`` the bucketed compressed allreduce and its
 error buffers, ``algorithm.py`` the registry entries.
 """
+
+from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
 from lowbit_strategy.algorithms.onebit.algorithm import ADAM, LAMB, OneBitSync
 from lowbit_strategy.algorithms.onebit.communicator import OneBitCommunicator
 from lowbit_strategy.algorithms.onebit.config import OneBitAdamConfig, OneBitLambConfig
-from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
 from lowbit_strategy.algorithms.onebit.lamb import OneBitLamb
 
-__all__ = ["ADAM", "LAMB", "OneBitAdam", "OneBitAdamConfig", "OneBitCommunicator", "OneBitLamb",
-           "OneBitLambConfig", "OneBitSync"]
+__all__ = [
+    "ADAM",
+    "LAMB",
+    "OneBitAdam",
+    "OneBitAdamConfig",
+    "OneBitCommunicator",
+    "OneBitLamb",
+    "OneBitLambConfig",
+    "OneBitSync",
+]

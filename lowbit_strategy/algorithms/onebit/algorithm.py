@@ -10,12 +10,13 @@ while backward goes on. Rank-local state in checkpoints: each
 optimizer's ``state`` (the same on every rank, but cheap) and its communicator's worker
 and server errors (different on every rank).
 """
+
 from __future__ import annotations
 
 from lowbit_strategy.algorithms.base import Algorithm
+from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
 from lowbit_strategy.algorithms.onebit.communicator import OneBitCommunicator
 from lowbit_strategy.algorithms.onebit.config import OneBitAdamConfig, OneBitLambConfig
-from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
 from lowbit_strategy.algorithms.onebit.lamb import OneBitLamb
 from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
 from lowbit_strategy.algorithms.staged import StagedSync, check_local_gradient_precision, rank0_state_without_errors
@@ -26,8 +27,9 @@ class OneBitSync(StagedSync):
     arguments_hint = " (same arguments as DeepSpeed's)"
 
     def make_communicator(self, optimizer) -> OneBitCommunicator:
-        return OneBitCommunicator(self.group, self.config.bucket_size_mb, self.config.debug,
-                                  block=self.section.scale_block)
+        return OneBitCommunicator(
+            self.group, self.config.bucket_size_mb, self.config.debug, block=self.section.scale_block
+        )
 
 
 class OneBitAdamSync(OneBitSync):
@@ -48,8 +50,15 @@ def merge_states(states: list[dict]) -> dict:
 
 
 def _entry(name: str, section, sync, strategy: str, summary: str) -> Algorithm:
-    return Algorithm(name=name, section=section, build=sync, strategy_names={strategy: dict(algorithm=name)},
-                     merge_states=merge_states, check_precision=check_local_gradient_precision, summary=summary)
+    return Algorithm(
+        name=name,
+        section=section,
+        build=sync,
+        strategy_names={strategy: dict(algorithm=name)},
+        merge_states=merge_states,
+        check_precision=check_local_gradient_precision,
+        summary=summary,
+    )
 
 
 ADAM = _entry("onebit_adam", OneBitAdamConfig, OneBitAdamSync, "lowbit_adam", "1-bit Adam (lowbit_strategy.OneBitAdam)")

@@ -23,6 +23,7 @@ parameter indices in the optimizer. A step's new errors are only *committed*
 on any rank) leaves them as they were (:meth:`discard`). Non-finite input needs no extra
 collective: it makes every rank's server scales non-finite, and every rank sees all of them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ class OneBitCommunicator(BucketCommunicator):
         else:
             # work on copies: the step may still be skipped, and then the errors must not move
             worker, server = saved[0].clone(), saved[1].clone()
-        handle = compensated_allreduce_start(flat, worker, server, self.group, out=flat, check=self.debug,
-                                             traffic=self.traffic, block=self.block)
+        handle = compensated_allreduce_start(
+            flat, worker, server, self.group, out=flat, check=self.debug, traffic=self.traffic, block=self.block
+        )
         return (worker, server), handle
 
     def _non_finite(self, job: Job) -> bool:

@@ -6,6 +6,7 @@ bounds, ...) are the optimizer's constructor arguments, named as DeepSpeed's ``O
 and ``OnebitLamb`` name them, so a DeepSpeed config translates one to one; the section holds
 only how the synchronization runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,11 +26,11 @@ class _OneBitSection(Section):
     scale_block: elements that share one 1-bit scale (a multiple of 8), on the workers and
         on the servers; blocks never straddle the P server chunks, so a block larger than a
         chunk still means one scale per chunk. None: one scale per fused buffer on each
-        worker and one per server chunk, as in the papers. A momentum buffer fused over layers whose magnitudes differ by orders of
-        magnitude loses most of its small layers to one shared scale (1-bit LAMB Sec. 4.3):
-        on the GPT example, one scale for the whole model ended 7 % above AdamW's loss and
-        64k-element scales 0.7 %. Costs 4 bytes per block per peer and phase (0.1 % at the
-        default).
+        worker and one per server chunk, as in the papers. A momentum buffer fused over
+        layers whose magnitudes differ by orders of magnitude loses most of its small layers
+        to one shared scale (1-bit LAMB Sec. 4.3): on the GPT example, one scale for the
+        whole model ended 7 % above AdamW's loss and 64k-element scales 0.7 %. Costs 4 bytes
+        per block per peer and phase (0.1 % at the default).
     """
 
     overlap: bool = True
@@ -40,8 +41,11 @@ class _OneBitSection(Section):
         if not is_none(self.scale_block):
             block = as_int(self.field_name("scale_block"), self.scale_block, 8)
             if block % 8:
-                raise ConfigError(self.field_name("scale_block"), self.scale_block,
-                                  "a multiple of 8 (whole bytes of sign bits), or None")
+                raise ConfigError(
+                    self.field_name("scale_block"),
+                    self.scale_block,
+                    "a multiple of 8 (whole bytes of sign bits), or None",
+                )
             self._set("scale_block", block)
         else:
             self._set("scale_block", None)

@@ -42,10 +42,11 @@ Safety: a step whose gradients hold NaN/Inf on any rank is skipped everywhere (w
 momenta, variances and error buffers untouched), with a warning; :attr:`skipped_steps`
 counts it. ``group["lr"]`` is read at every step, so LR schedulers work.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -60,8 +61,9 @@ logger = logging.getLogger(__name__)
 YOUNG_VARIANCE = 0.02
 
 
-def variance_ratio(v_frozen: torch.Tensor, v_fresh: torch.Tensor, *, beta2: float, eps: float, step: int,
-                   freeze_step: int) -> torch.Tensor:
+def variance_ratio(
+    v_frozen: torch.Tensor, v_fresh: torch.Tensor, *, beta2: float, eps: float, step: int, freeze_step: int
+) -> torch.Tensor:
     """1-bit LAMB's scaling ratio r_t before clipping (Algorithm 1 line 17), as the largest
     ratio of Adam *denominators*, ``max((sqrt(v̂_frozen) + eps) / (sqrt(v̂_fresh) + eps))``.
 
@@ -70,8 +72,8 @@ def variance_ratio(v_frozen: torch.Tensor, v_fresh: torch.Tensor, *, beta2: floa
     variance actually changes in the update (m / (sqrt(v) + eps)), it stays finite where the
     fresh variance is 0, and the defaults factor_min=0.5, factor_max=4 were tuned for it.
     """
-    frozen = (v_frozen.sqrt() / (1 - beta2 ** freeze_step) ** 0.5).add_(eps)
-    fresh = (v_fresh.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    frozen = (v_frozen.sqrt() / (1 - beta2**freeze_step) ** 0.5).add_(eps)
+    fresh = (v_fresh.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     if frozen.numel() == 0:
         return torch.ones((), dtype=frozen.dtype, device=frozen.device)
     return (frozen / fresh).max()
@@ -90,9 +92,14 @@ class _OneBitOptimizer(StagedOptimizer):
         weight = 1 - betas[1] ** freeze_step  # how much of its averaging weight the frozen variance holds
         if weight < YOUNG_VARIANCE:
             logger.warning(
-                "%s: freeze_step=%d freezes a variance holding %.1f%% of its averaging weight (1 - beta2**freeze_step). "
+                "%s: freeze_step=%d freezes a variance holding %.1f%% of its averaging weight "
+                "(1 - beta2**freeze_step). "
                 "The 1-bit Adam/LAMB papers freeze after 15-25%% of training; frozen this young, 1-bit momenta "
-                "can diverge (seen at freeze_step=10 with beta2=0.999 on a small GPT).", name, freeze_step, 100 * weight)
+                "can diverge (seen at freeze_step=10 with beta2=0.999 on a small GPT).",
+                name,
+                freeze_step,
+                100 * weight,
+            )
 
     def _end_warmup(self) -> None:
         self._freeze()
@@ -109,8 +116,9 @@ class _OneBitOptimizer(StagedOptimizer):
             fresh = state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
         grad = (new - state["exp_avg"] * beta1).div_(1 - beta1)
         fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        r = variance_ratio(state["exp_avg_sq"], fresh, beta2=beta2, eps=eps, step=step,
-                             freeze_step=self.freeze_step).float()
+        r = variance_ratio(
+            state["exp_avg_sq"], fresh, beta2=beta2, eps=eps, step=step, freeze_step=self.freeze_step
+        ).float()
         state["variance_ratio"] = r
         return r
 
@@ -118,11 +126,14 @@ class _OneBitOptimizer(StagedOptimizer):
     def variance_ratios(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, r)``: the unclipped ratio of frozen to fresh variance denominators (1-bit
         LAMB's r, Algorithm 1 line 17) of the last compression step, where tracked."""
-        return [(p, self.state[p]["variance_ratio"]) for grp in self.param_groups for p in grp["params"]
-                if "variance_ratio" in self.state.get(p, {})]
+        return [
+            (p, self.state[p]["variance_ratio"])
+            for grp in self.param_groups
+            for p in grp["params"]
+            if "variance_ratio" in self.state.get(p, {})
+        ]
 
     @staticmethod
     def _masked(mean: torch.Tensor, state: dict) -> torch.Tensor:
         """The mean momentum, 0 where the frozen variance is 0 (module docstring)."""
         return mean.to(state["exp_avg"].dtype).masked_fill_(state["exp_avg_sq"] == 0, 0)
-

@@ -24,9 +24,21 @@ the subclasses and their communicators supply. Shared here, one module each:
 
 Everything reads ``group["lr"]`` at every step, so LR schedulers work.
 """
+
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Job, Key
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
-from lowbit_strategy.algorithms.staged.sync import StagedSync, check_local_gradient_precision, rank0_state_without_errors
+from lowbit_strategy.algorithms.staged.sync import (
+    StagedSync,
+    check_local_gradient_precision,
+    rank0_state_without_errors,
+)
 
-__all__ = ["BucketCommunicator", "Job", "Key", "StagedOptimizer", "StagedSync", "check_local_gradient_precision",
-           "rank0_state_without_errors"]
+__all__ = [
+    "BucketCommunicator",
+    "Job",
+    "Key",
+    "StagedOptimizer",
+    "StagedSync",
+    "check_local_gradient_precision",
+    "rank0_state_without_errors",
+]

@@ -5,13 +5,25 @@ Pure tensor functions: no process group, no optimizer state dict. The optimizers
 the same way whether the momentum came from a compressed collective, from the DDP hook's
 averaged gradient or from a single process, and the tests call them to build references.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float,
-           beta2: float, eps: float, weight_decay: float, step: int) -> None:
+def adamw_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     """One ``torch.optim.AdamW`` step on ``p`` (decoupled weight decay, bias correction), with
     the same operations in the same order as torch's single-tensor implementation, so the
     warm-up stage equals DDP + AdamW bit for bit."""
@@ -21,8 +33,18 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *
     adam_apply_(p, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, v_step=step)
 
 
-def adam_apply_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-                eps: float, step: int, v_step: int) -> None:
+def adam_apply_(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    v_step: int,
+) -> None:
     """``p -= lr · m̂ / (sqrt(v̂) + eps)`` with m̂ = m / (1 - β1^step) and v̂ = v / (1 - β2^v_step).
 
     In 1-bit Adam's compression stage ``v`` is the variance frozen at ``v_step =
@@ -30,5 +52,5 @@ def adam_apply_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
     variance preconditions momentum SGD), so its bias correction stays the one it had when
     it was frozen, and the first compressed step continues the warm-up's arithmetic without
     a jump. TurboQuant-Adam passes its live variance with ``v_step = step``."""
-    denom = (v.sqrt() / (1 - beta2 ** v_step) ** 0.5).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / (1 - beta1 ** step)))
+    denom = (v.sqrt() / (1 - beta2**v_step) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / (1 - beta1**step)))

@@ -1,11 +1,12 @@
 """The staged optimizers' communicator: one compressed collective per bucket of the
 optimizer's fixed layout, started from the DDP hook or at ``step()``, with rank-local
 per-bucket state committed only when a step is applied (:mod:`lowbit_strategy.algorithms.staged`)."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -24,9 +25,9 @@ class Job:
     """One bucket's collective in flight."""
 
     key: Key
-    like: list               # the momenta sent (shapes and dtypes of the results)
-    state: tuple             # this step's rank-local state of the bucket, committed on success
-    handle: object           # .gather() -> .wait() -> the flat mean
+    like: list  # the momenta sent (shapes and dtypes of the results)
+    state: tuple  # this step's rank-local state of the bucket, committed on success
+    handle: object  # .gather() -> .wait() -> the flat mean
 
 
 class BucketCommunicator:
@@ -78,8 +79,11 @@ class BucketCommunicator:
         if saved is not None and (saved[0].numel() != flat.numel() or saved[0].device != flat.device):
             saved = None
         if saved is None and self.errors:
-            logger.info("lowbit: %s bucket %s is new (bucket layout changed); its state starts afresh", self.label,
-                        key[:4] + ((...,) if len(key) > 4 else ()))
+            logger.info(
+                "lowbit: %s bucket %s is new (bucket layout changed); its state starts afresh",
+                self.label,
+                key[:4] + ((...,) if len(key) > 4 else ()),
+            )
         state, handle = self._start_bucket(key, flat, saved)
         return Job(key, list(momenta), state, handle)
 
@@ -133,16 +137,24 @@ class BucketCommunicator:
 
     # ---- rank-local state --------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"world_size": self.world_size,
-                "errors": {",".join(map(str, k)): tuple(t.detach().cpu().clone() for t in v)
-                           for k, v in self.errors.items()}}
+        return {
+            "world_size": self.world_size,
+            "errors": {
+                ",".join(map(str, k)): tuple(t.detach().cpu().clone() for t in v) for k, v in self.errors.items()
+            },
+        }
 
     def load_state_dict(self, state: dict, device) -> None:
         if state.get("world_size", self.world_size) != self.world_size:
-            logger.warning("lowbit: %s state was saved at world size %s, running %d: it starts afresh",
-                           self.label, state.get("world_size"), self.world_size)
+            logger.warning(
+                "lowbit: %s state was saved at world size %s, running %d: it starts afresh",
+                self.label,
+                state.get("world_size"),
+                self.world_size,
+            )
             self.errors = {}
             return
-        self.errors = {tuple(int(i) for i in k.split(",")): tuple(t.to(device) for t in v)
-                       for k, v in state.get("errors", {}).items()}
-
+        self.errors = {
+            tuple(int(i) for i in k.split(",")): tuple(t.to(device) for t in v)
+            for k, v in state.get("errors", {}).items()
+        }

@@ -1,10 +1,11 @@
 """The staged optimizers' base class: warm-up, then compressed momenta (the stage switch,
 the fixed bucket layout, the overlap entry from the DDP hook, the NaN/Inf rule;
 :mod:`lowbit_strategy.algorithms.staged`)."""
+
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -25,12 +26,15 @@ class StagedOptimizer(Optimizer):
     steps (it travels in the optimizer's state dict).
     """
 
-    def __init__(self, params: Iterable, defaults: dict, warmup: int, warmup_name: str, step_key: str,
-                 min_warmup: int = 1):
+    def __init__(
+        self, params: Iterable, defaults: dict, warmup: int, warmup_name: str, step_key: str, min_warmup: int = 1
+    ):
         name = type(self).__name__
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < min_warmup:
-            raise ValueError(f"{name}: {warmup_name} must be an int >= {min_warmup} (full-precision steps before "
-                             f"compression), got {warmup!r}")
+            raise ValueError(
+                f"{name}: {warmup_name} must be an int >= {min_warmup} (full-precision steps before "
+                f"compression), got {warmup!r}"
+            )
         betas = defaults["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -56,7 +60,7 @@ class StagedOptimizer(Optimizer):
         """``"warmup"`` or ``"compression"``: the stage of the *next* step."""
         return "warmup" if self.global_step < self._warmup_steps else "compression"
 
-    def attach_communicator(self, communicator: Optional[BucketCommunicator]) -> None:
+    def attach_communicator(self, communicator: BucketCommunicator | None) -> None:
         """Make this optimizer distributed (or single-process again with None)."""
         self.communicator = communicator
         self._layout = None
@@ -82,10 +86,15 @@ class StagedOptimizer(Optimizer):
             # (parameter, its group) by index and index by id: built once, read by every hook call
             self._slots = [(p, grp) for grp in self.param_groups for p in grp["params"]]
             self._index_of = {id(p): i for i, (p, _) in enumerate(self._slots)}
-            order = [i for i in reversed(range(len(self._slots))) if self._slots[i][0].requires_grad
-                     and self._slots[i][0].numel()]
+            order = [
+                i
+                for i in reversed(range(len(self._slots)))
+                if self._slots[i][0].requires_grad and self._slots[i][0].numel()
+            ]
             numels = [self._slots[i][0].numel() for i in order]
-            self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)]
+            self._layout = [
+                tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)
+            ]
         return self._layout
 
     # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
@@ -136,8 +145,12 @@ class StagedOptimizer(Optimizer):
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
-        warnings.warn(f"{type(self).__name__}: non-finite gradient (NaN/Inf) on at least one rank; step skipped on "
-                      "every rank, weights, moments and error buffers unchanged", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(self).__name__}: non-finite gradient (NaN/Inf) on at least one rank; step skipped on "
+            "every rank, weights, moments and error buffers unchanged",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
 
     def _check_dense(self, params) -> None:
@@ -167,8 +180,9 @@ class StagedOptimizer(Optimizer):
             grads = [p.grad for p in params if p.grad is not None]
             if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
                 return self._skip()
-            means = {i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params)
-                     if p.grad is not None}
+            means = {
+                i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params) if p.grad is not None
+            }
         else:
             comm = self.communicator
             layout = self.layout()
@@ -198,8 +212,18 @@ class StagedOptimizer(Optimizer):
         """One warm-up step: ``torch.optim.AdamW`` bit for bit (1-bit LAMB overrides it with LAMB)."""
         state = self._state(p)
         beta1, beta2 = group["betas"]
-        adam.adamw_(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
-                 eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        adam.adamw_(
+            p,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=step,
+        )
 
     def _compressed(self, group: dict, p: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         raise NotImplementedError
@@ -215,5 +239,9 @@ class StagedOptimizer(Optimizer):
         gradients are averaged before the step."""
         if self.global_step <= self._warmup_steps:
             return []
-        return [(p, p.grad * (1 - grp["betas"][0])) for grp in self.param_groups for p in grp["params"]
-                if p.grad is not None and p.numel()]
+        return [
+            (p, p.grad * (1 - grp["betas"][0]))
+            for grp in self.param_groups
+            for p in grp["params"]
+            if p.grad is not None and p.numel()
+        ]

@@ -1,10 +1,11 @@
 """The staged optimizers behind the algorithm interface: one :class:`~lowbit_strategy.algorithms.base.Sync`
 for every :class:`~lowbit_strategy.algorithms.staged.optimizer.StagedOptimizer`
 (:mod:`lowbit_strategy.algorithms.staged`)."""
+
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -61,9 +62,12 @@ class StagedSync(Sync):
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:
-            logger.info("lowbit: %s synchronizes momenta in optimizer.step(), not during backward: %s "
-                        "(during warm-up gradients are averaged during backward either way)",
-                        self.optimizer_class.__name__, reason)
+            logger.info(
+                "lowbit: %s synchronizes momenta in optimizer.step(), not during backward: %s "
+                "(during warm-up gradients are averaged during backward either way)",
+                self.optimizer_class.__name__,
+                reason,
+            )
         self.overlap = False
 
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
@@ -86,19 +90,28 @@ class StagedSync(Sync):
             opt.attach_communicator(None)
 
     def traffic_logs(self) -> list[wire.TrafficLog]:
-        return [self._hook_traffic] + [opt.communicator.traffic for opt in self.optimizers
-                                       if opt.communicator is not None]
+        return [self._hook_traffic] + [
+            opt.communicator.traffic for opt in self.optimizers if opt.communicator is not None
+        ]
 
     def state_dict(self) -> dict:
-        return {"optimizers": [{"state": to_cpu(opt.state_dict()["state"]),
-                                "errors": opt.communicator.state_dict() if opt.communicator else {}}
-                               for opt in self.optimizers]}
+        return {
+            "optimizers": [
+                {
+                    "state": to_cpu(opt.state_dict()["state"]),
+                    "errors": opt.communicator.state_dict() if opt.communicator else {},
+                }
+                for opt in self.optimizers
+            ]
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", [])
         if len(saved) != len(self.optimizers):
-            raise ValueError(f"{self.optimizer_class.__name__} state holds {len(saved)} optimizers, the run has "
-                             f"{len(self.optimizers)}")
+            raise ValueError(
+                f"{self.optimizer_class.__name__} state holds {len(saved)} optimizers, the run has "
+                f"{len(self.optimizers)}"
+            )
         for opt, own in zip(self.optimizers, saved):
             opt.load_state_dict({**opt.state_dict(), "state": own["state"]})
             if opt.communicator is not None:
@@ -106,7 +119,7 @@ class StagedSync(Sync):
                 opt.communicator.load_state_dict(own.get("errors") or {}, device)
 
 
-def check_local_gradient_precision(precision: Optional[str]) -> None:
+def check_local_gradient_precision(precision: str | None) -> None:
     """Refuse ``16-mixed``: in the compression stage gradients stay local, so each rank's
     GradScaler could skip a different step and the ranks would hang."""
     if precision == "16-mixed":

@@ -8,6 +8,7 @@ checkpoints: each optimizer's ``state`` (``exp_avg`` the same on every rank; ``e
 too under ``variance="synchronized"``, per rank under ``"local"``) and its communicator's
 per-bucket worker error, server error and scale EMA.
 """
+
 from __future__ import annotations
 
 from lowbit_strategy.algorithms.base import Algorithm
@@ -24,10 +25,17 @@ class TurboQuantSync(StagedSync):
 
     def make_communicator(self, optimizer: TurboQuantAdamW) -> TurboQuantCommunicator:
         cfg, section = self.config, self.section
-        return TurboQuantCommunicator(self.group, cfg.bucket_size_mb, cfg.debug, bits=optimizer.bits,
-                                      form=section.form, block=section.block, seed=section.seed,
-                                      scale_decay=optimizer.scale_decay,
-                                      link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9))
+        return TurboQuantCommunicator(
+            self.group,
+            cfg.bucket_size_mb,
+            cfg.debug,
+            bits=optimizer.bits,
+            form=section.form,
+            block=section.block,
+            seed=section.seed,
+            scale_decay=optimizer.scale_decay,
+            link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9),
+        )
 
 
 def merge_states(states: list[dict]) -> dict:

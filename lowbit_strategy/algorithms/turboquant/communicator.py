@@ -21,6 +21,7 @@ the all-gather form shows every rank's scales to every rank, the two-stage form 
 server scales non-finite on every rank. A skipped step leaves all three states as they
 were (the base class commits them only for an applied step).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,10 @@ def choose_form(form: str, world_size: int, numel: int, latency_s: float, bandwi
     bucket of ``numel`` elements at ``world_size`` ranks (equal predictions: ``allgather``)."""
     if form != "auto":
         return form
-    costs = {name: cost_model.estimate(row, world_size, numel, latency_s, bandwidth_bps).seconds
-             for name, row in _COST_NAME.items()}
+    costs = {
+        name: cost_model.estimate(row, world_size, numel, latency_s, bandwidth_bps).seconds
+        for name, row in _COST_NAME.items()
+    }
     return "two_stage" if costs["two_stage"] < costs["allgather"] else "allgather"
 
 
@@ -63,7 +66,7 @@ def group_rms(v: torch.Tensor, padded: int, size: int) -> torch.Tensor:
     if q:
         parts.append(torch.linalg.vector_norm(v[: q * size].view(q, size), dim=1).div_(math.sqrt(size)))
     if padded > q * size:
-        parts.append((torch.linalg.vector_norm(v[q * size:]) / math.sqrt(padded - q * size)).view(1))
+        parts.append((torch.linalg.vector_norm(v[q * size :]) / math.sqrt(padded - q * size)).view(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -73,9 +76,19 @@ class TurboQuantCommunicator(BucketCommunicator):
 
     label = "TurboQuant"
 
-    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, *, bits: int = 4,
-                 form: str = "auto", block: int = 1024, seed: int = 0, scale_decay: float = 0.0,
-                 link: tuple[float, float] = (50e-6, 1e9)):
+    def __init__(
+        self,
+        group=None,
+        bucket_size_mb: float = 25.0,
+        debug: bool = False,
+        *,
+        bits: int = 4,
+        form: str = "auto",
+        block: int = 1024,
+        seed: int = 0,
+        scale_decay: float = 0.0,
+        link: tuple[float, float] = (50e-6, 1e9),
+    ):
         super().__init__(group, bucket_size_mb, debug)
         self.codec = TurboQuantCodec(bits, seed=seed, block=block)
         self.form = form
@@ -114,11 +127,20 @@ class TurboQuantCommunicator(BucketCommunicator):
                 scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
             kept = scale
         if two_stage:
-            handle = turboquant_two_stage_mean_start(flat, self.codec, server, self.group, scale=scale,
-                                                     worker_error=worker, check=self.debug, traffic=self.traffic)
+            handle = turboquant_two_stage_mean_start(
+                flat,
+                self.codec,
+                server,
+                self.group,
+                scale=scale,
+                worker_error=worker,
+                check=self.debug,
+                traffic=self.traffic,
+            )
         else:
-            handle = turboquant_allgather_mean_start(flat, self.codec, self.group, scale=scale, worker_error=worker,
-                                                     check=self.debug, traffic=self.traffic)
+            handle = turboquant_allgather_mean_start(
+                flat, self.codec, self.group, scale=scale, worker_error=worker, check=self.debug, traffic=self.traffic
+            )
         return (worker, server, kept), handle
 
     def _non_finite(self, job: Job) -> bool:

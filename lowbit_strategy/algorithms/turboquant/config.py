@@ -5,6 +5,7 @@ variant, the scale EMA) are :class:`~lowbit_strategy.TurboQuantAdamW`'s construc
 arguments, as for ``torch.optim.AdamW``; the section holds only how the synchronization
 runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

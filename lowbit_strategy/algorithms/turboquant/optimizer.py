@@ -44,9 +44,10 @@ Safety: a step whose gradients hold NaN/Inf on any rank is skipped on every rank
 moments, error buffers and scales untouched), with a warning; :attr:`skipped_steps` counts
 it. ``group["lr"]`` is read at every step, so LR schedulers work.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -79,18 +80,36 @@ class TurboQuantAdamW(StagedOptimizer):
             paper tracks the scale by an EMA of unstated decay.
     """
 
-    def __init__(self, params: Iterable, lr: float = 5e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, bits: int = 4, warmup_steps: int = 200, *,
-                 variance: str = "synchronized", scale_decay: float = 0.0):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        bits: int = 4,
+        warmup_steps: int = 200,
+        *,
+        variance: str = "synchronized",
+        scale_decay: float = 0.0,
+    ):
         name = type(self).__name__
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
             raise ValueError(f"{name}: bits must be an int in [2, 8] (4: the paper's 4-bit codes), got {bits!r}")
         if variance not in VARIANCES:
-            raise ValueError(f"{name}: variance must be one of {VARIANCES} ('synchronized' keeps replicas "
-                             f"identical; 'local' is the paper's), got {variance!r}")
+            raise ValueError(
+                f"{name}: variance must be one of {VARIANCES} ('synchronized' keeps replicas "
+                f"identical; 'local' is the paper's), got {variance!r}"
+            )
         check_number(name, "scale_decay", scale_decay, 0.0, 1.0)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), warmup_steps,
-                         "warmup_steps", "turboquant_step", min_warmup=0)
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            warmup_steps,
+            "warmup_steps",
+            "turboquant_step",
+            min_warmup=0,
+        )
         self.bits = bits
         self.warmup_steps = warmup_steps
         self.variance = variance
@@ -112,16 +131,21 @@ class TurboQuantAdamW(StagedOptimizer):
             step_m = m.masked_fill(v == 0, 0)
         else:
             step_m = m
-        adam.adam_apply_(p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
-                      v_step=step)
+        adam.adam_apply_(
+            p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step, v_step=step
+        )
 
     # ---- diagnostics (callbacks.DivergenceMonitor; divergence_tensors is the base class's) ----
     def replica_tensors(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Tensors that should be the same on every rank, by kind: ``variance`` (``v``: equal
         under ``variance="synchronized"``, drifting under ``"local"``) and, under ``"local"``,
         ``param`` (the weights themselves)."""
-        pairs = [(p, self.state[p]["exp_avg_sq"]) for grp in self.param_groups for p in grp["params"]
-                 if "exp_avg_sq" in self.state.get(p, {}) and p.numel()]
+        pairs = [
+            (p, self.state[p]["exp_avg_sq"])
+            for grp in self.param_groups
+            for p in grp["params"]
+            if "exp_avg_sq" in self.state.get(p, {}) and p.numel()
+        ]
         out = {"variance": pairs}
         if self.variance == "local":
             out["param"] = [(p, p) for p, _ in pairs]

@@ -68,6 +68,7 @@ non-finite on every rank: ``torch.isfinite(scales).all()`` is the same verdict
 everywhere, an agreement on "skip this step" with no extra collective. The server error
 of that block becomes non-finite too: pass a copy if a skipped step must not move it.
 """
+
 from lowbit_strategy.collectives.turboquant.allgather import (
     TurboQuantAllgather,
     turboquant_allgather_mean,

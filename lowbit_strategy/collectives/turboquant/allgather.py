@@ -1,13 +1,14 @@
 """The all-gather form of the TurboQuant mean (Algorithm 1 of "TurboQuant-Adam"): every rank
 encodes its whole vector, all-gathers codes and scales, and decodes all P payloads in rank
 order (:mod:`lowbit_strategy.collectives.turboquant` has the bytes and the rules)."""
+
 from __future__ import annotations
 
 import torch
 
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.turboquant.common import check_worker_error, check_x, with_error, rank_ordered_mean
+from lowbit_strategy.collectives.turboquant.common import check_worker_error, check_x, rank_ordered_mean, with_error
 
 _AG = "turboquant_allgather_mean"
 
@@ -26,7 +27,7 @@ class TurboQuantAllgather:
         self._result: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
 
-    def gather(self) -> "TurboQuantAllgather":
+    def gather(self) -> TurboQuantAllgather:
         """Itself: one phase only (the interface of the two-phase collectives, :class:`~.group.TwoPhase`)."""
         return self
 
@@ -45,8 +46,14 @@ class TurboQuantAllgather:
 
 
 def turboquant_allgather_mean_start(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, worker_error: torch.Tensor | None = None,
-    check: bool = False, traffic=None,
+    x: torch.Tensor,
+    codec: TurboQuantCodec,
+    group=None,
+    *,
+    scale=None,
+    worker_error: torch.Tensor | None = None,
+    check: bool = False,
+    traffic=None,
 ) -> TurboQuantAllgather:
     """Start :func:`turboquant_allgather_mean`: encode ``x`` (+ ``worker_error``; ``x`` is
     no longer needed after this returns) and launch the all-gathers of codes and scales,
@@ -70,8 +77,14 @@ def turboquant_allgather_mean_start(
 
 
 def turboquant_allgather_mean(
-    x: torch.Tensor, codec: TurboQuantCodec, group=None, *, scale=None, worker_error: torch.Tensor | None = None,
-    check: bool = False, traffic=None,
+    x: torch.Tensor,
+    codec: TurboQuantCodec,
+    group=None,
+    *,
+    scale=None,
+    worker_error: torch.Tensor | None = None,
+    check: bool = False,
+    traffic=None,
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified), every rank's
     vector sent as ``codec`` codes + scales by one all-gather (module docstring). Returns
@@ -81,5 +94,6 @@ def turboquant_allgather_mean(
     module docstring). ``check=True`` adds one small collective that makes every rank
     raise when any rank passed a different length or invalid arguments (without it a rank
     raising alone leaves its peers waiting until the group's timeout)."""
-    return turboquant_allgather_mean_start(x, codec, group, scale=scale, worker_error=worker_error, check=check,
-                                           traffic=traffic).wait()
+    return turboquant_allgather_mean_start(
+        x, codec, group, scale=scale, worker_error=worker_error, check=check, traffic=traffic
+    ).wait()

@@ -1,5 +1,6 @@
 """What both TurboQuant collectives share: the two-stage chunk layout, the scale groups,
 argument checks, and the rank-ordered mean of P payloads (:mod:`lowbit_strategy.collectives.turboquant`)."""
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,13 @@ def payload_of(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor
     return TurboQuantPayload(codes, scales, torch.Size([m]), torch.float32, m, codec.bits, codec.block)
 
 
-def rank_ordered_mean(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tensor, m: int,
-                      own: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def rank_ordered_mean(
+    codec: TurboQuantCodec,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    m: int,
+    own: tuple[int, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``(d_0 + … + d_{P−1}) / P`` over the P payloads of ``m`` elements held as rows of
     ``codes`` (P, k) and ``scales`` (P, nb), decoded in rank order: float32, ``m`` elements.
     ``own = (i, u, error)``: also ``error ← u − d_i`` (row ``i`` is this rank's encoding of

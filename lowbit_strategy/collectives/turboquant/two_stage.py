@@ -1,6 +1,7 @@
 """The two-stage form of the TurboQuant mean: all-to-all of encoded chunks, a server
 re-encoding with error feedback, all-gather; bytes per rank flat in P
 (:mod:`lowbit_strategy.collectives.turboquant` has the layout, the bytes and the rules)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,9 @@ from lowbit_strategy.collectives.turboquant.common import (
     check_worker_error,
     check_x,
     payload_of,
-    with_error,
     rank_ordered_mean,
     turboquant_server_chunk_length,
+    with_error,
 )
 
 _TS = "turboquant_two_stage_mean"
@@ -57,10 +58,10 @@ class TurboQuantTwoStage(g.TwoPhase):
         err[:real] = mean[:real] - codec.decode(payload)[:real]
         every_codes = torch.empty(p * k, dtype=torch.uint8, device=mean.device)
         every_scales = torch.empty(p * nb, dtype=torch.float32, device=mean.device)
-        f_codes = g.all_gather_async(every_codes, payload.codes, self._group, "turboquant.server_codes",
-                                     self._traffic)
-        f_scales = g.all_gather_async(every_scales, payload.scales.reshape(-1), self._group,
-                                      "turboquant.server_scales", self._traffic)
+        f_codes = g.all_gather_async(every_codes, payload.codes, self._group, "turboquant.server_codes", self._traffic)
+        f_scales = g.all_gather_async(
+            every_scales, payload.scales.reshape(-1), self._group, "turboquant.server_scales", self._traffic
+        )
         shape, dtype = self._shape, self._dtype
 
         def finish() -> torch.Tensor:
@@ -84,7 +85,7 @@ def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int, scale
     n = x.numel()
     buf = torch.zeros(p * c, dtype=torch.float32, device=x.device)
     buf[:n] = x.reshape(-1)
-    return [codec.encode(buf[r * c:(r + 1) * c], _chunk_scale(scale, p, r)) for r in range(p)]
+    return [codec.encode(buf[r * c : (r + 1) * c], _chunk_scale(scale, p, r)) for r in range(p)]
 
 
 def _chunk_scale(scale, p: int, r: int):
@@ -95,24 +96,40 @@ def _chunk_scale(scale, p: int, r: int):
 
 def _check_chunk_scale(scale, p: int, c: int, block: int) -> None:
     if isinstance(scale, torch.Tensor) and scale.numel() not in (1, p * -(-c // block)):
-        raise ValueError(f"{_TS}: scale must hold 1 or P·ceil(c / block) = {p * -(-c // block)} values "
-                         f"(turboquant_scale_groups), got {scale.numel()}")
+        raise ValueError(
+            f"{_TS}: scale must hold 1 or P·ceil(c / block) = {p * -(-c // block)} values "
+            f"(turboquant_scale_groups), got {scale.numel()}"
+        )
 
 
 def turboquant_two_stage_mean_start(
-    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
-    scale=None, worker_error: torch.Tensor | None = None, check: bool = False, traffic=None,
+    x: torch.Tensor,
+    codec: TurboQuantCodec,
+    server_error: torch.Tensor,
+    group=None,
+    *,
+    scale=None,
+    worker_error: torch.Tensor | None = None,
+    check: bool = False,
+    traffic=None,
 ) -> TurboQuantTwoStage:
     """Start :func:`turboquant_two_stage_mean`: encode this rank's chunks of ``x`` (+
     ``worker_error``; ``x`` is no longer needed after this returns), launch the all-to-alls
     of codes and scales, then update ``worker_error`` while they run. ``server_error`` is
     updated, and phase two launched, by :meth:`TurboQuantTwoStage.gather`."""
+
     def validate() -> None:
         check_x(x, codec, _TS)  # first: it needs no process group
         p = g.world_size(group)
         c = turboquant_server_chunk_length(x.numel(), p, codec.block)
-        check_error_buffer(server_error, c, x.device, "server_error", _TS,
-                           f"turboquant_server_chunk_length(x.numel(), P={p}, block={codec.block})")
+        check_error_buffer(
+            server_error,
+            c,
+            x.device,
+            "server_error",
+            _TS,
+            f"turboquant_server_chunk_length(x.numel(), P={p}, block={codec.block})",
+        )
         if not server_error.is_contiguous():
             raise ValueError(f"{_TS}: server_error must be contiguous")
         check_worker_error(worker_error, x, _TS)
@@ -135,13 +152,21 @@ def turboquant_two_stage_mean_start(
         sent = torch.cat([codec.decode(q) for q in payloads])[:n]
         torch.sub(u, sent, out=worker_error.view(-1))
     del payloads
-    return TurboQuantTwoStage(x, codec, server_error, group, p, rank, c, k, nb, got_codes, got_scales,
-                              (f_codes, f_scales), traffic)
+    return TurboQuantTwoStage(
+        x, codec, server_error, group, p, rank, c, k, nb, got_codes, got_scales, (f_codes, f_scales), traffic
+    )
 
 
 def turboquant_two_stage_mean(
-    x: torch.Tensor, codec: TurboQuantCodec, server_error: torch.Tensor, group=None, *,
-    scale=None, worker_error: torch.Tensor | None = None, check: bool = False, traffic=None,
+    x: torch.Tensor,
+    codec: TurboQuantCodec,
+    server_error: torch.Tensor,
+    group=None,
+    *,
+    scale=None,
+    worker_error: torch.Tensor | None = None,
+    check: bool = False,
+    traffic=None,
 ) -> torch.Tensor:
     """The mean over the ranks of ``group`` of ``x`` (any shape, not modified) by the
     two-stage TurboQuant collective (module docstring): all-to-all of encoded chunks,
@@ -150,5 +175,6 @@ def turboquant_two_stage_mean(
     :func:`turboquant_server_error`), all-gather. Returns ``x``'s shape and dtype,
     bit-identical on every rank. ``scale`` (worker groups, :func:`turboquant_scale_groups`)
     and ``worker_error``: module docstring. ``check``: as in :func:`turboquant_allgather_mean`."""
-    return turboquant_two_stage_mean_start(x, codec, server_error, group, scale=scale, worker_error=worker_error,
-                                           check=check, traffic=traffic).wait()
+    return turboquant_two_stage_mean_start(
+        x, codec, server_error, group, scale=scale, worker_error=worker_error, check=check, traffic=traffic
+    ).wait()
