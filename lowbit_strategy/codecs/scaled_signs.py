@@ -180,6 +180,26 @@ def scaled_sign_compress(
     ``(8·nbytes/chunk, ceil(chunk/block))`` (``block`` and ``chunk``). ``n = 0`` is allowed
     (a server chunk of padding only): scales 0, all bits 0.
     """
+    nbytes = _check_compress(x, error, nbytes, block, chunk)
+    n = x.numel()
+    v = error.view(-1)
+    v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
+    scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
+    codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
+    codes[n:] = 0
+    compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
+    sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
+    if block is None:
+        v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
+    else:
+        for offset, size, stride, rs, bs in pieces:  # the same, each block with its own scale
+            _piece(v, offset, size, stride).addcmul_(_piece(sign, offset, size, stride), grid[rs, bs, None], value=-1)
+    del sign
+    return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
+
+
+def _check_compress(x, error, nbytes: int | None, block: int | None, chunk: int | None) -> int:
+    """The arguments of :func:`scaled_sign_compress`, checked; returns ``nbytes`` (its default filled in)."""
     what = "scaled_sign_compress"
     check_input(x, "x", what)
     n = x.numel()
@@ -197,36 +217,28 @@ def scaled_sign_compress(
             raise ValueError(
                 f"{what}: chunk must be a positive multiple of 8 dividing 8 * nbytes = {8 * nbytes}, got {chunk!r}"
             )
+    return nbytes
 
-    v = error.view(-1)
-    v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
-    pieces = ()
+
+def _compress_scales(v: torch.Tensor, n: int, nbytes: int, block: int | None, chunk: int | None):
+    """``(scales, grid, pieces)`` of :func:`scaled_sign_compress` for ``v`` (its ``n`` real
+    elements): the scales as returned; with ``block``, the same scales as a ``(rows,
+    blocks per row)`` grid and the block pieces (:func:`_block_pieces`) whose scale is
+    ``grid[rs, bs]``."""
     if block is None:
         if n:
             scale = torch.linalg.vector_norm(v) / math.sqrt(n)
         else:
-            scale = torch.zeros((), dtype=torch.float32, device=x.device)
-    else:
-        length = chunk if chunk is not None else max(n, 1)
-        rows = 8 * nbytes // chunk if chunk is not None else 1
-        per_row = -(-length // block) if n or chunk is not None else 0
-        grid = torch.zeros(rows, per_row, dtype=torch.float32, device=x.device)  # blocks of padding: 0
-        pieces = _block_pieces(n, length, block) if n else []
-        for offset, size, stride, rs, bs in pieces:
-            grid[rs, bs] = torch.linalg.vector_norm(_piece(v, offset, size, stride), dim=-1) / math.sqrt(size[2])
-        scale = grid if chunk is not None else grid.view(-1)
-
-    codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
-    codes[n:] = 0
-    compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
-    sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
-    if block is None:
-        v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
-    else:
-        for offset, size, stride, rs, bs in pieces:  # the same, each block with its own scale
-            _piece(v, offset, size, stride).addcmul_(_piece(sign, offset, size, stride), grid[rs, bs, None], value=-1)
-    del sign
-    return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
+            scale = torch.zeros((), dtype=torch.float32, device=v.device)
+        return scale, scale, []
+    length = chunk if chunk is not None else max(n, 1)
+    rows = 8 * nbytes // chunk if chunk is not None else 1
+    per_row = -(-length // block) if n or chunk is not None else 0
+    grid = torch.zeros(rows, per_row, dtype=torch.float32, device=v.device)  # blocks of padding: 0
+    pieces = _block_pieces(n, length, block) if n else []
+    for offset, size, stride, rs, bs in pieces:
+        grid[rs, bs] = torch.linalg.vector_norm(_piece(v, offset, size, stride), dim=-1) / math.sqrt(size[2])
+    return (grid if chunk is not None else grid.view(-1)), grid, pieces
 
 
 def _check_rows(

@@ -63,6 +63,16 @@ def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> tor
     return g.all_reduce_sum_async(buf, group, op, traffic)
 
 
+def _sign_compress(v: torch.Tensor):
+    """``(s·sign(v), s, sign(v), v − s·sign(v))`` with ``s = ‖v‖₂/√n`` and ``sign(0) = +1``."""
+    sign = torch.where(v >= 0, 1.0, -1.0)
+    if v.numel() == 0:
+        scale = torch.zeros((), dtype=torch.float32, device=v.device)
+    else:
+        scale = torch.linalg.vector_norm(v) / math.sqrt(v.numel())
+    return scale * sign, scale, sign, v - scale * sign
+
+
 def compensated_allreduce_reference(
     inputs: list[torch.Tensor],
     worker_errors: list[torch.Tensor],
@@ -97,18 +107,10 @@ def compensated_allreduce_reference(
     n = inputs[0].numel()
     chunk = 8 * (-(-n // (8 * p)))
 
-    def compress(v: torch.Tensor):
-        sign = torch.where(v >= 0, 1.0, -1.0)
-        if v.numel() == 0:
-            scale = torch.zeros((), dtype=torch.float32, device=v.device)
-        else:
-            scale = torch.linalg.vector_norm(v) / math.sqrt(v.numel())
-        return scale * sign, scale, sign, v - scale * sign
-
     signs, scales, new_worker_errors = [], [], []
     for x, e in zip(inputs, worker_errors):
         v = x.reshape(-1).to(torch.float32) + e.reshape(-1)
-        _, scale, sign, error = compress(v)
+        _, scale, sign, error = _sign_compress(v)
         signs.append(sign)
         scales.append(scale)
         new_worker_errors.append(error)
@@ -116,12 +118,11 @@ def compensated_allreduce_reference(
     pieces, new_server_errors = [], []
     for r in range(p):
         lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
-        mean = None
-        for i in range(p):  # rank order
-            term = (scales[i] / p) * signs[i][lo:hi]
-            mean = term if mean is None else mean + term
+        mean = (scales[0] / p) * signs[0][lo:hi]
+        for i in range(1, p):  # rank order
+            mean = mean + (scales[i] / p) * signs[i][lo:hi]
         y = mean + server_errors[r].reshape(-1)[: hi - lo]
-        decoded, _, _, error = compress(y)
+        decoded, _, _, error = _sign_compress(y)
         pieces.append(decoded)
         server_error = torch.zeros(chunk, dtype=torch.float32, device=y.device)
         server_error[: hi - lo] = error
@@ -223,26 +224,42 @@ def turboquant_mean_reference(
     ]
     scales = scales if scales is not None else [None] * p
 
-    def average(decoded):
-        acc = decoded[0]
-        for d in decoded[1:]:  # rank order
-            acc = acc + d
-        return acc / p
-
     if not two_stage:
         decoded = [codec.decode(codec.encode(u, s)) for u, s in zip(us, scales)]
-        result = average(decoded).to(x0.dtype).view(x0.shape)
+        result = _rank_mean(decoded).to(x0.dtype).view(x0.shape)
         outputs = [result.clone() for _ in range(p)]
         if worker_errors is None:
             return outputs
         return outputs, [u - d for u, d in zip(us, decoded)]
 
     c = turboquant_server_chunk_length(n, p, codec.block)
+    pieces, new_server_errors, worker_decoded = _turboquant_two_stage_reference(us, codec, c, server_errors, scales)
+    result = torch.cat(pieces)[:n].to(x0.dtype).view(x0.shape)
+    outputs = [result.clone() for _ in range(p)]
+    if worker_errors is None:
+        return outputs, new_server_errors
+    new_worker_errors = [u - torch.cat(d)[:n] for u, d in zip(us, worker_decoded)]
+    return outputs, new_server_errors, new_worker_errors
+
+
+def _rank_mean(decoded: list[torch.Tensor]) -> torch.Tensor:
+    """``(d_0 + … + d_{P−1}) / P``, summed in rank order."""
+    acc = decoded[0]
+    for d in decoded[1:]:
+        acc = acc + d
+    return acc / len(decoded)
+
+
+def _turboquant_two_stage_reference(us, codec, c: int, server_errors, scales):
+    """The two-stage part of :func:`turboquant_mean_reference` for the vectors ``us`` that
+    ranks send: ``(decoded server chunks, new server errors, each rank's decoded worker
+    chunks)``."""
+    p, n, device = len(us), us[0].numel(), us[0].device
     if server_errors is None:
-        server_errors = [torch.zeros(c, dtype=torch.float32, device=x0.device) for _ in range(p)]
+        server_errors = [torch.zeros(c, dtype=torch.float32, device=device) for _ in range(p)]
     padded = []
     for u in us:
-        v = torch.zeros(p * c, dtype=torch.float32, device=x0.device)
+        v = torch.zeros(p * c, dtype=torch.float32, device=device)
         v[:n] = u
         padded.append(v)
 
@@ -257,18 +274,13 @@ def turboquant_mean_reference(
     ]
     pieces, new_server_errors = [], []
     for r in range(p):
-        mean = average([worker_decoded[i][r] for i in range(p)])
+        mean = _rank_mean([worker_decoded[i][r] for i in range(p)])
         real = max(0, min(c, n - r * c))
-        y = torch.zeros(c, dtype=torch.float32, device=x0.device)
+        y = torch.zeros(c, dtype=torch.float32, device=device)
         y[:real] = mean[:real] + server_errors[r].reshape(-1)[:real]
         decoded = codec.decode(codec.encode(y))
-        error = torch.zeros(c, dtype=torch.float32, device=x0.device)
+        error = torch.zeros(c, dtype=torch.float32, device=device)
         error[:real] = y[:real] - decoded[:real]
         pieces.append(decoded)
         new_server_errors.append(error)
-    result = torch.cat(pieces)[:n].to(x0.dtype).view(x0.shape)
-    outputs = [result.clone() for _ in range(p)]
-    if worker_errors is None:
-        return outputs, new_server_errors
-    new_worker_errors = [u - torch.cat(d)[:n] for u, d in zip(us, worker_decoded)]
-    return outputs, new_server_errors, new_worker_errors
+    return pieces, new_server_errors, worker_decoded

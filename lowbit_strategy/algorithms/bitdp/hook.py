@@ -240,7 +240,10 @@ class BitDPState:
             and all(i == id(p) for i, p in zip(cached.param_ids, params))
         ):
             return cached
-        quantized, full, transposed, offset = [], [], set(), 0
+        quantized: list[tuple[int, tuple[int, ...], int]] = []
+        full: list[tuple[int, int]] = []
+        transposed: set[int] = set()
+        offset = 0
         for p, view in zip(params, bucket.gradients()):
             info = self.params.get(id(p))
             if info is None or info.shape != tuple(p.shape):
@@ -268,6 +271,26 @@ class BitDPState:
         return self.plans[key]
 
 
+def _encode(state: BitDPState, plan: _Plan, rows: list[torch.Tensor]):
+    """``(codes, scales, residuals)`` of the bucket's quantized matrices (channel-major
+    ``rows``): each matrix (plus its residual, with error feedback) channel-encoded at
+    ``state.bits``; ``residuals``: this step's new residuals by parameter id, in the
+    parameter's own layout (kept only if the step is applied)."""
+    codes, scales, residuals = [], [], {}
+    for (_, _, key), m in zip(plan.quantized, rows):
+        if state.error_feedback:  # residuals are kept in the parameter's own layout
+            r = state.residuals.get(key)
+            r = None if r is None else (r.t() if key in plan.transposed else r)
+            m = m.float() if r is None else m.float() + r.to(m.device)
+        c, s = channel_encode(m, state.bits, validate=False)  # non-finite input: flagged, never decoded
+        if state.error_feedback:
+            e = m - channel_decode(c, s, state.bits).view(m.shape)
+            residuals[key] = e.t().contiguous() if key in plan.transposed else e
+        codes.append(c)
+        scales.append(s)
+    return codes, scales, residuals
+
+
 def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook running BitDP (Algorithm 1) on one bucket; returns a future
     resolving to the bucket buffer overwritten with the mean gradient over ranks."""
@@ -291,18 +314,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
-    codes, scales, residuals = [], [], {}
-    for (_, _, key), m in zip(plan.quantized, rows):
-        if state.error_feedback:  # residuals are kept in the parameter's own layout
-            r = state.residuals.get(key)
-            r = None if r is None else (r.t() if key in plan.transposed else r)
-            m = m.float() if r is None else m.float() + r.to(m.device)
-        c, s = channel_encode(m, state.bits, validate=False)  # non-finite input: flagged, never decoded
-        if state.error_feedback:
-            e = m - channel_decode(c, s, state.bits).view(m.shape)
-            residuals[key] = e.t().contiguous() if key in plan.transposed else e
-        codes.append(c)
-        scales.append(s)
+    codes, scales, residuals = _encode(state, plan, rows)
     layout = Layout.of([matrix_shape(m) for m in rows], state.bits)
     words, scl = pack_payload(codes, scales, layout)
     # Decode straight into the bucket when it is float32 and no matrix is transposed: the
