@@ -94,11 +94,12 @@ class DivergenceMonitor(pl.Callback):
             values.update(self._replicas(opt, names))
         for opt in self._auditable(trainer):
             audit = opt.communicator.last_audit
-            if self.sign_agreement and audit is not None and self.match is not None:
-                self.match.update(audit["sign_match"])
-                self.flip.update(audit["sign_flip"])
-                values["sign/match"] = float(self.match.compute())
-                values["sign/flip"] = float(self.flip.compute())
+            match, flip = self.match, self.flip  # both made in setup()
+            if self.sign_agreement and audit is not None and match is not None and flip is not None:
+                match.update(audit["sign_match"])
+                flip.update(audit["sign_flip"])
+                values["sign/match"] = float(match.compute())
+                values["sign/flip"] = float(flip.compute())
                 opt.communicator.last_audit = None
         for name, value in values.items():
             pl_module.log(name, value, on_step=True, on_epoch=False)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lowbit_strategy.algorithms import REGISTRY
+from lowbit_strategy.algorithms import REGISTRY, Algorithm
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
 
@@ -61,6 +61,15 @@ class LowBitConfig:
         "_sections",
     )
 
+    # the slots' types (annotations only: set once, through object.__setattr__, in __init__)
+    algorithm: str
+    bucket_size_mb: float
+    warmup_steps: int
+    link_bandwidth_gbps: float
+    link_latency_us: float
+    debug: bool
+    _sections: dict[str, Section]
+
     def __init__(
         self,
         algorithm: str = "lion",
@@ -82,7 +91,7 @@ class LowBitConfig:
         values = self._route(sections, registry)
         set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
 
-    def _route(self, given: Mapping[str, Any], registry) -> dict[str, dict[str, Any]]:
+    def _route(self, given: Mapping[str, Any], registry: Mapping[str, Algorithm]) -> dict[str, dict[str, Any]]:
         """Sort keyword arguments into sections: whole sections first, then ``<section>_<field>``,
         then shorthands for the active section (later forms override earlier ones)."""
         out: dict[str, dict[str, Any]] = {name: {} for name in registry}

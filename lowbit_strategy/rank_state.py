@@ -49,12 +49,17 @@ def gather(obj: Any, group=None) -> dict[str, Any] | None:
     return {"world_size": world, "states": gathered} if rank == 0 else None
 
 
-def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any], what: str) -> Any:
+def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any] | None, what: str) -> Any:
     """This rank's own state from a :func:`gather` entry; at another world size
     ``merge(states)`` of all saved ranks, with a warning naming ``what`` and quoting the
-    merge's docstring (its rule)."""
+    merge's docstring (its rule). ``merge`` may be None only when the world size is the same."""
     if entry["world_size"] == world_size:
         return entry["states"][rank]
+    if merge is None:
+        raise ValueError(
+            f"{what}: checkpoint written with world size {entry['world_size']}, resuming with {world_size}, "
+            "and no merge rule to rebuild the state"
+        )
     rule = " ".join((merge.__doc__ or "merged by the algorithm's rule").split())
     logger.warning(
         "lowbit: checkpoint written with world size %d, resuming with %d; %s: %s",

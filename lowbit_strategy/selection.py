@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -107,7 +108,7 @@ def output_embedding(model: nn.Module) -> nn.Module | None:
     found = None
     for m in model.modules():
         if is_linear(m):
-            shape = tuple(m.weight.shape)
+            shape = tuple(cast(nn.Parameter, m.weight).shape)  # a Linear's or Conv1D's weight
             if (shape[::-1] if is_conv1d(m) else shape) in shapes:
                 found = m
     return found

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.section import Section
 
 
 class LowBitSetupError(RuntimeError):
@@ -143,7 +144,7 @@ class Algorithm:
     """
 
     name: str
-    section: type
+    section: type[Section]
     build: Callable[..., Sync]
     strategy_names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     merge_states: Callable[[list], dict] = _no_merge

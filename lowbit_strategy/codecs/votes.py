@@ -80,12 +80,14 @@ def _at_least(planes: list[torch.Tensor], threshold: int, like: torch.Tensor) ->
     result may be one of ``planes`` itself (never written to here).
     """
     low = (threshold & -threshold).bit_length() - 1
-    ge = None
-    for j in range(low, max(len(planes), threshold.bit_length())):
+    if low >= len(planes):  # the count has no such digit: it is below the threshold
+        return torch.zeros_like(like)
+    ge = planes[low]  # the threshold's digit there is 1
+    for j in range(low + 1, max(len(planes), threshold.bit_length())):
         if j >= len(planes):  # the count has no such digit: it is below the threshold
             return torch.zeros_like(like)
         if (threshold >> j) & 1:
-            ge = planes[j] if ge is None else ge & planes[j]
+            ge = ge & planes[j]
         else:
             ge = ge | planes[j]
     return ge

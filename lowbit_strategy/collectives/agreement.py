@@ -25,5 +25,5 @@ def agree(
     if nonfinite is not None:
         flags[-1] = torch.as_tensor(nonfinite, device=device).to(torch.int32)
     g.all_reduce_sum(flags, group, op, traffic)
-    flags = flags.tolist()
-    return [f > 0 for f in flags[:-1]], flags[-1] > 0
+    counts = flags.tolist()
+    return [f > 0 for f in counts[:-1]], counts[-1] > 0

@@ -180,7 +180,7 @@ def decode_reduce(
     reduction: str = "mean",
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
     out: torch.Tensor | Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor | list[torch.Tensor]:
+) -> torch.Tensor | Sequence[torch.Tensor]:
     """Decode and reduce the gathered payload of P ranks (Phase 3), chunk by chunk.
 
     ``words``: (P, layout.words) uint8, every rank's packed codes. ``scales``: (P, rows)
@@ -288,7 +288,7 @@ def gathered_mean_async(
     _check_payload(words, scales, layout)
     p, rows = g.world_size(group), layout.rows
     flagged = flag is not None
-    if flagged:
+    if flag is not None:
         scales = torch.cat([scales, flag.to(torch.float32).reshape(1)])
     width = rows + flagged
     every = torch.empty(p * layout.words, dtype=torch.uint8, device=words.device)

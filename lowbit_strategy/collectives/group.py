@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,22 @@ class Pending:
     def wait(self):
         self.future.wait()
         return self.finish()
+
+
+class Waitable(Protocol):
+    """A launched collective :meth:`wait` finishes (:class:`Pending`, :class:`TwoPhase`, ...)."""
+
+    def wait(self) -> Any: ...
+
+
+class Gatherable(Protocol):
+    """A collective in flight with the two-phase interface: :meth:`gather` launches the second
+    phase (once) and returns what finishes it; :meth:`wait` is ``gather().wait()``.
+    :class:`TwoPhase` has it, and so do one-phase handles whose ``gather()`` returns themselves."""
+
+    def gather(self) -> Waitable: ...
+
+    def wait(self) -> Any: ...
 
 
 class TwoPhase:

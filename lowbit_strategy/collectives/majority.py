@@ -116,7 +116,7 @@ def majority_vote_start(
     signs = sign_bits_packed(x, step, check_nan=validate)
     packed[: signs.numel()] = signs
     flagged = int(flag is not None)
-    if flagged:  # chunk r, then this rank's flag, for every peer r
+    if flag is not None:  # chunk r, then this rank's flag, for every peer r
         packed = torch.cat([packed.view(p, c), flag.to(torch.uint8).reshape(1, 1).expand(p, 1)], dim=1).reshape(-1)
     received = torch.empty_like(packed)
     fut = g.all_to_all_async(received, packed, group, "majority.all_to_all", traffic)

@@ -147,6 +147,9 @@ class LowBitAccelerator(Accelerator):
     *local* gradient.
     """
 
+    #: Accelerate's DDP kwargs handler (None: none given); :meth:`_configure_ddp_kwargs` always sets one
+    ddp_handler: DistributedDataParallelKwargs | None
+
     def __init__(
         self,
         lowbit: LowBitConfig | Mapping[str, Any] | str | os.PathLike | None = None,

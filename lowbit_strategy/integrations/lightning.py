@@ -26,12 +26,13 @@ Notes for users:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
 
 from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
@@ -59,6 +60,8 @@ class LowBitStrategy(DDPStrategy):
     """
 
     strategy_name = "lowbit"
+    #: the registered name this strategy was made under (set by the registry's factory)
+    _lowbit_name: str
 
     def __init__(self, config: LowBitConfig | dict | str | None = None, **kwargs: Any) -> None:
         known = set(LowBitConfig.known_keys())
@@ -86,8 +89,12 @@ class LowBitStrategy(DDPStrategy):
         self._ddp_kwargs.setdefault("bucket_cap_mb", self.lowbit_config.bucket_size_mb)
         # A DDP model accepts one hook: register the algorithm's here, never through super().
         super().configure_ddp()
-        self.sync = build_sync(self.lowbit_config, self.lightning_module, group=None)
-        self.model.register_comm_hook(self.sync.hook_state, self.sync.comm_hook)
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("LowBitStrategy.configure_ddp: no LightningModule is connected")
+        self.sync = build_sync(self.lowbit_config, module, group=None)
+        ddp = cast(DistributedDataParallel, self.model)  # DDPStrategy.configure_ddp wrapped the module in DDP
+        ddp.register_comm_hook(self.sync.hook_state, self.sync.comm_hook)
 
     def setup(self, trainer) -> None:
         self.algorithm.check_precision(getattr(self.precision_plugin, "precision", None))
@@ -108,6 +115,8 @@ class LowBitStrategy(DDPStrategy):
         module = self.lightning_module
         if getattr(trainer, "gradient_clip_val", None):
             return f"gradient_clip_val={trainer.gradient_clip_val}"
+        if module is None:
+            raise RuntimeError("LowBitStrategy.setup: no LightningModule is connected")
         if type(module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping:
             return f"{type(module).__name__}.configure_gradient_clipping"
         if not module.automatic_optimization:

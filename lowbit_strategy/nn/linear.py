@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,10 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if device_type in ("cpu", "cuda") else contextlib.nullcontext()
 
 
+@overload
+def _autocast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+@overload
+def _autocast(t: None, dtype: torch.dtype) -> None: ...
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Autocast's cast of one argument: floating tensors but float64 go to ``dtype``."""
     if t is None or not t.is_floating_point() or t.dtype == torch.float64:
@@ -237,7 +242,8 @@ class TurboQuantLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w: torch.Tensor = self.weight
+        b: torch.Tensor | None = self.bias
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
         )
@@ -248,7 +254,7 @@ class TurboQuantLinear(nn.Linear):
             # what autocast does to F.linear (a lower-precision op on CPU and CUDA), done here
             # so the function itself runs with autocast off and sees the dtypes it computes in
             dt = torch.get_autocast_dtype(device_type)
-            x, w, b = (_autocast(t, dt) for t in (x, w, b))
+            x, w, b = _autocast(x, dt), _autocast(w, dt), _autocast(b, dt)
             with _no_autocast(device_type):
                 return _TurboQuantLinearFn.apply(x, w, b, self.codec)
         return _TurboQuantLinearFn.apply(x, w, b, self.codec)

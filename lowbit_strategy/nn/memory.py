@@ -88,7 +88,7 @@ class SavedTensorMeter:
             raise TypeError(f"SavedTensorMeter: model must be an nn.Module or None, got {type(model).__name__}")
         self.model = model
         self.stats: SavedTensorStats | None = None
-        self._hooks_ctx = None
+        self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._handles: list = []
         self._reset()
 

@@ -59,7 +59,7 @@ def select_linears(
     exclude: str | Sequence[str] | None = None,
     *,
     field: str = "compress_activations",
-) -> list[tuple[str, nn.Module]]:
+) -> list[tuple[str, nn.Linear]]:
     """``(first name, module)`` of the layers :func:`compress_activations` would compress
     (already swapped ones included), in module order; see the module doc for the rules.
     ``field`` names the caller in errors."""

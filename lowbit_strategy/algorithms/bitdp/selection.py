@@ -82,8 +82,8 @@ def classify(
     """Decide, for every parameter of ``model``, whether BitDP quantizes its gradient
     (frozen ones too, so unfreezing later needs no new attach). Keyed by ``id(parameter)``:
     the objects DDP's ``GradBucket.parameters()`` returns."""
-    quantize = roles.PatternSet("quantize", roles.check_patterns("quantize", quantize))
-    exclude = roles.PatternSet("exclude", roles.check_patterns("exclude", exclude))
+    quantize_set = roles.PatternSet("quantize", roles.check_patterns("quantize", quantize))
+    exclude_set = roles.PatternSet("exclude", roles.check_patterns("exclude", exclude))
     model = roles.unwrap(model)
     params = {
         id(p): p
@@ -96,10 +96,10 @@ def classify(
     out: dict[int, ParamInfo] = {}
     for key, owners in roles.owners(model).items():
         p, names = params[key], [o.name for o in owners]
-        excluded, matched = exclude.matches(names), quantize.matches(names)
+        excluded, matched = exclude_set.matches(names), quantize_set.matches(names)
         if excluded:
             q, why = False, "matches exclude"
-        elif quantize:
+        elif quantize_set:
             q = matched and p.is_floating_point() and p.dim() >= 1 and p.numel() > 0
             why = (
                 "matches quantize"
@@ -117,8 +117,8 @@ def classify(
             q and _conv1d_weight(owners),
         )
     example = [info.name for info in out.values()]
-    exclude.check_all_used(example)
-    quantize.check_all_used(example)
+    exclude_set.check_all_used(example)
+    quantize_set.check_all_used(example)
     if out and not any(i.quantized for i in out.values()):
         warnings.warn("BitDP selects no parameter to quantize: every gradient goes at full precision", stacklevel=3)
     return out

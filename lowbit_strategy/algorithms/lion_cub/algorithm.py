@@ -61,6 +61,7 @@ class LionSync(Sync):
         self.overlap = False
 
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
+        lions: list[Lion] = []
         for opt in optimizers:
             if not isinstance(opt, Lion):
                 raise LowBitSetupError(
@@ -69,7 +70,8 @@ class LionSync(Sync):
                     "Use lowbit_strategy.Lion(...) instead, or algorithm='bitdp' (strategy 'lowbit_bitdp') / "
                     "plain DDP for other optimizers (their gradients would otherwise never be synchronized)."
                 )
-        self.optimizers = list(optimizers)
+            lions.append(opt)
+        self.optimizers = lions
         self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
         self._traffic = []
         section = self.config.lion

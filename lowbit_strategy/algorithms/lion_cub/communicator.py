@@ -32,17 +32,18 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lowbit_strategy import buckets
+from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
 from lowbit_strategy.collectives import cost_model, full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
-from lowbit_strategy.collectives.majority import majority_vote_start
+from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce_start
 
@@ -53,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 #: ``auto``/``lp`` want at least this many levels per rank (codes in [-7, 7]).
 AUTO_MIN_LEVELS = 7
+
+
+def _lion(config: LowBitConfig) -> LionConfig:
+    """The config's Lion Cub section (the registry's ``lion`` entry has a :class:`LionConfig`)."""
+    return cast(LionConfig, config.lion)
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: 
     * ``fp32``, the exact sum: it sends what DDP sends, so with codec costs counted
       ``auto`` never plans anything slower than plain DDP + Lion.
     """
-    every = config.lion.momentum_sync_every if momentum_sync_every is None else momentum_sync_every
+    every = _lion(config).momentum_sync_every if momentum_sync_every is None else momentum_sync_every
     lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
     return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + ("fp32",)
 
@@ -98,7 +104,7 @@ def resolve_mode(
     wire hides, and counting it in full keeps the choice on the safe side of DDP.
     ``momentum_sync_every`` overrides the config's (the optimizer's effective setting).
     """
-    lion = config.lion
+    lion = _lion(config)
     mode, bits = lion.mode, lion.bits
     if mode == "auto":
         link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
@@ -106,7 +112,7 @@ def resolve_mode(
             name: cost_model.estimate(name, world_size, numel, *link).seconds + (codec_seconds or {}).get(name, 0.0)
             for name in auto_candidates(config, world_size, momentum_sync_every)
         }
-        best = min(costs, key=costs.get)  # first of equal costs: dicts keep the candidates' order
+        best = min(costs, key=costs.__getitem__)  # first of equal costs: dicts keep the candidates' order
         if best.startswith("lp"):
             mode, bits = "lp", int(best[2:])
         else:
@@ -190,8 +196,13 @@ class _InFlight:
     params: list  # the parameters the bucket covers (overlap path), else empty
     chunk: list  # this rank's update vectors c, in bucket order
     plan: Plan
-    handle: object  # g.Pending or MajorityVote
+    handle: g.Pending | MajorityVote  # MajorityVote for the 1bit plan
     flagged: bool  # a non-finite flag travels with the payload
+
+    @property
+    def vote(self) -> MajorityVote:
+        """The handle of a ``1bit`` bucket: its majority vote."""
+        return cast(MajorityVote, self.handle)
 
 
 class LionCommunicator:
@@ -238,10 +249,10 @@ class LionCommunicator:
         self.momentum_sync_every = momentum_sync_every
         size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
         self.plan_numel = size or None  # both paths plan for this size, whatever bucket comes first
-        if self.config.lion.mode != "auto" or self.world_size == 1 or numel == 0:
+        if _lion(self.config).mode != "auto" or self.world_size == 1 or numel == 0:
             return
         candidates = auto_candidates(self.config, self.world_size, momentum_sync_every)
-        mine = measure_codec_seconds(candidates, self.world_size, size, self.config.lion.p, device)
+        mine = measure_codec_seconds(candidates, self.world_size, size, _lion(self.config).p, device)
         times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64, device=device)  # NCCL: on the GPU
         g.all_reduce_sum(times, self.group, "lion.calibrate", self.traffic)
         self.codec_seconds = dict(zip(candidates, (times / self.world_size).tolist()))
@@ -293,7 +304,7 @@ class LionCommunicator:
         # a bucket's worth of backward to finish in).
         for job in self._inflight.values():
             if job.plan.mode == "1bit":
-                job.handle.gather()
+                job.vote.gather()
         plan = self._plan(step, sum(c.numel() for c in updates))
         self._inflight[key] = self.start(list(updates), step, plan, nonfinite, list(params))
 
@@ -317,26 +328,28 @@ class LionCommunicator:
     ) -> _InFlight:
         """Encode one bucket of update vectors and launch its (first) collective."""
         check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
-        kw = dict(check=check, traffic=traffic)
+        kw: dict[str, Any] = dict(check=check, traffic=traffic)
+        handle: g.Pending | MajorityVote
         if plan.mode == "1bit":
-            flag = nonfinite.to(torch.uint8) if flagged else None
+            flag = nonfinite.to(torch.uint8) if nonfinite is not None else None
             handle = majority_vote_start(buckets.flatten(chunk), step, self.group, flag=flag, validate=False, **kw)
         elif plan.mode in ("fp32", "bf16"):
-            flat = buckets.flatten(chunk + ([nonfinite.to(chunk[0].dtype).reshape(1)] if flagged else []))
+            flat = buckets.flatten(chunk + ([nonfinite.to(chunk[0].dtype).reshape(1)] if nonfinite is not None else []))
             dtype = torch.float32 if plan.mode == "fp32" else torch.bfloat16
             handle = full_allreduce_start(flat, self.group, wire_dtype=dtype, **kw)
         elif plan.mode == "sign":
             codes = sign_bits(buckets.flatten(chunk), step, check_nan=False)
-            if flagged:
+            if nonfinite is not None:
                 codes = torch.cat([codes, nonfinite.to(torch.uint8).reshape(1)])
             handle = summed_allreduce_start(
                 codes, 1, self.group, signed=False, lane_bits=plan.bits, validate=False, **kw
             )
         else:
-            codes = [lp_quantize_levels(c.reshape(-1), plan.levels, self.config.lion.p, validate=False) for c in chunk]
-            if flagged:
-                codes.append(nonfinite.to(codes[0].dtype).reshape(1))
-            codes = torch.cat(codes)
+            p = _lion(self.config).p
+            parts = [lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk]
+            if nonfinite is not None:
+                parts.append(nonfinite.to(parts[0].dtype).reshape(1))
+            codes = torch.cat(parts)
             if flagged:
                 # NaN/Inf input casts to arbitrary integers: keep them inside their lanes, so
                 # that they can never carry into the flag's
@@ -347,14 +360,18 @@ class LionCommunicator:
     def finish(self, launched: Sequence[_InFlight], audit: bool = False) -> tuple[list[torch.Tensor], bool]:
         """Wait for launched buckets (second collectives launched first, in order): their
         flat directions, and whether any rank flagged a non-finite gradient."""
-        handles = [job.handle.gather() if job.plan.mode == "1bit" else job.handle for job in launched]
+        handles = [job.vote.gather() if job.plan.mode == "1bit" else job.handle for job in launched]
         flats, bad = [], False
         for job, handle in zip(launched, handles):
             result = handle.wait()
             n = sum(c.numel() for c in job.chunk)
             if job.plan.mode == "1bit":
                 flat = result
-                bad = bad or (job.flagged and bool(job.handle.flags.sum() > 0))
+                if job.flagged and not bad:
+                    flags = job.vote.flags  # every rank's flag, set by gather()
+                    if flags is None:
+                        raise RuntimeError("a flagged majority vote has no flags after its all-to-all")
+                    bad = bool(flags.sum() > 0)
             else:
                 bad = bad or (job.flagged and bool(result[n] > 0))
                 result = result[:n]

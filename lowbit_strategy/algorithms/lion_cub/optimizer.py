@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch.optim import Optimizer
@@ -95,14 +96,15 @@ class Lion(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        comm = self.communicator
-        distributed = comm is not None and comm.world_size > 1
+        # the communicator when there are other ranks to talk to, else None
+        comm = self.communicator if self.communicator is not None and self.communicator.world_size > 1 else None
+        distributed = comm is not None
         audit, self.audit_next_step = self.audit_next_step, False
         params = [p for grp in self.param_groups for p in grp["params"]]
         given: dict[int, torch.Tensor] = {}
         nonfinite = False
         rest = params
-        if distributed and comm.pending():
+        if comm is not None and comm.pending():
             # buckets launched from the DDP hook during backward: wait for their directions;
             # the non-finite flags came with the payloads. Parameters DDP did not bucket
             # (the same on every rank) take the step-time path below.
@@ -112,7 +114,7 @@ class Lion(Optimizer):
         present = [p.grad for p, h in zip(rest, has_grad) if h]
         # one device-side flag for the whole step, read once (one host sync per step)
         bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
-        if distributed and rest:
+        if comm is not None and rest:
             has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
         else:
             bad_somewhere = bool(bad) if bad is not None else False
@@ -134,7 +136,7 @@ class Lion(Optimizer):
             active = [p for p in group["params"] if id(p) in chosen]
             if active:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in active]
-                self._update(group, active, grads, comm if distributed else None, step, audit, given)
+                self._update(group, active, grads, comm, step, audit, given)
         for group in self.param_groups:
             group["lion_step"] = step
         if self._momentum_sync is not None and distributed:
@@ -154,6 +156,8 @@ class Lion(Optimizer):
         for p, gr in zip(params, grads):
             beta1 = group_of[id(p)]["betas"][0]
             updates.append(self.momentum(p).mul(beta1).add_(gr.view_as(p), alpha=1 - beta1))
+        if self.communicator is None:
+            raise RuntimeError("Lion.launch_bucket needs a communicator (see attach_communicator)")
         self.communicator.launch(params, updates, self.global_step + 1, nonfinite)
 
     @staticmethod
@@ -196,7 +200,7 @@ class Lion(Optimizer):
                 directions[i] = d
         if wd:
             torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_add_(params, directions, alpha=-lr)
+        torch._foreach_add_(params, cast(list[torch.Tensor], directions), alpha=-lr)  # all filled above
         torch._foreach_mul_(moms, beta2)
         torch._foreach_add_(moms, grads, alpha=1 - beta2)
 

@@ -26,11 +26,17 @@ collective: it makes every rank's server scales non-finite, and every rank sees 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Job, Key
 from lowbit_strategy.codecs.scaled_signs import check_block
-from lowbit_strategy.collectives.compensated import compensated_allreduce_start, compensated_error_buffers
+from lowbit_strategy.collectives.compensated import (
+    CompensatedAllreduce,
+    compensated_allreduce_start,
+    compensated_error_buffers,
+)
 
 __all__ = ["Key", "OneBitCommunicator"]
 
@@ -61,4 +67,7 @@ class OneBitCommunicator(BucketCommunicator):
 
     def _non_finite(self, job: Job) -> bool:
         # non-finite input makes every rank's server scales non-finite, and every rank sees all of them
-        return not bool(torch.isfinite(job.handle.server_scales).all())
+        scales = cast(CompensatedAllreduce, job.handle).server_scales  # what _start_bucket starts
+        if scales is None:
+            raise RuntimeError("OneBitCommunicator: a bucket's server scales were read before its wait")
+        return not bool(torch.isfinite(scales).all())

@@ -53,11 +53,11 @@ class _OneBitSection(Section):
 
 @dataclass(frozen=True)
 class OneBitAdamConfig(_OneBitSection):
-    __doc__ = "1-bit Adam (``lowbit_strategy.OneBitAdam``).\n\n" + _OneBitSection.__doc__
+    __doc__ = "1-bit Adam (``lowbit_strategy.OneBitAdam``).\n\n" + (_OneBitSection.__doc__ or "")
     name: ClassVar[str] = "onebit_adam"
 
 
 @dataclass(frozen=True)
 class OneBitLambConfig(_OneBitSection):
-    __doc__ = "1-bit LAMB (``lowbit_strategy.OneBitLamb``).\n\n" + _OneBitSection.__doc__
+    __doc__ = "1-bit LAMB (``lowbit_strategy.OneBitLamb``).\n\n" + (_OneBitSection.__doc__ or "")
     name: ClassVar[str] = "onebit_lamb"

@@ -27,7 +27,7 @@ class Job:
     key: Key
     like: list  # the momenta sent (shapes and dtypes of the results)
     state: tuple  # this step's rank-local state of the bucket, committed on success
-    handle: object  # .gather() -> .wait() -> the flat mean
+    handle: g.Gatherable  # .gather() -> .wait() -> the flat mean
 
 
 class BucketCommunicator:
@@ -61,7 +61,7 @@ class BucketCommunicator:
         self._finished: list[Job] = []
 
     # ---- subclass hooks ----------------------------------------------------------------
-    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, object]:
+    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Gatherable]:
         """Start the collective of one bucket's flat float32 momenta (``flat`` may be used as
         the output buffer). ``saved``: the bucket's committed state, or None (a new bucket):
         returns ``(this step's state, handle)``; never modify ``saved`` in place."""

@@ -63,13 +63,20 @@ class StagedOptimizer(Optimizer):
     def attach_communicator(self, communicator: BucketCommunicator | None) -> None:
         """Make this optimizer distributed (or single-process again with None)."""
         self.communicator = communicator
-        self._layout = None
+        self._layout: list[Key] | None = None
         self._ready: set[int] = set()
         self._launched: set[Key] = set()
 
     @property
     def _distributed(self) -> bool:
         return self.communicator is not None and self.communicator.world_size > 1
+
+    def _attached(self) -> BucketCommunicator:
+        """The communicator, which the distributed paths (the layout, the hook, the compressed
+        step with several ranks) need."""
+        if self.communicator is None:
+            raise RuntimeError(f"{type(self).__name__}: no communicator attached (see attach_communicator)")
+        return self.communicator
 
     def _params(self) -> list[torch.Tensor]:
         return [p for grp in self.param_groups for p in grp["params"]]
@@ -92,9 +99,7 @@ class StagedOptimizer(Optimizer):
                 if self._slots[i][0].requires_grad and self._slots[i][0].numel()
             ]
             numels = [self._slots[i][0].numel() for i in order]
-            self._layout = [
-                tuple(order[j] for j in idx) for idx in buckets.plan(numels, self.communicator.bucket_numel)
-            ]
+            self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self._attached().bucket_numel)]
         return self._layout
 
     # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
@@ -105,7 +110,7 @@ class StagedOptimizer(Optimizer):
         now all ready (DDP calls the hook in the same order on every rank, so every rank
         starts the same buckets in the same order); :meth:`step` finishes them and
         synchronizes the rest."""
-        layout = self.layout()
+        layout, comm = self.layout(), self._attached()
         now = {self._index_of[id(p)] for p in params if id(p) in self._index_of}
         if now & self._ready:  # a second backward before step(): its gradients supersede the first's
             self._ready, self._launched = set(), set()
@@ -113,7 +118,7 @@ class StagedOptimizer(Optimizer):
         for key in layout:  # layout order: the same on every rank
             if key not in self._launched and all(i in self._ready for i in key):
                 self._launched.add(key)
-                self.communicator.launch(key, self._momenta(key))
+                comm.launch(key, self._momenta(key))
 
     def _momenta(self, key: Key) -> list[torch.Tensor]:
         out = []
@@ -184,7 +189,7 @@ class StagedOptimizer(Optimizer):
                 i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params) if p.grad is not None
             }
         else:
-            comm = self.communicator
+            comm = self._attached()
             layout = self.layout()
             by_key, bad = comm.collect() if comm.pending() else ({}, False)
             rest = [key for key in layout if key not in by_key]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -79,7 +80,7 @@ class StagedSync(Sync):
                     f"but got {type(opt).__module__}.{type(opt).__name__}. Use lowbit_strategy.{cls.__name__}(...)"
                     f"{self.arguments_hint}, or plain DDP / algorithm='bitdp' for other optimizers."
                 )
-        self.optimizers = list(optimizers)
+        self.optimizers = cast(list[StagedOptimizer], list(optimizers))  # each is optimizer_class: checked above
         self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
         for opt in self.optimizers:
             opt.attach_communicator(self.make_communicator(opt))

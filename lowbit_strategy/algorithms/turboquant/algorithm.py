@@ -11,8 +11,15 @@ per-bucket worker error, server error and scale EMA.
 
 from __future__ import annotations
 
+from typing import cast
+
 from lowbit_strategy.algorithms.base import Algorithm
-from lowbit_strategy.algorithms.staged import StagedSync, check_local_gradient_precision, rank0_state_without_errors
+from lowbit_strategy.algorithms.staged import (
+    StagedOptimizer,
+    StagedSync,
+    check_local_gradient_precision,
+    rank0_state_without_errors,
+)
 from lowbit_strategy.algorithms.turboquant.communicator import TurboQuantCommunicator
 from lowbit_strategy.algorithms.turboquant.config import TurboQuantConfig
 from lowbit_strategy.algorithms.turboquant.optimizer import TurboQuantAdamW
@@ -23,8 +30,9 @@ class TurboQuantSync(StagedSync):
     algorithm_name = "turboquant"
     arguments_hint = " (same arguments as torch.optim.AdamW, plus bits and warmup_steps)"
 
-    def make_communicator(self, optimizer: TurboQuantAdamW) -> TurboQuantCommunicator:
+    def make_communicator(self, optimizer: StagedOptimizer) -> TurboQuantCommunicator:
         cfg, section = self.config, self.section
+        optimizer = cast(TurboQuantAdamW, optimizer)  # attach() admits only optimizer_class
         return TurboQuantCommunicator(
             self.group,
             cfg.bucket_size_mb,

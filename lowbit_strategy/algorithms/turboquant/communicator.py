@@ -25,6 +25,7 @@ were (the base class commits them only for an applied step).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -32,6 +33,8 @@ from lowbit_strategy.algorithms.staged import BucketCommunicator, Job, Key
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import cost_model
 from lowbit_strategy.collectives.turboquant import (
+    TurboQuantAllgather,
+    TurboQuantTwoStage,
     turboquant_allgather_mean_start,
     turboquant_scale_groups,
     turboquant_server_error,
@@ -126,6 +129,7 @@ class TurboQuantCommunicator(BucketCommunicator):
             else:
                 scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
             kept = scale
+        handle: TurboQuantTwoStage | TurboQuantAllgather
         if two_stage:
             handle = turboquant_two_stage_mean_start(
                 flat,
@@ -144,5 +148,8 @@ class TurboQuantCommunicator(BucketCommunicator):
         return (worker, server, kept), handle
 
     def _non_finite(self, job: Job) -> bool:
-        scales = job.handle.server_scales if hasattr(job.handle, "server_scales") else job.handle.scales
+        handle = cast("TurboQuantTwoStage | TurboQuantAllgather", job.handle)  # what _start_bucket starts
+        scales = handle.server_scales if hasattr(handle, "server_scales") else handle.scales
+        if scales is None:
+            raise RuntimeError("TurboQuantCommunicator: a bucket's scales were read before its wait")
         return not bool(torch.isfinite(scales).all())

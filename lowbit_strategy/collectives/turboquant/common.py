@@ -81,6 +81,8 @@ def rank_ordered_mean(
         if own is not None and own[0] == i:
             torch.sub(own[1], d, out=own[2])
         acc = d if acc is None else acc.add_(d)
+    if acc is None:
+        raise ValueError("rank_ordered_mean needs at least one payload (codes of shape (P, k), P >= 1)")
     return acc.div_(p)
 
 
