@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
 
-.PHONY: venv test test-fast demo bench bench-quick bench-codecs clean
+.PHONY: venv lint test test-fast demo bench bench-quick bench-codecs clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# ruff (lint, import order, format) and mypy over the library, configured in pyproject.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lowbit_strategy callbacks
+	$(VENV)/bin/ruff format --check lowbit_strategy callbacks
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -22,7 +22,18 @@ from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lowbit-strategy")
+    except PackageNotFoundError:  # a source tree on sys.path that pip never installed
+        return "0+unknown"
+
+
+#: the installed distribution's version (``pyproject.toml``), read from the package metadata
+__version__ = _version()
 
 __all__ = [
     "ALGORITHMS",
