@@ -9,8 +9,11 @@ bar (``comm_MB``, ``comm_x``) and logged (``comm/bytes_per_step``, ``comm/ratio_
 Read the seconds with care: they are launch-to-completion times of the transfers, which
 (BitDP's, and Lion Cub's with ``overlap`` on, the default) run asynchronously, overlapping
 each other and the backward pass, so they are not a share of the step; only Lion Cub with
-``overlap=False`` blocks in ``step()`` for them. :attr:`bytes_per_step` averages over every step, warm-up
-iterations (sent at full precision) included.
+``overlap=False`` blocks in ``step()`` for them. On CUDA the host cannot time them (a
+collective returns once queued): ``comm/seconds_per_step`` is then not logged and
+:attr:`total_seconds` is None, never a wrong 0. :attr:`bytes_per_step` averages over every
+step, warm-up iterations (sent at full precision) included. Reads the logs' running totals:
+O(1) per step however long the run.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ class CommStats(pl.Callback):
     def __init__(self, prog_bar: bool = True):
         self.prog_bar = prog_bar
         self.total_bytes_sent = 0
-        self.total_seconds = 0.0
+        #: summed communication seconds, or None once some were not measurable (CUDA)
+        self.total_seconds: float | None = 0.0
         self.steps = 0
         self.fp32_bytes_per_step = 0
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, float | None]] = {}
         self._last_step = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         self.fp32_bytes_per_step = wire.allreduce_bytes(4 * numel, trainer.world_size)
-        self._seen = {id(lg): len(lg.records) for lg in self._logs(trainer)}
+        self._seen = {id(lg): (lg.bytes_sent, lg.seconds) for lg in self._logs(trainer)}
 
     @staticmethod
     def _logs(trainer) -> list[wire.TrafficLog]:
@@ -47,13 +51,18 @@ class CommStats(pl.Callback):
             return  # gradient accumulation: no optimizer step in this batch
         self._last_step = trainer.global_step
         sent, seconds = 0, 0.0
-        for lg in self._logs(trainer):
-            new = lg.records[self._seen.get(id(lg), 0) :]
-            self._seen[id(lg)] = len(lg.records)
-            sent += sum(r.bytes_sent for r in new)
-            seconds += sum(r.seconds for r in new)
+        timed = True
+        for lg in self._logs(trainer):  # deltas of the logs' running totals since the last step
+            now_sent, now_seconds = lg.bytes_sent, lg.seconds
+            before_sent, before_seconds = self._seen.get(id(lg), (0, 0.0))
+            self._seen[id(lg)] = (now_sent, now_seconds)
+            sent += now_sent - before_sent
+            if now_seconds is None or before_seconds is None:
+                timed = False
+            else:
+                seconds += now_seconds - before_seconds
         self.total_bytes_sent += sent
-        self.total_seconds += seconds
+        self.total_seconds = self.total_seconds + seconds if timed and self.total_seconds is not None else None
         self.steps += 1
         # one process: nothing to send either way, so 1x (not 0x) against fp32
         ratio = self.fp32_bytes_per_step / sent if sent else (1.0 if self.fp32_bytes_per_step == 0 else 0.0)
@@ -61,7 +70,8 @@ class CommStats(pl.Callback):
         pl_module.log("comm_x", ratio, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
         pl_module.log("comm/bytes_per_step", float(sent), on_step=True, on_epoch=False)
         pl_module.log("comm/ratio_vs_fp32", ratio, on_step=True, on_epoch=False)
-        pl_module.log("comm/seconds_per_step", seconds, on_step=True, on_epoch=False)
+        if timed:  # (CUDA: unavailable, not logged as a wrong 0)
+            pl_module.log("comm/seconds_per_step", seconds, on_step=True, on_epoch=False)
 
     @property
     def bytes_per_step(self) -> float:

@@ -200,7 +200,8 @@ def main(argv=None) -> dict:
         "steps_per_s": clock.steps / clock.seconds if clock.seconds else 0.0,
         "bytes_per_step": stats.bytes_per_step, "fp32_bytes_per_step": stats.fp32_bytes_per_step,
         "last_bytes_per_step": last_bytes,
-        "comm_s_per_step": stats.total_seconds / max(1, stats.steps),
+        # None on CUDA, where the host cannot time collectives (CommStats)
+        "comm_s_per_step": None if stats.total_seconds is None else stats.total_seconds / max(1, stats.steps),
         "replica_drift": drift.max_abs, "replica_drift_relative": drift.relative,
     }
     if activations is not None and activations.report is not None:  # first batch, this rank
@@ -250,13 +251,17 @@ def build_strategy(name: str, overrides: list[str]):
     return lowbit_strategy.LowBitStrategy(**params)
 
 
+def _ms(seconds: float | None) -> str:
+    return "time unavailable on CUDA" if seconds is None else f"{1e3 * seconds:.1f} ms/step"
+
+
 def report(s: dict) -> None:
     sent, fp32 = s["bytes_per_step"], s["fp32_bytes_per_step"]
     ratio = f"{fp32 / sent:.1f}x less" if sent else "nothing sent by the optimizer (gradients went through DDP)"
     print(
         f"\n{s['strategy']} on {s['world_size']} CPU processes, {s['params'] / 1e6:.2f}M parameters, {s['steps']} steps\n"
         f"  validation loss      {s['val_loss']:.4f}   (train {s['train_loss']:.4f})\n"
-        f"  steps/s              {s['steps_per_s']:.2f}   (communication {1e3 * s['comm_s_per_step']:.1f} ms/step)\n"
+        f"  steps/s              {s['steps_per_s']:.2f}   (communication {_ms(s['comm_s_per_step'])})\n"
         f"  bytes sent per step  {sent / 1024:.1f} KiB per rank; DDP fp32 would send {fp32 / 1024:.1f} KiB: {ratio}"
         + (f"\n  replicas differ by   {s['replica_drift']:.3g} (max |w_r - w_0|)" if s["replica_drift"] else "")
     )

@@ -20,51 +20,75 @@ threads or tasks do not see each other's traffic; DDP hook threads should pass `
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class TrafficRecord:
-    """One collective call on this rank."""
+    """One collective call on this rank. ``seconds``: launch to completion on CPU; None
+    where the host cannot see it (CUDA: a collective returns, and its future completes,
+    when it is *queued*, so host clocks would read about 0)."""
 
     op: str
     bytes_sent: int
     bytes_received: int
     world_size: int
-    seconds: float = 0.0
+    seconds: float | None = 0.0
 
 
-@dataclass(eq=False)
+#: how many of the latest records a :class:`TrafficLog` keeps for inspection
+RECENT = 1024
+
+
 class TrafficLog:
-    """An append-only list of :class:`TrafficRecord` with totals (compared by identity)."""
+    """Running totals of the traffic recorded on this rank: O(1) memory and O(1) reads
+    however long the run (a record per collective kept forever would be ~200M objects over
+    a long run). :attr:`records` holds the latest :data:`RECENT` records, for inspection.
+    Compared by identity; safe to add to from the collectives' callback threads."""
 
-    records: list[TrafficRecord] = field(default_factory=list)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.clear()
+
+    def add(self, rec: TrafficRecord) -> None:
+        with self._lock:
+            self.bytes_sent += rec.bytes_sent
+            self.bytes_received += rec.bytes_received
+            self.calls += 1
+            if rec.seconds is None:
+                self.untimed_calls += 1
+            else:
+                self._seconds += rec.seconds
+            self._by_op[rec.op] = self._by_op.get(rec.op, 0) + rec.bytes_sent
+            self.records.append(rec)
 
     @property
-    def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self.records)
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(r.bytes_received for r in self.records)
-
-    @property
-    def seconds(self) -> float:
-        return sum(r.seconds for r in self.records)
+    def seconds(self) -> float | None:
+        """Summed launch-to-completion seconds, or None when some call could not be timed
+        (CUDA: "unavailable", never a wrong 0)."""
+        return None if self.untimed_calls else self._seconds
 
     def by_op(self) -> dict[str, int]:
-        """Bytes sent, summed per op name."""
-        out: dict[str, int] = {}
-        for r in self.records:
-            out[r.op] = out.get(r.op, 0) + r.bytes_sent
-        return out
+        """Bytes sent, summed per op name (a copy)."""
+        with self._lock:
+            return dict(self._by_op)
 
     def clear(self) -> None:
-        self.records.clear()
+        #: bytes this rank sent / received, and collective calls, since the last clear()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.calls = 0
+        #: calls whose seconds were not measurable (CUDA)
+        self.untimed_calls = 0
+        self._seconds = 0.0
+        self._by_op: dict[str, int] = {}
+        self.records: collections.deque[TrafficRecord] = collections.deque(maxlen=RECENT)
 
 
 _ACTIVE: contextvars.ContextVar[tuple[TrafficLog, ...]] = contextvars.ContextVar("lowbit_traffic_logs", default=())
@@ -85,9 +109,9 @@ def record(rec: TrafficRecord, traffic: TrafficLog | None = None) -> None:
     """Append ``rec`` to ``traffic`` (if given) and to every active :func:`recording`."""
     targets = _ACTIVE.get()
     if traffic is not None and all(traffic is not t for t in targets):
-        traffic.records.append(rec)
+        traffic.add(rec)
     for t in targets:
-        t.records.append(rec)
+        t.add(rec)
 
 
 def all_to_all_bytes(chunk_bytes: int, world_size: int) -> int:
@@ -98,6 +122,12 @@ def all_to_all_bytes(chunk_bytes: int, world_size: int) -> int:
 def all_gather_bytes(chunk_bytes: int, world_size: int) -> int:
     """Bytes one rank sends (= receives) in a ring all-gather of ``chunk_bytes`` each."""
     return (world_size - 1) * chunk_bytes
+
+
+def broadcast_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends (= receives) in a pipelined ring broadcast of ``nbytes``: the
+    buffer once (the root only sends, the last rank only receives: an upper bound there)."""
+    return nbytes if world_size > 1 else 0
 
 
 def allreduce_bytes(nbytes: int, world_size: int) -> int:

@@ -61,3 +61,19 @@ def test_bad_arguments():
         estimate("fp32", 2, 10, 0, 0)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         estimate("fp32", 0, 10, 0, 1)
+
+
+def test_traffic_log_keeps_running_totals_in_bounded_memory():
+    from lowbit_strategy.collectives import wire
+
+    log = wire.TrafficLog()
+    n = 3 * wire.RECENT
+    for i in range(n):
+        log.add(wire.TrafficRecord("a" if i % 3 else "b", 10, 7, 2, 0.5))
+    assert (log.bytes_sent, log.bytes_received, log.calls, log.seconds) == (10 * n, 7 * n, n, 0.5 * n)
+    assert log.by_op() == {"a": 10 * (n - n // 3), "b": 10 * (n // 3)}
+    assert len(log.records) == wire.RECENT and log.records[-1].op == ("a" if (n - 1) % 3 else "b")
+    log.add(wire.TrafficRecord("a", 1, 1, 2, None))  # a collective the host could not time (CUDA)
+    assert log.seconds is None and log.bytes_sent == 10 * n + 1
+    log.clear()
+    assert (log.bytes_sent, log.calls, log.seconds, len(log.records)) == (0, 0, 0.0, 0)

@@ -92,7 +92,7 @@ def _check_adam(rank, world_size):
             _same_on_every_rank(model)
             if step == FREEZE:
                 switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
-            sent.append(sum(r.bytes_sent for r in o.communicator.traffic.records if r.op.startswith("compensated.")))
+            sent.append(sum(b for op, b in o.communicator.traffic.by_op().items() if op.startswith("compensated.")))
 
         model, opt, sync = _train(rank, OneBitAdam, cfg, STEPS, after_step=count)
         comm = opt.communicator

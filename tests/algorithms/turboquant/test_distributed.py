@@ -112,8 +112,8 @@ def _check_against_simulation(rank, world_size):
                         _same_on_every_rank(model)
                     if step == WARMUP:
                         switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
-                    sent.append(sum(r.bytes_sent for r in o.communicator.traffic.records
-                                    if r.op.startswith("turboquant.")))
+                    sent.append(sum(b for op, b in o.communicator.traffic.by_op().items()
+                                    if op.startswith("turboquant.")))
 
                 model, opt, _ = _train(rank, _config(form, turboquant_overlap=overlap), STEPS, after_step=count,
                                        variance=variance)
