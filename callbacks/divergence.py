@@ -17,9 +17,10 @@ per-algorithm branch here): ``divergence_tensors()``, ``variance_ratios()`` and
 * ``spread/<kind>/<param>`` (TurboQuant-Adam): ``max |x_r − x_0|`` over elements and ranks
   of tensors that should be identical on every rank, by kind: ``variance`` (Adam's ``v``)
   and, under ``variance="local"`` (the paper's), ``param`` (the weights). Exactly 0 while
-  the replicas agree (one all-gather of the tensors, so no rounding of a mean or a
-  variance blurs it); growing values show drift before it hurts. ``spread/<kind>/max``
-  over all parameters.
+  the replicas agree (rank 0's tensors are broadcast, each rank takes ``|x_r − x_0|`` and a
+  MAX allreduce combines them: O(N) memory and bytes per rank whatever P, and no rounding
+  of a mean or a variance blurs it); growing values show drift before it hurts.
+  ``spread/<kind>/max`` over all parameters.
 * with ``sign_agreement=True``: ``sign/match`` and ``sign/flip``, the fractions of elements
   whose synchronized direction equals / reverses the full-precision direction (Fig. 4);
   costs one extra fp32 allreduce of the update vector on monitored steps.
@@ -38,7 +39,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lowbit_strategy.collectives import full_allreduce
-from lowbit_strategy.collectives.group import all_gather
+from lowbit_strategy.collectives.group import all_reduce_max, broadcast
 from lowbit_strategy.selection import param_names
 
 
@@ -132,10 +133,10 @@ class DivergenceMonitor(pl.Callback):
                 continue
             parts = [t.detach().float().reshape(-1) for _, t in pairs]
             flat = torch.cat(parts)
-            every = torch.empty(comm.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-            all_gather(every, flat, comm.group, f"divergence.{kind}", comm.traffic)
-            every = every.view(comm.world_size, -1)
-            gap = (every - every[0]).abs().amax(dim=0)
+            first = flat.clone()
+            broadcast(first, 0, comm.group, f"divergence.{kind}.broadcast", comm.traffic)
+            gap = (flat - first).abs_()  # max over ranks of |x_r - x_0|, per element
+            all_reduce_max(gap, comm.group, f"divergence.{kind}.max", comm.traffic)
             values = {
                 f"spread/{kind}/{names.get(id(p), 'param')}": float(s.max())
                 for (p, _), s in zip(pairs, gap.split([t.numel() for t in parts]))

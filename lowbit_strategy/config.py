@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
+from lowbit_strategy.collectives import emulation
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
 
@@ -214,7 +215,8 @@ class LowBitConfig:
         """From the environment, over ``defaults``: ``LOWBIT_CONFIG`` names a YAML file read
         first; then ``LOWBIT_<FIELD>`` for a shared field or a field of the active section
         (``LOWBIT_MODE=lp``) and ``LOWBIT_<SECTION>_<FIELD>`` for any section
-        (``LOWBIT_BITDP_BITS=1``). An unknown ``LOWBIT_`` variable is an error."""
+        (``LOWBIT_BITDP_BITS=1``). An unknown ``LOWBIT_`` variable is an error (``LOWBIT_EMULATE_NCCL``
+        is not a field: it switches on :mod:`~lowbit_strategy.collectives.emulation`)."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = dict(defaults)
         path = env.get(prefix + "CONFIG")
@@ -222,7 +224,7 @@ class LowBitConfig:
             values = _merge(values, cls.from_yaml(path).to_dict())
         known = {k.upper(): k for k in cls.known_keys()}
         for var in sorted(env):
-            if not var.startswith(prefix) or var == prefix + "CONFIG":
+            if not var.startswith(prefix) or var in (prefix + "CONFIG", emulation.ENV):
                 continue
             key = var[len(prefix) :]
             if key not in known:

@@ -39,14 +39,46 @@ def to_cpu(obj: Any) -> Any:
 
 def gather(obj: Any, group=None) -> dict[str, Any] | None:
     """``{"world_size": P, "states": [rank 0's obj, ..., rank P-1's]}`` (tensors copied to
-    CPU) on rank 0 of ``group``, None on the other ranks. Collective: call it on every rank."""
+    CPU) on rank 0 of ``group``, None on the other ranks. Collective: call it on every rank.
+
+    The states travel one rank at a time over a CPU process group (``group`` itself on gloo,
+    else a gloo group over the same ranks, made once): never through a GPU (NCCL's object
+    collectives would stage every rank's state on rank 0's device: 1B parameters x P = 16 is
+    ~64 GB), and never more than one state in flight. Rank 0's entry holds every rank's
+    state, as the single checkpoint file it is written to does."""
     obj = to_cpu(obj)
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {"world_size": 1, "states": [obj]}
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(obj, gathered, dst=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return {"world_size": world, "states": gathered} if rank == 0 else None
+    cpu = _cpu_group(group)
+    if rank != 0:
+        dist.send_object_list([obj], dst=dist.get_global_rank(cpu, 0), group=cpu)
+        return None
+    states = [obj]
+    for r in range(1, world):  # rank order, one state at a time
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=dist.get_global_rank(cpu, r), group=cpu)
+        states.append(box[0])
+    return {"world_size": world, "states": states}
+
+
+_CPU_GROUPS: dict[Any, Any] = {}
+
+
+def _cpu_group(group):
+    """A process group over ``group``'s ranks that moves CPU tensors: ``group`` itself when
+    its backend is gloo alone, else a gloo group made on first use (only the member ranks
+    take part, ``use_local_synchronization``) and kept."""
+    if dist.get_backend(group) == "gloo":
+        return group if group is not None else dist.group.WORLD
+    key = (id(dist.group.WORLD), id(group))  # a new default group (after re-initialization) gets its own
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(
+            dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
+    return _CPU_GROUPS[key]
 
 
 def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any] | None, what: str) -> Any:

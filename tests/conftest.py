@@ -17,6 +17,12 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# NCCL's completion semantics for every collective of the suite (lowbit_strategy.collectives.
+# emulation): a collective's future completes when it is queued, its output holds poison until
+# its own wait() or a then() chained from it; set before anything imports lowbit_strategy, and
+# inherited by every process the tests launch. LOWBIT_EMULATE_NCCL=0 runs plain gloo instead.
+os.environ.setdefault("LOWBIT_EMULATE_NCCL", "1")
+
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000)

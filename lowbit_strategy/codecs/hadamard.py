@@ -114,6 +114,24 @@ def _blocked_fwht(v: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat(parts) if parts else v.clone()
 
 
+def blocked_fwht_rows(y: torch.Tensor, block: int) -> torch.Tensor:
+    """:func:`_blocked_fwht` of every row of a contiguous 2-D float32 ``y`` (``R`` rows of
+    ``m`` elements) at once: each row exactly as :func:`_blocked_fwht` transforms it alone
+    (the same butterflies on the same blocks), in a few kernels whatever ``R``."""
+    rows, n = y.shape
+    q = n // block * block
+    parts = []
+    if q:
+        parts.append(_fwht_rows(y[:, :q].reshape(-1, block)).view(rows, q))
+    start = q
+    for size in tail_pieces(n - q):
+        parts.append(_fwht_rows(y[:, start : start + size].contiguous()))
+        start += size
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=1) if parts else y.clone()
+
+
 def _flat_float32(x: torch.Tensor, name: str, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")

@@ -56,6 +56,7 @@ import math
 import torch
 
 from lowbit_strategy.codecs.bits import pack_bytes_into_lanes
+from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.signs import compare_bytes, signs_from_bits
 
 #: dtypes accepted as input; the arithmetic and the error buffers are float32 for all.
@@ -336,9 +337,11 @@ def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None
     ``k`` values. Returns ``8c`` float32 values (padding bits included: the caller slices).
 
     The order is fixed, so every run gives the same floats: weights ``w_r = scales[r] / k``
-    in float32, then ``((w_0·±1 + w_1·±1) + w_2·±1) + …`` in row order, one rounding per
-    addition. Row by row through a per-row ``(256, 8)`` table of ``±w_r``, so the extra
-    memory is one chunk of floats, independent of ``k``.
+    in float32, each ``w_r·±1`` exact, summed over rows by
+    :func:`~lowbit_strategy.codecs.reduce.rank_sum` (a fixed pairwise tree; row order for
+    ``k ≤ 3``), one rounding per addition. All rows at once, through per-row ``(256, 8)``
+    tables of ``±w_r``: a handful of kernels whatever ``k``, and ``k`` chunks of floats of
+    extra memory (the size of the bucket the chunks came from).
 
     ``block`` (a positive multiple of 8): per-block scales, ``(k, nb)`` or ``k·nb`` values
     with ``nb = ceil(8c/block)``: row ``r``'s block ``b`` weighs ``w_rb = scales[r, b] / k``.
@@ -347,34 +350,20 @@ def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None
     """
     rows, scales = _check_rows(bits, scales, "scaled_sign_mean", block)
     k, c = rows.shape
+    device = bits.device
     index = rows.to(torch.int32)
-    acc = torch.empty(c, 8, dtype=torch.float32, device=bits.device)
-    if block is not None and _block_tables(c, scales.shape[1]):
-        # a (256, 8) table of ±w per (row, block), as below with one per row
+    if block is not None and not _block_tables(c, scales.shape[1]):
+        weights = (scales / k)[:, _byte_blocks(c, block, device)].unsqueeze(-1)  # (k, c, 1)
+        terms = _pm1_table(device).index_select(0, index.view(-1)).view(k, c, 8).mul_(weights)  # exact products
+        return rank_sum(terms).reshape(-1)
+    if block is not None:  # a (256, 8) table of ±w per (row, block), as below with one per row
         nb = scales.shape[1]
-        tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(bits.device)).view(k, nb * 256, 8)
-        offsets = _byte_blocks(c, block, bits.device).to(torch.int32).mul_(256)
-        term = torch.empty_like(acc)
-        torch.index_select(tables[0], 0, offsets + index[0], out=acc)
-        for r in range(1, k):
-            torch.index_select(tables[r], 0, offsets + index[r], out=term)
-            acc.add_(term)
-        return acc.view(-1)
-    if block is not None:
-        weights = (scales / k)[:, _byte_blocks(c, block, bits.device)].unsqueeze(-1)  # (k, c, 1)
-        pm1 = _pm1_table(bits.device)
-        term = torch.empty_like(acc)
-        torch.index_select(pm1, 0, index[0], out=term)
-        torch.mul(term, weights[0], out=acc)
-        for r in range(1, k):
-            torch.index_select(pm1, 0, index[r], out=term)
-            acc.addcmul_(term, weights[r])  # acc + w·(±1): the product is exact, one rounding
-        return acc.view(-1)
-    tables = (scales / k).view(k, 1, 1) * _pm1_table(bits.device)  # (k, 256, 8): ±w_r
-    torch.index_select(tables[0], 0, index[0], out=acc)
-    if k > 1:
-        term = torch.empty_like(acc)
-        for r in range(1, k):
-            torch.index_select(tables[r], 0, index[r], out=term)
-            acc.add_(term)
-    return acc.view(-1)
+        tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(device)).view(k * nb * 256, 8)
+        offsets = _byte_blocks(c, block, device).to(torch.int32).mul_(256)
+        first = torch.arange(0, k * nb * 256, nb * 256, dtype=torch.int32, device=device).view(k, 1)
+    else:
+        tables = ((scales / k).view(k, 1, 1) * _pm1_table(device)).view(k * 256, 8)  # (k·256, 8): ±w_r
+        offsets = torch.zeros((), dtype=torch.int32, device=device)
+        first = torch.arange(0, k * 256, 256, dtype=torch.int32, device=device).view(k, 1)
+    terms = tables.index_select(0, (first + offsets + index).view(-1)).view(k, c, 8)
+    return rank_sum(terms).reshape(-1)

@@ -73,7 +73,6 @@ BACKENDS = ("auto", "torch", "triton")
 #: dtypes accepted as input
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_MAX_CACHED_SIGNS = 8
 #: blocks above this many elements always use the torch code (the kernels hold a block in
 #: registers); the same value as ``turboquant_triton.MAX_FUSED_BLOCK``
 _MAX_FUSED_BLOCK = 8192
@@ -108,6 +107,18 @@ _TRITON_OK: bool | None = None
 
 def _lane_bits(bits: int) -> int:
     return 2 if bits == 2 else 4 if bits <= 4 else 8
+
+
+def _stream(cache: dict[torch.device, torch.Tensor], device: torch.device, n: int, draw) -> torch.Tensor:
+    """``cache[device]``, first grown (``draw(length)`` on the CPU, at least 2x the old length,
+    copied to ``device`` once) until it covers ``n`` elements (``n / 8`` bytes for packed bits:
+    ``draw`` returns either; a stream only ever grows)."""
+    have = cache.get(device)
+    covered = 0 if have is None else have.numel() * (8 if have.dtype == torch.uint8 else 1)
+    if have is None or covered < n:
+        have = draw(-(-max(n, 2 * covered) // 8) * 8).to(device)
+        cache[device] = have
+    return have
 
 
 @dataclass(frozen=True)
@@ -166,8 +177,10 @@ class TurboQuantCodec:
         self._levels = lloyd_max_codebook(bits)
         self._midpoints = (self._levels[:-1] + self._levels[1:]) / 2
         self._device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._signs: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._sign_bits: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: per device, the rotation's sign stream (float ±1) and its packed bits (Triton):
+        #: the signs of n elements are its first n (see :meth:`signs`)
+        self._signs: dict[torch.device, torch.Tensor] = {}
+        self._sign_bits: dict[torch.device, torch.Tensor] = {}
         if backend == "triton":
             _triton_module()._require()  # fail at construction, naming the fix
 
@@ -193,29 +206,27 @@ class TurboQuantCodec:
     def signs(self, n: int, device: torch.device) -> torch.Tensor:
         """The rotation's ±1 signs for ``n`` elements, as float32 on ``device``.
 
-        Kept per ``(n, device)`` for the last 8 lengths seen (an optimizer encodes the same
-        buckets every step), so the codec holds up to as many floats as the tensors it
-        encoded; drawing them again costs about as much as the rotation itself."""
-        key = (n, torch.device(device))
-        s = self._signs.get(key)
-        if s is None:
-            if len(self._signs) >= _MAX_CACHED_SIGNS:
-                self._signs.pop(next(iter(self._signs)))
-            s = self._signs[key] = hadamard_signs(n, self.seed, device)
-        return s
+        The signs of ``n`` elements are the first ``n`` of one stream per seed
+        (:func:`.hadamard.hadamard_signs` draws them in order), so the codec keeps one stream
+        per device, as long as the longest tensor it has encoded (grown at least 2x at a
+        time), and every bucket and every length is a slice of it: no drawing on the CPU and
+        no copy to the GPU per bucket and step, however many buckets or sequence lengths."""
+        return _stream(self._signs, torch.device(device), n, lambda length: hadamard_signs(length, self.seed))[:n]
 
     def _groups(self, n: int) -> int:
         return -(-n // self.block)
 
-    def _check_scale(self, scale, n: int, device: torch.device) -> torch.Tensor:
+    def _check_scale(self, scale, n: int, device: torch.device, groups: int | None = None) -> torch.Tensor:
+        """``scale`` as a fresh float32 tensor of 1 or ``groups`` (default ``ceil(n / block)``) values."""
+        groups = self._groups(n) if groups is None else groups
         if isinstance(scale, torch.Tensor):
             s = scale.detach().to(device=device, dtype=torch.float32).reshape(-1)
         elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
             s = torch.tensor([float(scale)], dtype=torch.float32, device=device)
         else:
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
-        if s.numel() not in (1, self._groups(n)):
-            raise ValueError(f"scale must hold 1 or ceil(n / block) = {self._groups(n)} values, got {s.numel()}")
+        if s.numel() not in (1, groups):
+            raise ValueError(f"scale must hold 1 or ceil(n / block) = {groups} values, got {s.numel()}")
         return s.clone()
 
     def _use_triton(self, device: torch.device) -> bool:
@@ -229,20 +240,18 @@ class TurboQuantCodec:
         return True
 
     def _triton_signs(self, n: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotation's signs for ``n`` elements as the kernels read them (bits, see
-        :func:`.turboquant_triton.sign_bits`) and, as float ±1, those of elements ``m:``
-        that the torch code handles; cached like :meth:`signs`, without keeping all ``n``
-        float signs on ``device``."""
-        key = (n, m, torch.device(device))
-        s = self._sign_bits.get(key)
-        if s is None:
-            if len(self._sign_bits) >= _MAX_CACHED_SIGNS:
-                self._sign_bits.pop(next(iter(self._sign_bits)))
-            cpu = self._signs.get((n, torch.device("cpu")))
-            cpu = hadamard_signs(n, self.seed) if cpu is None else cpu
-            bits = _triton_module().sign_bits(cpu[:m]).to(device)
-            s = self._sign_bits[key] = (bits, cpu[m:].to(device))
-        return s
+        """The rotation's signs for ``n`` elements as the kernels read them (packed bits, see
+        :func:`.turboquant_triton.sign_bits`: a prefix of this device's bit stream, the
+        kernels read the first ``m``) and, as float ±1, those of elements ``m:`` that the
+        torch code handles, unpacked on the device from the same bits (fewer than a block):
+        no float signs of all ``n`` elements on the device."""
+        device = torch.device(device)
+        bits = _stream(
+            self._sign_bits, device, n, lambda length: _triton_module().sign_bits(hadamard_signs(length, self.seed))
+        )
+        lo = m // 8
+        tail = unpack(bits[lo : -(-n // 8)], 1, n - 8 * lo)[m - 8 * lo :]
+        return bits, tail.to(torch.float32).mul_(-2.0).add_(1.0)  # bit 1: negative
 
     def _encode_torch(self, v: torch.Tensor, signs, scale, *, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`.turboquant_torch.encode` with this codec's settings."""

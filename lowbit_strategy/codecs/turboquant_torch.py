@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from lowbit_strategy.codecs.bits import pack
-from lowbit_strategy.codecs.hadamard import _blocked_fwht
+from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
 
 
 def apply_scales(
@@ -103,4 +103,26 @@ def decode(
     apply_scales(y, scales, block, torch.Tensor.mul_)
     if signs is not None:
         y = _blocked_fwht(y, block).mul_(signs)
+    return y
+
+
+def decode_rows(
+    idx: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None, *, block: int, levels: torch.Tensor
+) -> torch.Tensor:
+    """:func:`decode` of ``R`` payloads of ``m`` elements at once: ``idx`` ``(R, m)``
+    unpacked codes, ``scales`` ``(R, g)`` (``g`` groups per row, or 1: shared by the row),
+    ``signs`` the ``m`` signs every row uses. Returns ``(R, m)`` float32, each row bit for
+    bit what :func:`decode` gives for it alone, in a few kernels whatever ``R``."""
+    rows, m = idx.shape
+    y = levels.index_select(0, idx.reshape(-1).to(torch.int32)).view(rows, m)
+    if scales.shape[1] == 1:
+        y.mul_(scales)
+    else:
+        q = m // block
+        if q:
+            y[:, : q * block].view(rows, q, block).mul_(scales[:, :q].unsqueeze(-1))
+        if m > q * block:
+            y[:, q * block :].mul_(scales[:, q : q + 1])
+    if signs is not None:
+        y = blocked_fwht_rows(y, block).mul_(signs)
     return y

@@ -73,6 +73,7 @@ used. :data:`AVAILABLE` says whether triton could be imported.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -293,6 +294,12 @@ def sign_bits(signs: torch.Tensor) -> torch.Tensor:
 _LAUNCH = {"enable_fp_fusion": False}
 
 
+def _on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU, not the current one: a plain-DDP script that never calls
+    ``torch.cuda.set_device`` would otherwise launch on cuda:0 with pointers on cuda:rank."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def encode_blocks(
     x: torch.Tensor,
     nblocks: int,
@@ -320,27 +327,28 @@ def encode_blocks(
     mode = 0 if scales is None else 1 if scales.numel() == 1 else 2
     dummy = midpoints
     grid = (triton.cdiv(nblocks, rows),)
-    _encode_kernel[grid](
-        x,
-        sign_bits if sign_bits is not None else codes_out,
-        scales if scales is not None else dummy,
-        midpoints,
-        codes_out,
-        scales_out if scales_out is not None else dummy,
-        nblocks,
-        nblocks * block // (8 // lane_bits),
-        1.0 / math.sqrt(block),
-        1.0 / block,
-        R=rows,
-        B=block,
-        LOG2B=log2b,
-        ROTATE=sign_bits is not None,
-        SCALE_MODE=mode,
-        BITS=bits,
-        LANE=lane_bits,
-        num_warps=warps,
-        **_LAUNCH,
-    )
+    with _on_device(x):
+        _encode_kernel[grid](
+            x,
+            sign_bits if sign_bits is not None else codes_out,
+            scales if scales is not None else dummy,
+            midpoints,
+            codes_out,
+            scales_out if scales_out is not None else dummy,
+            nblocks,
+            nblocks * block // (8 // lane_bits),
+            1.0 / math.sqrt(block),
+            1.0 / block,
+            R=rows,
+            B=block,
+            LOG2B=log2b,
+            ROTATE=sign_bits is not None,
+            SCALE_MODE=mode,
+            BITS=bits,
+            LANE=lane_bits,
+            num_warps=warps,
+            **_LAUNCH,
+        )
 
 
 def decode_blocks(
@@ -360,21 +368,22 @@ def decode_blocks(
         return
     rows, warps = _tile(block)
     grid = (triton.cdiv(nblocks, rows),)
-    _decode_kernel[grid](
-        codes,
-        sign_bits if sign_bits is not None else codes,
-        scales,
-        levels,
-        out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
-        nblocks,
-        1.0 / math.sqrt(block),
-        R=rows,
-        B=block,
-        LOG2B=block.bit_length() - 1,
-        ROTATE=sign_bits is not None,
-        SHARED_SCALE=scales.numel() == 1,
-        LANE=lane_bits,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=warps,
-        **_LAUNCH,
-    )
+    with _on_device(codes):
+        _decode_kernel[grid](
+            codes,
+            sign_bits if sign_bits is not None else codes,
+            scales,
+            levels,
+            out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
+            nblocks,
+            1.0 / math.sqrt(block),
+            R=rows,
+            B=block,
+            LOG2B=block.bit_length() - 1,
+            ROTATE=sign_bits is not None,
+            SHARED_SCALE=scales.numel() == 1,
+            LANE=lane_bits,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            num_warps=warps,
+            **_LAUNCH,
+        )

@@ -93,14 +93,33 @@ def _at_least(planes: list[torch.Tensor], threshold: int, like: torch.Tensor) ->
     return ge
 
 
-def majority_bits(words: torch.Tensor, step: int) -> torch.Tensor:
+#: accepted values of ``method``
+METHODS = ("auto", "bitsliced", "lanes")
+#: the most rows the byte-lane counters of ``method="lanes"`` can count (a lane holds
+#: count + 128 - threshold <= 255)
+MAX_LANE_ROWS = 254
+_LOW_BITS = 0x0101010101010101  # bit 0 of every byte of an int64 word
+
+
+def majority_bits(words: torch.Tensor, step: int, method: str = "auto") -> torch.Tensor:
     """Packed majority of P packed 1-bit vote rows: (P, C) uint8 -> (C,) uint8.
 
     Row r holds rank r's votes in the layout of ``bits.pack(..., 1)`` (element i in byte
     i // 8 at bit i % 8, bit 1 = +1). Output bit i is 1 where 2·count > P, and for a tie
     (2·count == P, even P only) 1 iff ``tie_is_positive(step)``. Bit-for-bit equal to
-    unpacking, summing and packing (see the module docstring for how it avoids that).
+    unpacking, summing and packing, whichever ``method``:
+
+    * ``"bitsliced"``: the carry-save adder tree of the module docstring, O(P) bitwise
+      word operations (each its own kernel): the fastest on a CPU;
+    * ``"lanes"``: per bit position j, every row's bit j of every byte is summed at once
+      into byte-lane counters (``((w >> j) & 0x01..01).sum(0)`` on int64 words: an exact
+      integer sum) and compared with the threshold by one addition per lane: ~7 kernels
+      per bit position whatever P (P <= :data:`MAX_LANE_ROWS`), for a GPU, where a kernel
+      launch costs more than the bytes it touches;
+    * ``"auto"``: ``"lanes"`` for CUDA tensors, ``"bitsliced"`` otherwise.
     """
+    if method not in METHODS:
+        raise ValueError(f"majority_bits: method must be one of {METHODS}, got {method!r}")
     if words.dtype != torch.uint8 or words.dim() != 2:
         raise TypeError(f"majority_bits needs a (P, C) uint8 tensor, got {words.dtype} of shape {tuple(words.shape)}")
     p, c = words.shape
@@ -114,8 +133,22 @@ def majority_bits(words: torch.Tensor, step: int) -> torch.Tensor:
         padded = words.new_zeros(p, -(-c // 8) * 8)
         padded[:, :c] = words
     rows = padded.view(torch.int64)
+    if method == "auto":
+        method = "lanes" if words.is_cuda else "bitsliced"
+    if method == "lanes" and p <= MAX_LANE_ROWS:
+        return _majority_lanes(rows, threshold).view(torch.uint8)[:c]
     winners = torch.empty_like(rows[0])
     for start in range(0, rows.shape[1], _SLICE_WORDS):
         part = rows[:, start : start + _SLICE_WORDS]
         winners[start : start + _SLICE_WORDS] = _at_least(_count_planes(list(part.unbind(0))), threshold, part[0])
     return winners.view(torch.uint8)[:c]
+
+
+def _majority_lanes(rows: torch.Tensor, threshold: int) -> torch.Tensor:
+    """``method="lanes"`` of :func:`majority_bits` on (P, W) int64 words: the winners' words."""
+    out = torch.zeros_like(rows[0])
+    bias = (128 - threshold) * _LOW_BITS  # count + bias has bit 7 set iff count >= threshold
+    for j in range(8):
+        counts = ((rows >> j) & _LOW_BITS).sum(0)  # per byte: how many rows have bit j set
+        out |= (((counts + bias) >> 7) & _LOW_BITS) << j
+    return out

@@ -173,6 +173,10 @@ class CompensatedAllreduce(g.TwoPhase):
         self.worker_scales: torch.Tensor | None = None
         self.server_scales: torch.Tensor | None = None
 
+    def nonfinite(self) -> torch.Tensor:
+        """After the wait: whether any rank's input was non-finite (it made the server scales so)."""
+        return g.nonfinite(self.server_scales, "CompensatedAllreduce")
+
     def _second_phase(self) -> g.Pending:
         """Finish phase one, run the server step, start phase two (:meth:`gather` runs it once)."""
         for f in self._futures:
@@ -199,9 +203,7 @@ class CompensatedAllreduce(g.TwoPhase):
         shape, out = self._shape, self._out
         dtype = self._dtype if out is None else out.dtype
 
-        def finish() -> torch.Tensor:
-            f_bits.value()  # re-raise either failure
-            f_scales.value()
+        def finish() -> torch.Tensor:  # after both collectives' own wait() (Pending)
             self.server_scales = every_scales if block is not None else every_scales.view(p)
             result = scaled_sign_decode(every_bits.view(p, c), every_scales, n, dtype, block)
             if out is None:
@@ -209,7 +211,7 @@ class CompensatedAllreduce(g.TwoPhase):
             out.view(-1).copy_(result)
             return out.view(shape)
 
-        pending = g.Pending(torch.futures.collect_all([f_bits, f_scales]), finish)
+        pending = g.Pending([f_bits, f_scales], finish)
         self._futures = self._received = self._scales = None
         return pending
 

@@ -22,17 +22,16 @@ concatenated; scales likewise in matrix order. Every rank must pass the same lay
 buckets are identical across ranks). Bytes per rank: ``(P-1)·W`` for the codes, plus
 ``(P-1)·4R`` (gathered scales, "mean") or a ring allreduce of ``4R`` bytes ("paper").
 
-Interleaved decode-and-reduce (Sec. 3.2, Phase 3): decoding all P ranks' codes at once
-would need ``P·numel`` floats. The paper interleaves decoding and summation bit position by
-bit position on the GPU; here the same bound comes from chunks: each matrix is processed
-``chunk_rows`` rows at a time and, inside a chunk, rank by rank — unpack that rank's codes
-for the chunk, map them to ±1/0, accumulate into the output. Peak extra memory is about
-5-6 bytes x ``chunk_rows · cols`` (codes, a mask, one float chunk), independent of P and of
-the matrix height. Measured with the torch profiler (P = 4, 1024 x 1024, output
-preallocated): 1.3 / 1.5 MiB (1-/2-bit) at 256 rows, 5.0 / 6.0 MiB unchunked, 36 MiB
-decoding every rank first; at P = 8, 2048 x 1024: 1.3 / 1.6 vs 10 / 12 vs 144 MiB.
-Ranks are accumulated in rank order 0..P-1 on every rank, so all ranks get bit-identical
-results (replicas never drift apart).
+Interleaved decode-and-reduce (Sec. 3.2, Phase 3): decoding all P ranks' codes of a whole
+matrix at once would need ``P·numel`` floats. The paper interleaves decoding and summation
+bit position by bit position on the GPU; here the bound comes from chunks: each matrix is
+processed ``chunk_rows`` rows at a time, and inside a chunk every rank's codes are mapped to
+±1/0 by one table lookup per byte, weighted, and reduced over the ranks in one
+:func:`~lowbit_strategy.codecs.reduce.rank_sum`: a handful of kernels per chunk whatever P
+(a loop over ranks would launch ~4·P per chunk: tens of thousands per step on a GPU at
+P = 64). Peak extra memory is about ``8·P·chunk_rows·cols`` bytes (every rank's chunk as
+floats, and the reduction's levels), independent of the matrix height; lower ``chunk_rows`` at large P. The reduction's
+fixed order gives bit-identical results on every rank (replicas never drift apart).
 """
 
 from __future__ import annotations
@@ -44,11 +43,12 @@ import torch
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
+from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import group as g
 
 REDUCTIONS = ("mean", "paper")
 assert (TERNARY_ZERO, TERNARY_PLUS) == (0, 1), "_signs relies on 2-bit codes 0 -> 0 and 1 -> +1"
-#: Rows decoded per chunk by default: ~6·256·cols bytes extra (6 MiB at cols = 4096).
+#: Rows decoded per chunk by default: ~8·P·256·cols bytes extra (8 MiB per rank at cols = 4096).
 DEFAULT_CHUNK_ROWS = 256
 
 
@@ -164,12 +164,14 @@ def _decode_table(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def _signs(words: torch.Tensor, bits: int, start: int, n: int) -> torch.Tensor:
-    """Codes ``start .. start+n`` of one packed matrix as float32 ±1 (1-bit) or ±1/0 (2-bit):
-    one table lookup per byte (the same values the codes mean, exactly)."""
+    """Codes ``start .. start+n`` of one packed matrix for every rank at once: ``words`` is
+    ``(P, W)``, the result ``(P, n)`` float32 ±1 (1-bit) or ±1/0 (2-bit), one table lookup
+    per byte (the same values the codes mean, exactly)."""
     k = lanes.lane(bits).per_word
     w0, w1 = start // k, -(-(start + n) // k)
     table = _decode_table(bits, words.device)
-    return table.index_select(0, words[w0:w1].to(torch.int32)).view(-1)[start - w0 * k : start - w0 * k + n]
+    rows = table.index_select(0, words[:, w0:w1].reshape(-1).to(torch.int32)).view(words.shape[0], -1)
+    return rows[:, start - w0 * k : start - w0 * k + n]
 
 
 def decode_reduce(
@@ -219,17 +221,14 @@ def decode_reduce(
         step = rows if chunk_rows is None else chunk_rows
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            acc = dest[a:b]
-            acc.zero_()
-            for r in range(p):  # rank order: identical float sums on every rank
-                q = _signs(mat_words[r], layout.bits, a * cols, (b - a) * cols).view(b - a, cols)
-                if reduction == "mean":
-                    acc.addcmul_(q, weights[r, r_off + a : r_off + b].unsqueeze(1))
-                else:
-                    acc.add_(q)  # q_ar: exact integer sum of codes (Eq. 10)
-                del q
-            if reduction == "paper":
-                acc.mul_(weights[r_off + a : r_off + b].unsqueeze(1))  # 1/P · s_ar ⊙ q_ar
+            # every rank's codes of the chunk at once, then one reduction over the ranks
+            # (rank_sum's fixed order: identical float sums on every rank)
+            q = _signs(mat_words, layout.bits, a * cols, (b - a) * cols).view(p, b - a, cols)
+            if reduction == "mean":
+                dest[a:b] = rank_sum(q.mul_(weights[:, r_off + a : r_off + b].unsqueeze(-1)))  # exact products
+            else:  # q_ar: exact integer sum of codes (Eq. 10), then 1/P · s_ar ⊙ q_ar
+                dest[a:b] = rank_sum(q).mul_(weights[r_off + a : r_off + b].unsqueeze(1))
+            del q
     return out
 
 
@@ -274,14 +273,18 @@ def gathered_mean_async(
     flag: torch.Tensor | None = None,
 ) -> torch.futures.Future:
     """Non-blocking :func:`gathered_mean`: both transfers start now (codes and scales in
-    parallel, the two streams of Sec. 3.2); decode-and-reduce runs in the callback once
-    both have arrived. The future resolves to the same value :func:`gathered_mean` returns.
+    parallel, the two streams of Sec. 3.2); decode-and-reduce runs in a callback chained
+    from the scales' collective (launched last), which first waits for the codes' own
+    future: on NCCL only a collective's own ``wait()`` or a ``then`` chained from it is
+    ordered after its data. The future resolves to the same value :func:`gathered_mean`
+    returns.
 
     ``flag``: an optional device-side bool of this rank ("my input was non-finite"). It
     travels as one more float beside the scales, so every rank learns whether *any* rank
-    raised it from data it has anyway, with no extra collective and no host sync before
-    the launch. With a flag the future resolves to ``(result, any_flag)``, and ``result``
-    is None when a flag was raised (nothing is decoded: the codes are meaningless).
+    raised it from data it has anyway, with no extra collective and no host sync at all.
+    With a flag the future resolves to ``(result, any_flag)``, ``any_flag`` a 0-d bool
+    tensor on the device, the same on every rank; where it is set, ``result`` is decoded
+    from meaningless codes (the caller masks it: no host read decides anything here).
     """
     check_reduction(reduction)
     check_chunk_rows(chunk_rows)
@@ -300,19 +303,17 @@ def gathered_mean_async(
         s = scales.clone()
         f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", traffic)
 
-    def finish(_: torch.futures.Future):
-        f_codes.value()  # re-raise either failure
-        f_scales.value()
+    def finish(_: torch.futures.Future):  # chained from the scales' collective: its data is there
+        # the codes' own wait (launched first, gloo has taken it up already: no deadlock)
+        f_codes.wait()
         if reduction == "mean":
             table = s.view(p, width)
-            raised = flagged and bool(table[:, rows].sum() > 0)
+            raised = table[:, rows].sum() > 0 if flagged else None
             scl = table[:, :rows]
         else:
-            raised = flagged and bool(s[rows] > 0)
+            raised = s[rows] > 0 if flagged else None
             scl = s[:rows].div_(p)  # s_ar: rank mean
-        if raised:
-            return None, True
         result = decode_reduce(every.view(p, -1), scl, layout, reduction=reduction, chunk_rows=chunk_rows, out=out)
-        return (result, False) if flagged else result
+        return (result, raised) if flagged else result
 
-    return torch.futures.collect_all([f_codes, f_scales]).then(finish)
+    return f_scales.then(finish)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives import emulation, wire
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -34,6 +35,13 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
 
+def host_seconds(seconds: float, t: torch.Tensor) -> float | None:
+    """``seconds`` measured on the host for a collective on ``t``, or None on CUDA: there a
+    collective returns (and its future completes) once it is queued, so host clocks see
+    about 0 of the transfer (:class:`~.wire.TrafficRecord` reads None as "unavailable")."""
+    return None if t.is_cuda else seconds
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -48,7 +56,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=Non
             dist.all_to_all_single(out, inp, group=group)
     chunk = _nbytes(inp) // p
     n = wire.all_to_all_bytes(chunk, p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, out)), traffic)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
@@ -62,7 +70,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=Non
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             gather(out, inp, group=group)
     n = wire.all_gather_bytes(_nbytes(inp), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, out)), traffic)
 
 
 def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
@@ -72,21 +80,50 @@ def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
         if p > 1:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, t.seconds), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
+
+
+def all_reduce_max(buf: torch.Tensor, group, op: str, traffic=None) -> None:
+    """In-place MAX allreduce of ``buf`` (bytes as for a SUM allreduce: a ring of P chunks)."""
+    p = world_size(group)
+    with wire.timed() as t:
+        if p > 1:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    n = wire.allreduce_bytes(_nbytes(buf), p)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
+
+
+def broadcast(buf: torch.Tensor, src_rank: int, group, op: str, traffic=None) -> None:
+    """``buf`` of rank ``src_rank`` of ``group`` on every rank (in place). Bytes: a pipelined
+    ring broadcast, every rank forwards (and receives) the buffer once."""
+    p = world_size(group)
+    with wire.timed() as t:
+        if p > 1:
+            src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+            dist.broadcast(buf, src=src, group=group)
+    n = wire.broadcast_bytes(_nbytes(buf), p)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
 
 
 class Pending:
-    """A launched collective: :meth:`wait` blocks until it is done and returns ``finish()``,
-    the caller's decode of the raw result. Launch order is the caller's business: every
-    rank must launch its collectives in the same order (gloo pairs them by order)."""
+    """Launched collectives: :meth:`wait` waits for each one's own future, in launch order,
+    then returns ``finish()``, the caller's decode of the raw results. Launch order is the
+    caller's business: every rank must launch its collectives in the same order (gloo pairs
+    them by order).
 
-    __slots__ = ("future", "finish")
+    Each future is waited on by itself: on NCCL a collective's future completes when the
+    operation is queued, and only its own ``wait()`` orders the reads after its data (a
+    ``torch.futures.collect_all`` of several would carry no devices and wait for nothing)."""
 
-    def __init__(self, future: torch.futures.Future, finish):
-        self.future, self.finish = future, finish
+    __slots__ = ("futures", "finish")
 
-    def wait(self):
-        self.future.wait()
+    def __init__(self, futures: torch.futures.Future | Sequence[torch.futures.Future], finish: Callable[[], Any]):
+        self.futures = tuple(futures) if isinstance(futures, (list, tuple)) else (futures,)
+        self.finish = finish
+
+    def wait(self) -> Any:
+        for f in self.futures:
+            f.wait()  # re-raises a failed collective
         return self.finish()
 
 
@@ -104,6 +141,24 @@ class Gatherable(Protocol):
     def gather(self) -> Waitable: ...
 
     def wait(self) -> Any: ...
+
+
+class Flagging(Gatherable, Protocol):
+    """A :class:`Gatherable` whose result tells whether any rank's input was non-finite."""
+
+    def nonfinite(self) -> torch.Tensor:
+        """After the wait: a 0-d bool tensor on the device, True when any rank's input held
+        NaN/Inf; the same on every rank (it is computed from data every rank received)."""
+        ...
+
+
+def nonfinite(scales: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``~isfinite(scales).all()`` as a 0-d bool tensor on the device (no host read): the
+    verdict of a collective whose scales every rank received, where a NaN/Inf input on any
+    rank shows as a non-finite scale (:meth:`Flagging.nonfinite`)."""
+    if scales is None:
+        raise RuntimeError(f"{what}.nonfinite() needs the collective's result: call wait() first")
+    return ~torch.isfinite(scales).all()
 
 
 class TwoPhase:
@@ -146,22 +201,32 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
         "all_to_all": wire.all_to_all_bytes(nbytes // p, p),
     }[kind]
     ctx, start = contextvars.copy_context(), time.perf_counter()
+
+    def record() -> None:
+        seconds = host_seconds(time.perf_counter() - start, out)
+        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, seconds), traffic)
+
+    def begin(dest: torch.Tensor) -> torch.futures.Future:
+        if kind == "gather":
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            return gather(dest, inp, group=group, async_op=True).get_future()
+        if kind == "all_to_all":
+            return dist.all_to_all_single(dest, inp, group=group, async_op=True).get_future()
+        return dist.all_reduce(dest, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+
+    if p > 1 and emulation.ACTIVE:  # NCCL's completion semantics on CPU (tests)
+        return emulation.launch(begin, out, kind == "allreduce", record)
     if p == 1:
         if kind != "allreduce":
             out.copy_(inp)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
-    elif kind == "gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        fut = gather(out, inp, group=group, async_op=True).get_future()
-    elif kind == "all_to_all":
-        fut = dist.all_to_all_single(out, inp, group=group, async_op=True).get_future()
     else:
-        fut = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+        fut = begin(out)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
         f.value()  # re-raise a failed collective
-        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, time.perf_counter() - start), traffic)
+        record()
         return out
 
     return fut.then(done)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import group as g
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,9 +59,10 @@ def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> tor
     """DDP's own averaging of a gradient bucket, in place and bit for bit: its reducer scales
     each gradient by 1/P (a multiply, not a divide: they differ in the last bit when P is not
     a power of two) before the SUM allreduce, so fp16 does not overflow. The future resolves
-    to ``buf``."""
+    to ``buf`` and is chained (``then``) from the allreduce's own future, as DDP's own hooks
+    do: a communication hook returns it, and DDP's wait on it is ordered after the data."""
     buf.mul_(1.0 / g.world_size(group))
-    return g.all_reduce_sum_async(buf, group, op, traffic)
+    return g.all_reduce_sum_async(buf, group, op, traffic).then(lambda _: buf)
 
 
 def _sign_compress(v: torch.Tensor):
@@ -118,9 +120,7 @@ def compensated_allreduce_reference(
     pieces, new_server_errors = [], []
     for r in range(p):
         lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
-        mean = (scales[0] / p) * signs[0][lo:hi]
-        for i in range(1, p):  # rank order
-            mean = mean + (scales[i] / p) * signs[i][lo:hi]
+        mean = rank_sum(torch.stack([(scales[i] / p) * signs[i][lo:hi] for i in range(p)]))  # the ranks' order
         y = mean + server_errors[r].reshape(-1)[: hi - lo]
         decoded, _, _, error = _sign_compress(y)
         pieces.append(decoded)
@@ -174,10 +174,7 @@ def _compensated_blocks_reference(inputs, worker_errors, server_errors, block: i
     for r in range(p):
         server_error = torch.zeros(chunk, dtype=torch.float32, device=device)
         for b, lo, hi in spans(r):
-            mean = None
-            for i in range(p):  # rank order
-                term = (scales[i][r, b] / p) * signs[i][lo:hi]
-                mean = term if mean is None else mean + term
+            mean = rank_sum(torch.stack([(scales[i][r, b] / p) * signs[i][lo:hi] for i in range(p)]))
             y = mean + server_errors[r].reshape(-1)[lo - r * chunk : hi - r * chunk]
             result[lo:hi], _, _, server_error[lo - r * chunk : hi - r * chunk] = compress(y)
         new_server_errors.append(server_error)
@@ -243,11 +240,8 @@ def turboquant_mean_reference(
 
 
 def _rank_mean(decoded: list[torch.Tensor]) -> torch.Tensor:
-    """``(d_0 + … + d_{P−1}) / P``, summed in rank order."""
-    acc = decoded[0]
-    for d in decoded[1:]:
-        acc = acc + d
-    return acc / len(decoded)
+    """``(d_0 + … + d_{P−1}) / P``, summed in the ranks' order (:func:`~lowbit_strategy.codecs.reduce.rank_sum`)."""
+    return rank_sum(torch.stack(decoded)) / len(decoded)
 
 
 def _turboquant_two_stage_reference(us, codec, c: int, server_errors, scales):

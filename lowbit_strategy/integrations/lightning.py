@@ -64,6 +64,12 @@ class LowBitStrategy(DDPStrategy):
     _lowbit_name: str
 
     def __init__(self, config: LowBitConfig | dict | str | None = None, **kwargs: Any) -> None:
+        hooks = [k for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper") if kwargs.get(k) is not None]
+        if hooks:
+            raise LowBitSetupError(
+                f"LowBitStrategy registers its algorithm's own DDP communication hook, and a DDP model takes one; "
+                f"remove {', '.join(hooks)} (for a plain DDP hook such as PowerSGD use strategy='ddp')"
+            )
         known = set(LowBitConfig.known_keys())
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
         self.lowbit_config = LowBitConfig.coerce(config, **overrides)

@@ -31,7 +31,8 @@ def _free_port() -> int:
 def _launch(tmp_path, *args, **env) -> dict:
     out = tmp_path / "summary.json"
     environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("LOWBIT_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+               if not k.startswith(("LOWBIT_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+               or k == "LOWBIT_EMULATE_NCCL"}  # (the test mode of the collectives: tests/conftest.py)
     environ.update(LOWBIT_CONFIG="examples/lowbit.yaml", **env)
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate.yaml",

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import scaled_sign_compress, scaled_sign_decode, scaled_sign_mean
+from tests.codecs.test_reduce import tree_sum
 
 
 def f32(v: float) -> float:
@@ -155,12 +156,8 @@ def test_mean_matches_brute_force_in_rank_order(coded):
     assert got.dtype == torch.float32 and got.shape == (8 * c,)
     weights = [f32(s / k) for s in scales]
     decoded = [brute_decode([row], [w], 8 * c) for row, w in zip(rows, weights)]
-    expected = []
-    for i in range(8 * c):
-        acc = decoded[0][i]
-        for r in range(1, k):
-            acc = f32(acc + decoded[r][i])
-        expected.append(acc)
+    # the ranks' pairwise order (codecs.reduce.rank_sum), one float32 rounding per addition
+    expected = [tree_sum([decoded[r][i] for r in range(k)], f32) for i in range(8 * c)]
     assert got.tolist() == expected
 
 
@@ -327,12 +324,7 @@ def test_block_mean_matches_brute_force_in_rank_order(coded):
     assert got.dtype == torch.float32 and got.shape == (8 * c,)
     decoded = [brute_decode_blocks([row], [[f32(s / k) for s in srow]], block, 8 * c)
                for row, srow in zip(rows, scales)]
-    expected = []
-    for i in range(8 * c):
-        acc = decoded[0][i]
-        for r in range(1, k):
-            acc = f32(acc + decoded[r][i])
-        expected.append(acc)
+    expected = [tree_sum([decoded[r][i] for r in range(k)], f32) for i in range(8 * c)]  # rank_sum's order
     assert got.tolist() == expected
 
 

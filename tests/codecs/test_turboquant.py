@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import (
     TurboQuantCodec,
@@ -14,6 +16,7 @@ from lowbit_strategy.codecs import (
     unpack,
 )
 from lowbit_strategy.codecs import turboquant_torch
+from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 
 
 def rel_mse(xhat: torch.Tensor, x: torch.Tensor) -> float:
@@ -224,3 +227,51 @@ def test_bad_arguments():
         codec.encode(torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="bits=4, block=16"):
         TurboQuantCodec(block=32).decode(codec.encode(torch.randn(4)))
+
+
+def test_signs_are_prefixes_of_one_stream_kept_once_per_device():
+    # the rule the codec's sign cache rests on: the signs of n elements are the first n of
+    # the seed's stream, whatever n
+    from lowbit_strategy.codecs import hadamard_signs
+
+    long = hadamard_signs(300_000, 5)
+    assert all(torch.equal(long[:m], hadamard_signs(m, 5)) for m in (1, 7, 8, 1000, 4097, 65536, 299_999))
+    codec = TurboQuantCodec(seed=5, block=64)
+    for n in (100, 5000, 37, 20_000, 64, 19_999):  # many lengths (buckets, sequence lengths)
+        assert torch.equal(codec.signs(n, torch.device("cpu")), hadamard_signs(n, 5))
+        x = torch.randn(n)
+        assert torch.equal(codec.decode(codec.encode(x)), TurboQuantCodec(seed=5, block=64).roundtrip(x))
+    # one stream per device, grown (at least 2x) rather than one per length
+    assert list(codec._signs) == [torch.device("cpu")] and codec._signs[torch.device("cpu")].numel() >= 20_000
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([2, 3, 4, 8]), st.sampled_from([2, 8, 16, 64]),
+       st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_decode_rows_is_each_rows_decode(rows, m, bits, block, rotate, shared, seed):
+    # many ranks' payloads decoded at once: bit for bit what decoding each one gives
+    gen = torch.Generator().manual_seed(seed)
+    codec = TurboQuantCodec(bits, seed=3, block=block, backend="torch", rotate=rotate)
+    payloads = [codec.encode(torch.randn(m, generator=gen), scale=0.7 if shared else None) for _ in range(rows)]
+    codes = torch.stack([q.codes for q in payloads])
+    scales = torch.stack([q.scales.reshape(-1) for q in payloads])
+    got = decode_rows(codec, codes, scales, m)
+    assert got.shape == (rows, m) and got.dtype == torch.float32
+    assert torch.equal(got, torch.stack([codec.decode(q) for q in payloads]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([(8, 64), (16, 32), (4, 12), (2, 6), (64, 64)]), st.sampled_from([2, 3, 4, 8]),
+       st.booleans(), st.sampled_from([None, "one", "rows"]), st.integers(0, 2**31 - 1))
+def test_encode_rows_is_each_rows_encode(rows, block_m, bits, rotate, scale, seed):
+    block, m = block_m
+    gen = torch.Generator().manual_seed(seed)
+    codec = TurboQuantCodec(bits, seed=3, block=block, backend="torch", rotate=rotate)
+    x = torch.randn(rows, m, generator=gen)
+    g = -(-m // block)
+    given_scale = {None: None, "one": 0.8, "rows": torch.rand(rows * g, generator=gen) + 0.1}[scale]
+    codes, scales = encode_rows(codec, x, given_scale)
+    for r in range(rows):
+        s = given_scale if not isinstance(given_scale, torch.Tensor) else given_scale.view(rows, g)[r]
+        want = codec.encode(x[r], s)
+        assert torch.equal(codes[r], want.codes) and torch.equal(scales[r], want.scales.reshape(-1))

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
 from lowbit_strategy.codecs.hadamard import _blocked_fwht
+from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 
 
 def _import_interpreted():
@@ -311,3 +312,33 @@ def test_compiled_ptx_rounds_like_torch():
     assert got["enc_div_rn"] > 0 and got["enc_sqrt_rn"] > 0 and got["enc8_div_rn"] > 0, got
     assert got["approx"] == 0 and got["ftz"] == 0 and got["fma"] == 0, got
     assert got["fma_if_fused"] > 0, got  # the check above can see an FMA
+
+
+@pytest.mark.parametrize("bits, block, m", [(4, 64, 256), (2, 16, 128), (8, 32, 64), (4, 64, 200), (3, 8, 12)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_decode_rows_one_launch_for_every_rank(bits, block, m, shared):
+    # rows of whole blocks on whole bytes: one kernel launch over every row (the rotation's
+    # signs repeated per row); other rows: one decode each. Bit for bit the torch rows either way.
+    ref, fused = both(bits, block)
+    xs = [sample(m, torch.float32, seed=s) for s in range(3)]
+    payloads = [ref.encode(x, 0.5 if shared else None) for x in xs]
+    codes = torch.stack([q.codes for q in payloads])
+    scales = torch.stack([q.scales.reshape(-1) for q in payloads])
+    want = torch.stack([ref.decode(q) for q in payloads])
+    assert same_bits(decode_rows(fused, codes, scales, m), want)
+    assert same_bits(decode_rows(ref, codes, scales, m), want)
+
+
+@pytest.mark.parametrize("bits, block, m", [(4, 64, 256), (2, 16, 128), (3, 8, 24), (4, 64, 200)])
+@pytest.mark.parametrize("scale", [None, 0.5, "rows"])
+def test_encode_rows_one_launch_for_every_chunk(bits, block, m, scale):
+    ref, fused = both(bits, block)
+    x = torch.stack([sample(m, torch.float32, seed=s) for s in range(3)])
+    g = -(-m // block)
+    given = torch.rand(3 * g, generator=torch.Generator().manual_seed(1)) + 0.1 if scale == "rows" else scale
+    codes, scales = encode_rows(fused, x, given)
+    want_codes, want_scales = encode_rows(ref, x, given)
+    assert torch.equal(codes, want_codes) and same_bits(scales, want_scales)
+    for r in range(3):  # and each row is what encoding it alone gives
+        one = given.view(3, g)[r] if scale == "rows" else given
+        assert torch.equal(codes[r], ref.encode(x[r], one).codes)

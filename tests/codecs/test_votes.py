@@ -83,3 +83,23 @@ def test_majority_bits_across_slices(words, step):
         assert torch.equal(majority_bits(words, step), _brute_majority(words, step))
     finally:
         votes._SLICE_WORDS = saved
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 40), st.integers(0, 70), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_lane_counters_equal_the_adder_tree(p, c, step, seed):
+    # the GPU method ("lanes": a few kernels whatever P) and the CPU one ("bitsliced") agree bit for bit
+    words = torch.randint(0, 256, (p, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    want = majority_bits(words, step, method="bitsliced")
+    assert torch.equal(majority_bits(words, step, method="lanes"), want)
+    assert torch.equal(majority_bits(words, step), want)  # auto on the CPU
+
+
+def test_lane_counters_at_their_row_limit_and_a_bad_method():
+    from lowbit_strategy.codecs.votes import MAX_LANE_ROWS
+
+    for p in (MAX_LANE_ROWS - 1, MAX_LANE_ROWS, MAX_LANE_ROWS + 3):  # beyond the limit: the adder tree
+        words = torch.randint(0, 256, (p, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(p))
+        assert torch.equal(majority_bits(words, 2, method="lanes"), majority_bits(words, 2, method="bitsliced"))
+    with pytest.raises(ValueError, match="method must be one of"):
+        majority_bits(torch.zeros(2, 3, dtype=torch.uint8), 1, method="fast")

@@ -177,6 +177,13 @@ def test_direct_construction():
         LowBitStrategy(mode="1bit", bits=8)
 
 
+def test_a_users_ddp_comm_hook_is_refused_up_front():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with pytest.raises(lowbit_strategy.LowBitSetupError, match=r"remove ddp_comm_hook .*strategy='ddp'"):
+        LowBitStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
+
+
 @pytest.mark.slow
 def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(tmp_path):
     # 64 samples / (8 per batch x 2 ranks) = 4 steps an epoch: the checkpoint is past the warm-up

@@ -293,7 +293,11 @@ def _encode(state: BitDPState, plan: _Plan, rows: list[torch.Tensor]):
 
 def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook running BitDP (Algorithm 1) on one bucket; returns a future
-    resolving to the bucket buffer overwritten with the mean gradient over ranks."""
+    resolving to the bucket buffer overwritten with the mean gradient over ranks.
+
+    The returned future is chained (``then``) from the bucket's last collective, and reads
+    the others only after their own ``wait()``: on NCCL that orders every read after its
+    data. No host read: whether any rank's gradient was non-finite stays on the device."""
     if not state.params:
         raise RuntimeError(
             "BitDPState is not attached to a model: call state.attach(model) (or pass model=) "
@@ -303,11 +307,9 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     plan = state.plan(bucket)  # also during warm-up: an unknown parameter fails at once
     warmup = state.iter < state.start_iter
     state.maybe_increase_iter(bucket)
-    if warmup:
-        return mean_allreduce_async(buf, group, "bitdp.warmup.allreduce", traffic)
-    if not plan.quantized:
-        return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic)
-    p = g.world_size(group)
+    if warmup or not plan.quantized:
+        op = "bitdp.warmup.allreduce" if warmup else "bitdp.full.allreduce"
+        return mean_allreduce_async(buf, group, op, traffic)
     # Whether this rank's bucket holds NaN/Inf: a device-side flag, sent beside the scales,
     # so every rank decides from the gathered data alone (no blocking agreement here).
     nonfinite = ~torch.isfinite(buf).all()
@@ -321,42 +323,35 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     # local gradient is encoded already. Otherwise decode into a temporary and copy back.
     direct = buf.dtype == torch.float32 and not plan.transposed
     out = [m.view(-1) for m in mats] if direct else None
-    f_q = gathered_mean_async(
-        words,
-        scl,
-        layout,
-        group,
-        reduction=state.reduction,
-        chunk_rows=state.chunk_rows,
-        out=out,
-        traffic=traffic,
-        flag=nonfinite,
-    )
-    futures = [f_q]
-    fp = None
-    if plan.full:
-        fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / p)
-        futures.append(g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
+    kw = dict(reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
+    f_q = gathered_mean_async(words, scl, layout, group, **kw)
+    if not plan.full:
+        return f_q.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, None))
+    fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / g.world_size(group))
+    f_full = g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic)  # launched last
+    return f_full.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, (plan.full, fp)))
 
-    def assemble(_: torch.futures.Future) -> torch.Tensor:
-        q, raised = f_q.value()
-        if raised:
-            # Some rank's gradient is non-finite: every rank gets NaN in the quantized
-            # matrices (as an allreduce would spread it), so AMP's GradScaler skips the
-            # step everywhere; this step's residuals are not kept.
-            for v in rows:
-                v.fill_(float("nan"))
-        else:
-            state.residuals.update(residuals)
-            if out is None:  # decoded into a float32 temporary: cast (and transpose) into the bucket
-                for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
-                    v.copy_(q[e : e + r * c].view(v.shape))
-        if fp is not None:
-            futures[1].value()
-            start = 0
-            for o, n in plan.full:
-                buf[o : o + n].copy_(fp[start : start + n])
-                start += n
-        return buf
 
-    return torch.futures.collect_all(futures).then(assemble)
+def _assemble(state: BitDPState, buf: torch.Tensor, rows, layout: Layout, residuals: dict, f_q, full) -> torch.Tensor:
+    """The bucket's mean gradient, written into ``buf``: the decoded quantized matrices (waited
+    for here) and the full-precision runs ``full = (plan.full, their allreduced values)``.
+
+    If any rank's gradient was non-finite every rank gets NaN in the quantized matrices (as
+    an allreduce would spread it), so AMP's GradScaler skips the step everywhere, and this
+    step's residuals are not kept: both by device-side masks, never a host read."""
+    q, raised = f_q.wait()
+    if isinstance(q, torch.Tensor):  # decoded into a float32 temporary: cast (and transpose) into the bucket
+        for v, e, (r, c) in zip(rows, layout.elem_offsets, layout.shapes):
+            v.copy_(q[e : e + r * c].view(v.shape))
+    for v in rows:
+        v.masked_fill_(raised, float("nan"))
+    for key, e in residuals.items():
+        old = state.residuals.get(key)
+        state.residuals[key] = e.masked_fill_(raised, 0) if old is None else torch.where(raised, old.to(e.device), e)
+    if full is not None:  # (chained from its collective: its data is there)
+        runs, fp = full
+        start = 0
+        for o, n in runs:
+            buf[o : o + n].copy_(fp[start : start + n])
+            start += n
+    return buf

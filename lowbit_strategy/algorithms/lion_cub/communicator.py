@@ -312,8 +312,9 @@ class LionCommunicator:
         """Whether buckets were launched since the last :meth:`collect`."""
         return bool(self._inflight)
 
-    def collect(self, audit: bool = False) -> tuple[dict[int, torch.Tensor], bool]:
-        """Finish every launched bucket: ``({id(param): direction}, any rank non-finite)``."""
+    def collect(self, audit: bool = False) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """Finish every launched bucket: ``({id(param): direction}, any rank non-finite)``,
+        the verdict a 0-d bool tensor on the device (None when no bucket carried a flag)."""
         launched, self._inflight = list(self._inflight.values()), {}
         flats, nonfinite = self.finish(launched, audit)
         out: dict[int, torch.Tensor] = {}
@@ -357,29 +358,35 @@ class LionCommunicator:
             handle = summed_allreduce_start(codes, plan.levels, self.group, lane_bits=plan.bits, validate=False, **kw)
         return _InFlight(params or [], chunk, plan, handle, flagged)
 
-    def finish(self, launched: Sequence[_InFlight], audit: bool = False) -> tuple[list[torch.Tensor], bool]:
+    def finish(
+        self, launched: Sequence[_InFlight], audit: bool = False
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Wait for launched buckets (second collectives launched first, in order): their
-        flat directions, and whether any rank flagged a non-finite gradient."""
+        flat directions, and whether any rank flagged a non-finite gradient, as a 0-d bool
+        tensor on the device (None when no bucket carried a flag; no host read here)."""
         handles = [job.vote.gather() if job.plan.mode == "1bit" else job.handle for job in launched]
-        flats, bad = [], False
+        flats, verdicts = [], []
         for job, handle in zip(launched, handles):
             result = handle.wait()
             n = sum(c.numel() for c in job.chunk)
             if job.plan.mode == "1bit":
                 flat = result
-                if job.flagged and not bad:
+                if job.flagged:
                     flags = job.vote.flags  # every rank's flag, set by gather()
                     if flags is None:
                         raise RuntimeError("a flagged majority vote has no flags after its all-to-all")
-                    bad = bool(flags.sum() > 0)
+                    verdicts.append(flags.sum() > 0)
             else:
-                bad = bad or (job.flagged and bool(result[n] > 0))
+                if job.flagged:
+                    verdicts.append(result[n] > 0)
                 result = result[:n]
                 if job.plan.mode == "sign":
                     result = 2 * result - self.world_size
                 flat = torch.sign(result).to(job.chunk[0].dtype)
             flats.append(flat)
-        if audit and not bad:
+        bad = torch.stack(verdicts).any() if verdicts else None
+        # the audit (a diagnostic, on request) reads the verdict and its counts on the host
+        if audit and (bad is None or not bool(bad)):
             audits = [self._audit(job.chunk, flat) for job, flat in zip(launched, flats)]
             total = sum(a[2] for a in audits)
             self.last_audit = {

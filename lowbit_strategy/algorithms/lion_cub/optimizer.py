@@ -102,7 +102,7 @@ class Lion(Optimizer):
         audit, self.audit_next_step = self.audit_next_step, False
         params = [p for grp in self.param_groups for p in grp["params"]]
         given: dict[int, torch.Tensor] = {}
-        nonfinite = False
+        nonfinite: torch.Tensor | None = None  # the hook's buckets' verdict, on the device
         rest = params
         if comm is not None and comm.pending():
             # buckets launched from the DDP hook during backward: wait for their directions;
@@ -112,13 +112,15 @@ class Lion(Optimizer):
             rest = [p for p in params if id(p) not in given and p.requires_grad and p.numel()]
         has_grad = self._has_grad(rest)
         present = [p.grad for p, h in zip(rest, has_grad) if h]
-        # one device-side flag for the whole step, read once (one host sync per step)
-        bad = torch.stack([~torch.isfinite(gr).all() for gr in present]).any() if present else None
+        # one device-side flag for the whole step (this rank's gradients outside the hook's
+        # buckets, and every rank's verdict on those inside), read once: one host sync per step
+        flags = [~torch.isfinite(gr).all() for gr in present] + ([nonfinite] if nonfinite is not None else [])
+        bad = torch.stack(flags).any() if flags else None
         if comm is not None and rest:
             has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
         else:
             bad_somewhere = bool(bad) if bad is not None else False
-        if nonfinite or bad_somewhere:
+        if bad_somewhere:
             self.skipped_steps += 1
             warnings.warn(
                 "Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "

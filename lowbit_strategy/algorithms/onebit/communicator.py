@@ -26,14 +26,11 @@ collective: it makes every rank's server scales non-finite, and every rank sees 
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
-from lowbit_strategy.algorithms.staged import BucketCommunicator, Job, Key
+from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.codecs.scaled_signs import check_block
 from lowbit_strategy.collectives.compensated import (
-    CompensatedAllreduce,
     compensated_allreduce_start,
     compensated_error_buffers,
 )
@@ -64,10 +61,3 @@ class OneBitCommunicator(BucketCommunicator):
             flat, worker, server, self.group, out=flat, check=self.debug, traffic=self.traffic, block=self.block
         )
         return (worker, server), handle
-
-    def _non_finite(self, job: Job) -> bool:
-        # non-finite input makes every rank's server scales non-finite, and every rank sees all of them
-        scales = cast(CompensatedAllreduce, job.handle).server_scales  # what _start_bucket starts
-        if scales is None:
-            raise RuntimeError("OneBitCommunicator: a bucket's server scales were read before its wait")
-        return not bool(torch.isfinite(scales).all())

@@ -27,7 +27,7 @@ class Job:
     key: Key
     like: list  # the momenta sent (shapes and dtypes of the results)
     state: tuple  # this step's rank-local state of the bucket, committed on success
-    handle: g.Gatherable  # .gather() -> .wait() -> the flat mean
+    handle: g.Flagging  # .gather() -> .wait() -> the flat mean; .nonfinite() after it
 
 
 class BucketCommunicator:
@@ -61,15 +61,10 @@ class BucketCommunicator:
         self._finished: list[Job] = []
 
     # ---- subclass hooks ----------------------------------------------------------------
-    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Gatherable]:
+    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Flagging]:
         """Start the collective of one bucket's flat float32 momenta (``flat`` may be used as
         the output buffer). ``saved``: the bucket's committed state, or None (a new bucket):
         returns ``(this step's state, handle)``; never modify ``saved`` in place."""
-        raise NotImplementedError
-
-    def _non_finite(self, job: Job) -> bool:
-        """After the wait: whether any rank's input to this bucket was non-finite (the same
-        verdict on every rank)."""
         raise NotImplementedError
 
     # ---- one bucket ----------------------------------------------------------------
@@ -87,15 +82,18 @@ class BucketCommunicator:
         state, handle = self._start_bucket(key, flat, saved)
         return Job(key, list(momenta), state, handle)
 
-    def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], bool]:
-        pending = [job.handle.gather() for job in jobs]  # second phases launched first, in order
-        results, bad = [], False
+    def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+        """Wait for ``jobs`` (second phases launched first, in order): their mean momenta and
+        whether any rank's input to any of them was non-finite, a 0-d bool tensor on the
+        device (None for no jobs): the caller reads it once per step."""
+        pending = [job.handle.gather() for job in jobs]
+        results, verdicts = [], []
         for job, handle in zip(jobs, pending):
             flat = handle.wait()
-            bad = bad or self._non_finite(job)
+            verdicts.append(job.handle.nonfinite())
             results.append(buckets.unflatten(flat.view(-1), job.like))
         self._finished.extend(jobs)
-        return results, bad
+        return results, (torch.stack(verdicts).any() if verdicts else None)
 
     # ---- overlapped with backward --------------------------------------------------
     def launch(self, key: Key, momenta: Sequence[torch.Tensor]) -> None:
@@ -113,14 +111,17 @@ class BucketCommunicator:
     def pending(self) -> bool:
         return bool(self._inflight)
 
-    def collect(self) -> tuple[dict[Key, list[torch.Tensor]], bool]:
-        """Finish every launched bucket: ``({key: mean momenta}, any rank non-finite)``."""
+    def collect(self) -> tuple[dict[Key, list[torch.Tensor]], torch.Tensor | None]:
+        """Finish every launched bucket: ``({key: mean momenta}, any rank non-finite)`` (the
+        verdict as :meth:`_finish` returns it)."""
         jobs, self._inflight = list(self._inflight.values()), {}
         results, bad = self._finish(jobs)
         return {job.key: r for job, r in zip(jobs, results)}, bad
 
     # ---- at step time ----------------------------------------------------------------
-    def synchronize(self, jobs: Sequence[tuple[Key, Sequence[torch.Tensor]]]) -> tuple[list[list[torch.Tensor]], bool]:
+    def synchronize(
+        self, jobs: Sequence[tuple[Key, Sequence[torch.Tensor]]]
+    ) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """Mean momenta of each ``(key, momenta)`` bucket, in the order given:
         ``(results per bucket, any rank non-finite)``."""
         return self._finish([self._start(key, momenta) for key, momenta in jobs])

@@ -191,12 +191,13 @@ class StagedOptimizer(Optimizer):
         else:
             comm = self._attached()
             layout = self.layout()
-            by_key, bad = comm.collect() if comm.pending() else ({}, False)
+            by_key, bad = comm.collect() if comm.pending() else ({}, None)
             rest = [key for key in layout if key not in by_key]
             results, bad_rest = comm.synchronize([(key, self._momenta(key)) for key in rest])
             by_key.update(zip(rest, results))
             self._ready, self._launched = set(), set()
-            if bad or bad_rest:
+            verdicts = [v for v in (bad, bad_rest) if v is not None]
+            if verdicts and bool(torch.stack(verdicts).any()):  # the step's one host read
                 comm.discard()
                 return self._skip()
             comm.commit()

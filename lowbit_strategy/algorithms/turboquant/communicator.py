@@ -25,11 +25,10 @@ were (the base class commits them only for an applied step).
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import torch
 
-from lowbit_strategy.algorithms.staged import BucketCommunicator, Job, Key
+from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import cost_model
 from lowbit_strategy.collectives.turboquant import (
@@ -146,10 +145,3 @@ class TurboQuantCommunicator(BucketCommunicator):
                 flat, self.codec, self.group, scale=scale, worker_error=worker, check=self.debug, traffic=self.traffic
             )
         return (worker, server, kept), handle
-
-    def _non_finite(self, job: Job) -> bool:
-        handle = cast("TurboQuantTwoStage | TurboQuantAllgather", job.handle)  # what _start_bucket starts
-        scales = handle.server_scales if hasattr(handle, "server_scales") else handle.scales
-        if scales is None:
-            raise RuntimeError("TurboQuantCommunicator: a bucket's scales were read before its wait")
-        return not bool(torch.isfinite(scales).all())

@@ -27,6 +27,10 @@ class TurboQuantAllgather:
         self._result: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
 
+    def nonfinite(self) -> torch.Tensor:
+        """After the wait: whether any rank's input was non-finite (every rank's scales are here)."""
+        return g.nonfinite(self.scales, "TurboQuantAllgather")
+
     def gather(self) -> TurboQuantAllgather:
         """Itself: one phase only (the interface of the two-phase collectives, :class:`~.group.TwoPhase`)."""
         return self

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.scaled_signs import check_error_buffer, check_input
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
+from lowbit_strategy.codecs.turboquant_rows import decode_rows
 from lowbit_strategy.collectives import group as g
 
 
@@ -71,19 +73,18 @@ def rank_ordered_mean(
     own: tuple[int, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``(d_0 + … + d_{P−1}) / P`` over the P payloads of ``m`` elements held as rows of
-    ``codes`` (P, k) and ``scales`` (P, nb), decoded in rank order: float32, ``m`` elements.
-    ``own = (i, u, error)``: also ``error ← u − d_i`` (row ``i`` is this rank's encoding of
-    ``u``), from the decode the mean needs anyway."""
+    ``codes`` (P, k) and ``scales`` (P, nb), summed in the ranks' fixed order
+    (:func:`~lowbit_strategy.codecs.reduce.rank_sum`): float32, ``m`` elements. Every row is
+    decoded at once (:func:`~lowbit_strategy.codecs.turboquant_rows.decode_rows`): a number
+    of kernels that does not grow with P. ``own = (i, u, error)``: also ``error ← u − d_i``
+    (row ``i`` is this rank's encoding of ``u``), from the decode the mean needs anyway."""
     p = codes.shape[0]
-    acc = None
-    for i in range(p):
-        d = codec.decode(payload_of(codec, codes[i], scales[i], m))
-        if own is not None and own[0] == i:
-            torch.sub(own[1], d, out=own[2])
-        acc = d if acc is None else acc.add_(d)
-    if acc is None:
+    if p == 0:
         raise ValueError("rank_ordered_mean needs at least one payload (codes of shape (P, k), P >= 1)")
-    return acc.div_(p)
+    decoded = decode_rows(codec, codes, scales, m)
+    if own is not None:
+        torch.sub(own[1], decoded[own[0]], out=own[2])
+    return rank_sum(decoded).div(p)
 
 
 def with_error(x: torch.Tensor, worker_error: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from lowbit_strategy.codecs.scaled_signs import check_error_buffer
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
+from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.turboquant.common import (
     check_worker_error,
@@ -43,6 +44,10 @@ class TurboQuantTwoStage(g.TwoPhase):
         self.worker_scales: torch.Tensor | None = None
         self.server_scales: torch.Tensor | None = None
 
+    def nonfinite(self) -> torch.Tensor:
+        """After the wait: whether any rank's input was non-finite (it made the server scales so)."""
+        return g.nonfinite(self.server_scales, "TurboQuantTwoStage")
+
     def _second_phase(self) -> g.Pending:
         """Finish phase one, run the server step, start phase two (:meth:`gather` runs it once)."""
         for f in self._futures:
@@ -64,15 +69,12 @@ class TurboQuantTwoStage(g.TwoPhase):
         )
         shape, dtype = self._shape, self._dtype
 
-        def finish() -> torch.Tensor:
-            f_codes.value()  # re-raise either failure
-            f_scales.value()
+        def finish() -> torch.Tensor:  # after both collectives' own wait() (Pending)
             self.server_scales = every_scales.view(p, nb)
-            codes = every_codes.view(p, k)
-            chunks = [codec.decode(payload_of(codec, codes[r], self.server_scales[r], c)) for r in range(p)]
-            return torch.cat(chunks)[:n].to(dtype).view(shape)
+            chunks = decode_rows(codec, every_codes.view(p, k), self.server_scales, c)  # every chunk at once
+            return chunks.view(-1)[:n].to(dtype).view(shape)
 
-        pending = g.Pending(torch.futures.collect_all([f_codes, f_scales]), finish)
+        pending = g.Pending([f_codes, f_scales], finish)
         self._futures = self._codes = self._scales = None
         return pending
 
@@ -82,16 +84,17 @@ def encode_chunks(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int, scale
     payloads in chunk order (the worker step of the two-stage form). ``scale``: None (the
     RMS of every group), one value for every chunk, or ``P·nb(c)`` values (chunk r's at
     ``[r·nb(c), (r+1)·nb(c))``)."""
+    codes, scales = _encode_chunk_rows(x, codec, p, c, scale)
+    return [payload_of(codec, codes[r], scales[r], c) for r in range(p)]
+
+
+def _encode_chunk_rows(x: torch.Tensor, codec: TurboQuantCodec, p: int, c: int, scale=None):
+    """:func:`encode_chunks` as ``(codes (P, k), scales (P, nb))``, every chunk at once
+    (:func:`~lowbit_strategy.codecs.turboquant_rows.encode_rows`)."""
     n = x.numel()
     buf = torch.zeros(p * c, dtype=torch.float32, device=x.device)
     buf[:n] = x.reshape(-1)
-    return [codec.encode(buf[r * c : (r + 1) * c], _chunk_scale(scale, p, r)) for r in range(p)]
-
-
-def _chunk_scale(scale, p: int, r: int):
-    if scale is None or not isinstance(scale, torch.Tensor) or scale.numel() == 1:
-        return scale
-    return scale.reshape(p, -1)[r]
+    return encode_rows(codec, buf.view(p, c), scale)
 
 
 def _check_chunk_scale(scale, p: int, c: int, block: int) -> None:
@@ -141,17 +144,15 @@ def turboquant_two_stage_mean_start(
     c = turboquant_server_chunk_length(n, p, codec.block)
     rank = g.rank(group)
     u = with_error(x, worker_error)
-    payloads = encode_chunks(u, codec, p, c, scale)
-    k, nb = payloads[0].codes.numel(), payloads[0].scales.numel()
-    codes = torch.cat([q.codes for q in payloads])
-    scales = torch.cat([q.scales.reshape(-1) for q in payloads])
+    rows, row_scales = _encode_chunk_rows(u, codec, p, c, scale)
+    k, nb = rows.shape[1], row_scales.shape[1]
+    codes, scales = rows.reshape(-1), row_scales.reshape(-1)
     got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
     f_codes = g.all_to_all_async(got_codes, codes, group, "turboquant.chunk_codes", traffic)
     f_scales = g.all_to_all_async(got_scales, scales, group, "turboquant.chunk_scales", traffic)
     if worker_error is not None:  # this rank's own decode, while the all-to-all is on the wire
-        sent = torch.cat([codec.decode(q) for q in payloads])[:n]
+        sent = decode_rows(codec, rows, row_scales, c).view(-1)[:n]
         torch.sub(u, sent, out=worker_error.view(-1))
-    del payloads
     return TurboQuantTwoStage(
         x, codec, server_error, group, p, rank, c, k, nb, got_codes, got_scales, (f_codes, f_scales), traffic
     )

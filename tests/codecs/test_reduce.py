@@ -1,0 +1,62 @@
+"""rank_sum: the ranks' fixed pairwise summation order, against a pure-Python oracle."""
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowbit_strategy.codecs.reduce import rank_sum
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (round to nearest even)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def tree_sum(values: list, rounding=f32):
+    """The pairwise order of :func:`rank_sum` on plain numbers: (v0 + v1), (v2 + v3), ... per
+    level, an odd last value carried up, one rounding per addition."""
+    while len(values) > 1:
+        level = [rounding(values[i] + values[i + 1]) for i in range(0, len(values) - 1, 2)]
+        values = level + values[-1:] if len(values) % 2 else level
+    return values[0]
+
+
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@given(st.lists(st.lists(finite32, min_size=3, max_size=3), min_size=1, max_size=17))
+def test_rank_sum_is_the_pairwise_tree(rows):
+    x = torch.tensor(rows, dtype=torch.float32)
+    got = rank_sum(x)
+    assert got.shape == (3,)
+    assert got.tolist() == [tree_sum([r[i] for r in rows]) for i in range(3)]
+
+
+def test_up_to_three_ranks_it_is_rank_order_and_ties_of_zero_keep_their_sign():
+    x = torch.tensor([[1e8, -0.0], [1.0, -0.0], [-1e8, -0.0]])
+    assert torch.equal(rank_sum(x[:2]), x[0] + x[1])
+    assert torch.equal(rank_sum(x), (x[0] + x[1]) + x[2])
+    assert torch.signbit(rank_sum(x)[1])  # -0 + -0 + -0 stays -0 (no +0 start value)
+    y = torch.randn(8, 100)
+    assert torch.equal(rank_sum(y), ((y[0] + y[1]) + (y[2] + y[3])) + ((y[4] + y[5]) + (y[6] + y[7])))
+    assert torch.equal(rank_sum(y[:1]), y[0]) and torch.equal(y, y.clone())  # input untouched
+
+
+def test_kernels_grow_with_log_p_only():
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(p):
+        x = torch.randn(p, 1000)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rank_sum(x)
+        return sum(e.count for e in prof.key_averages() if e.key in ("aten::add", "aten::cat"))
+
+    assert [ops(p) for p in (2, 4, 8, 16)] == [1, 2, 3, 4]
+
+
+def test_no_rows_is_an_error():
+    with pytest.raises(ValueError, match="at least one row"):
+        rank_sum(torch.empty(0, 3))
