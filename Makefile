@@ -46,7 +46,12 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.codecs
 	$(PY) -m benchmarks.collectives
 
-.PHONY: bench-e2e bench-e2e-quick
+.PHONY: bench-e2e bench-e2e-quick gpu-check
+
+# The first command on a machine with GPUs: Triton kernels compiled and bit-exact, the kernel
+# benchmark, an NCCL training run of every algorithm (benchmarks/gpu_check.py). Exits 0 without a GPU.
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
 
 # End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e.py)
 bench-e2e-quick: $(STAMP)

@@ -58,15 +58,35 @@ def _one_bucket(name: str, x: torch.Tensor):
     return lambda: turboquant_two_stage_mean_start(x, codec, server).wait()
 
 
+def _under(event, prefixes: tuple[str, ...]) -> bool:
+    while event is not None:
+        if event.name.startswith(prefixes):
+            return True
+        event = event.cpu_parent
+    return False
+
+
 def _count(fn) -> int:
-    """Leaf operator calls (no child operators) of ``fn()``, every thread (callbacks included)."""
+    """Operator calls of one ``fn()`` on this rank: leaf operators (no child operators) run
+    on this thread outside a collective's launch (``lowbit.launch:<op>``, labelled by
+    :mod:`lowbit_strategy.collectives.group`, counts as one: what gloo does inside it, like
+    splitting its buffers per peer on the CPU, is the backend's, done by NCCL's kernels), and
+    those of the callbacks chained from collectives (``lowbit.callback:...``, on gloo's
+    threads)."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm caches (decode tables, signs)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if not e.cpu_children)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        with torch.autograd.profiler.record_function("bench.main"):
+            fn()
+    events = prof.events()
+    main = next(e.thread for e in events if e.name == "bench.main")
+    launches = sum(1 for e in events if e.name.startswith("lowbit.launch:"))
+    ours = sum(1 for e in events if not e.cpu_children and not _under(e, ("lowbit.launch:", "c10d::"))
+               and (e.thread == main or _under(e, ("lowbit.callback:",))))
+    return launches + ours
 
 
 def _worker(rank: int, world: int, store: str, numel: int, out: str) -> None:

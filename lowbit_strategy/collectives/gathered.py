@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
@@ -304,6 +305,10 @@ def gathered_mean_async(
         f_scales = g.all_reduce_sum_async(s, group, "gathered.scales.allreduce", traffic)
 
     def finish(_: torch.futures.Future):  # chained from the scales' collective: its data is there
+        with record_function("lowbit.callback:gathered.decode"):  # (labelled in profiles)
+            return decode()
+
+    def decode():
         # the codes' own wait (launched first, gloo has taken it up already: no deadlock)
         f_codes.wait()
         if reduction == "mean":

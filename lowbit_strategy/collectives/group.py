@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from lowbit_strategy.collectives import emulation, wire
 
@@ -207,12 +208,13 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
         ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, seconds), traffic)
 
     def begin(dest: torch.Tensor) -> torch.futures.Future:
-        if kind == "gather":
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            return gather(dest, inp, group=group, async_op=True).get_future()
-        if kind == "all_to_all":
-            return dist.all_to_all_single(dest, inp, group=group, async_op=True).get_future()
-        return dist.all_reduce(dest, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+        with record_function(f"lowbit.launch:{op}"):  # the launch, labelled in profiles
+            if kind == "gather":
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                return gather(dest, inp, group=group, async_op=True).get_future()
+            if kind == "all_to_all":
+                return dist.all_to_all_single(dest, inp, group=group, async_op=True).get_future()
+            return dist.all_reduce(dest, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
     if p > 1 and emulation.ACTIVE:  # NCCL's completion semantics on CPU (tests)
         return emulation.launch(begin, out, kind == "allreduce", record)

@@ -45,6 +45,7 @@ from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
+from lowbit_strategy.collectives.streams import SideStream
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce_start
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
@@ -235,6 +236,7 @@ class LionCommunicator:
         self.group = group
         self.world_size = g.world_size(group)
         self.traffic = wire.TrafficLog()
+        self._side = SideStream()
         self.plan: Plan | None = None
         self.last_audit: dict[str, float] | None = None
         self._inflight: dict[tuple[int, ...], _InFlight] = {}
@@ -302,9 +304,9 @@ class LionCommunicator:
         # backward instead of waiting for step(); the order of collectives stays the same
         # on every rank (the previous bucket's all-to-all is usually done by then: it had
         # a bucket's worth of backward to finish in).
-        for job in self._inflight.values():
+        for job in self._inflight.values():  # (on CUDA on a side stream: backward does not wait for it)
             if job.plan.mode == "1bit":
-                job.vote.gather()
+                self._side.run(job.chunk[0].device, job.vote, job.vote.gather)
         plan = self._plan(step, sum(c.numel() for c in updates))
         self._inflight[key] = self.start(list(updates), step, plan, nonfinite, list(params))
 
@@ -316,6 +318,8 @@ class LionCommunicator:
         """Finish every launched bucket: ``({id(param): direction}, any rank non-finite)``,
         the verdict a 0-d bool tensor on the device (None when no bucket carried a flag)."""
         launched, self._inflight = list(self._inflight.values()), {}
+        for device in {job.chunk[0].device for job in launched}:
+            self._side.join(device)  # second phases started from the hook, on CUDA's side stream
         flats, nonfinite = self.finish(launched, audit)
         out: dict[int, torch.Tensor] = {}
         for flat, job in zip(flats, launched):

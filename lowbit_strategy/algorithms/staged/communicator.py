@@ -13,6 +13,7 @@ import torch
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.streams import SideStream
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class BucketCommunicator:
         #: per bucket: the committed rank-local state (a tuple of tensors)
         self.errors: dict[Key, tuple] = {}
         self._inflight: dict[Key, Job] = {}
+        self._side = SideStream()
         self._finished: list[Job] = []
 
     # ---- subclass hooks ----------------------------------------------------------------
@@ -103,9 +105,10 @@ class BucketCommunicator:
             self._finish([stale])
             self._finished.remove(stale)
         # Defer-one rule: start the second phase of the buckets launched before this one, in
-        # launch order (the same on every rank), so it overlaps the rest of backward.
+        # launch order (the same on every rank), so it overlaps the rest of backward; on CUDA
+        # on a side stream, so its wait for the first phase does not stall backward's kernels.
         for job in self._inflight.values():
-            job.handle.gather()
+            self._side.run(job.like[0].device, job.handle, job.handle.gather)
         self._inflight[key] = self._start(key, momenta)
 
     def pending(self) -> bool:
@@ -115,6 +118,8 @@ class BucketCommunicator:
         """Finish every launched bucket: ``({key: mean momenta}, any rank non-finite)`` (the
         verdict as :meth:`_finish` returns it)."""
         jobs, self._inflight = list(self._inflight.values()), {}
+        for device in {job.like[0].device for job in jobs}:
+            self._side.join(device)  # second phases started from the hook, on CUDA's side stream
         results, bad = self._finish(jobs)
         return {job.key: r for job, r in zip(jobs, results)}, bad
 
