@@ -2,19 +2,30 @@
 
 Frameworks save rank 0's optimizer state only, but Lion Cub's momenta, BitDP's
 error-feedback residuals (and every error-feedback method's buffers) differ across ranks.
-Each algorithm's :meth:`~lowbit_strategy.algorithms.Sync.state_dict` is this rank's share;
-:func:`gather` (a collective: every rank calls it) collects every rank's into one entry,
-stored in the checkpoint under :data:`KEY`; :func:`pick` hands each rank its own back.
-Same world size: each rank gets exactly its own buffers, so a resume continues bit for
-bit. Another world size: the algorithm's ``merge_states`` builds one state for every rank
-(the mean, for momenta and residuals; 1-bit Adam/LAMB restart their errors at 0), with a
-logged warning quoting its rule; never a silent mismatch.
+Each algorithm's :meth:`~lowbit_strategy.algorithms.Sync.state_dict` is this rank's share.
+Two ways to keep every rank's share (both collectives: every rank calls them):
+
+* **per-rank files** (:func:`save_files` / :func:`load_files`, what the Lightning and
+  Accelerate front ends use): every rank writes its own file beside the checkpoint and reads
+  its own back, so no rank ever holds more than its own state (O(state of one rank) per rank,
+  whatever P); the checkpoint holds a small index under :data:`KEY`. A rank that fails to
+  write, or cannot see the file it needs, makes every rank raise, naming the ranks and the
+  directory: never a half-saved checkpoint or a silent half-restore;
+* **one entry** (:func:`gather` / :func:`pick`): every rank's state collected on rank 0, one
+  rank at a time over a CPU group, for a caller that keeps a single checkpoint object.
+
+Same world size: each rank gets exactly its own buffers, so a resume continues bit for bit.
+Another world size: the algorithm's ``merge_states`` builds one state for every rank (the
+mean, for momenta and residuals; 1-bit Adam/LAMB restart their errors at 0) from every saved
+rank's state, with a logged warning quoting its rule; never a silent mismatch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,3 +112,99 @@ def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[lis
         rule,
     )
     return merge(entry["states"])
+
+
+def _file(directory: str | os.PathLike, rank: int, world: int) -> Path:
+    return Path(directory) / f"rank_{rank:05d}_of_{world:05d}.pt"
+
+
+def _rank_world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def failing_ranks(failed: bool, group=None) -> list[int]:
+    """The ranks of ``group`` that report ``failed``, the same list on every rank (a small
+    SUM allreduce over a CPU group; no collective with one process)."""
+    rank, world = _rank_world(group)
+    if world == 1:
+        return [0] if failed else []
+    flags = torch.zeros(world, dtype=torch.int32)
+    flags[rank] = int(failed)
+    dist.all_reduce(flags, group=_cpu_group(group))
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def save_files(obj: Any, directory: str | os.PathLike, group=None) -> dict[str, Any] | None:
+    """Every rank writes its own ``obj`` (tensors copied to CPU) to a file of its own in
+    ``directory``: the index ``{"world_size": P, "format": "files"}`` on rank 0, None on the
+    others. Collective: call it on every rank. If any rank cannot write, every rank raises
+    the same ``RuntimeError`` naming the ranks."""
+    rank, world = _rank_world(group)
+    error: Exception | None = None
+    try:
+        path = _file(directory, rank, world)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(to_cpu(obj), path)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = e
+    bad = failing_ranks(error is not None, group)
+    if bad:
+        mine = f" (here: {type(error).__name__}: {error})" if error is not None else ""
+        raise RuntimeError(
+            f"lowbit: saving the rank-local state to {directory} failed on rank(s) {bad}{mine}; the checkpoint "
+            "is incomplete: fix the storage (space, permissions, a directory every rank can write) and save again"
+        ) from error
+    return {"world_size": world, "format": "files"} if rank == 0 else None
+
+
+def load_files(
+    index: dict[str, Any],
+    directory: str | os.PathLike,
+    merge: Callable[[list], Any] | None,
+    what: str,
+    group=None,
+) -> Any:
+    """This rank's state from the files :func:`save_files` wrote (``index``: its return
+    value): at the same world size this rank's own file; at another one ``merge`` of every
+    saved rank's, with a warning (each rank then reads all of them).
+    Collective: if a rank cannot see a file it needs, every rank raises the same
+    ``FileNotFoundError`` naming the ranks and the directory."""
+    rank, world = _rank_world(group)
+    saved = int(index["world_size"])
+    needed = [rank] if saved == world else list(range(saved))
+    missing = [r for r in needed if not _file(directory, r, saved).is_file()]
+    bad = failing_ranks(bool(missing), group)
+    if bad:
+        raise FileNotFoundError(
+            f"lowbit: rank(s) {bad} cannot see the rank-local state in {directory} (written by {saved} ranks; "
+            f"missing here: {[_file(directory, r, saved).name for r in missing] or 'none'}); resume from storage "
+            "every rank can read, or copy each rank's file where it runs"
+        )
+    if saved == world:
+        return torch.load(_file(directory, rank, saved), map_location="cpu", weights_only=True)
+    return pick(
+        {
+            "world_size": saved,
+            "states": [
+                torch.load(_file(directory, r, saved), map_location="cpu", weights_only=True) for r in range(saved)
+            ],
+        },
+        rank,
+        world,
+        merge,
+        what,
+    )
+
+
+def remove_files(directory: str | os.PathLike, group=None) -> None:
+    """Remove this rank's files from ``directory`` (every rank its own: no collective), and
+    the directory once it is empty."""
+    rank, world = _rank_world(group)
+    for path in Path(directory).glob(f"rank_{rank:05d}_of_*.pt"):
+        path.unlink(missing_ok=True)
+    try:
+        Path(directory).rmdir()
+    except OSError:
+        pass  # other ranks' files are still there (or it is gone already)

@@ -134,7 +134,10 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
     entry = torch.load(ckpt, weights_only=False).get(rank_state.KEY)
     if entry is None:
         return {"saved_world_size": None}
-    states = entry["states"]
+    # every rank's state in a file of its own beside the checkpoint (rank_state.save_files)
+    assert entry["format"] == "files" and "states" not in entry, sorted(entry)
+    states = [torch.load(rank_state._file(ckpt + ".lowbit", r, entry["world_size"]), weights_only=True)
+              for r in range(entry["world_size"])]
     out = {"saved_world_size": entry["world_size"], "saved_algorithm": entry["algorithm"]}
     if optimizer == "lion":
         moms = [next(iter(st["optimizers"][0].values()))["exp_avg"] for st in states]

@@ -21,11 +21,13 @@ The front end holds no per-algorithm code. It looks ``config.algorithm`` up in
   ``AcceleratedOptimizer``) are attached, so an optimizer the algorithm cannot drive is a
   :class:`LowBitSetupError` naming the fix, at ``prepare``.
 * ``save_state`` / ``load_state``: Accelerate writes the optimizer state of the main process
-  only, but momenta and error-feedback buffers differ across ranks. Every rank's
-  :meth:`Sync.state_dict` is gathered (a collective inside ``save_state``, which every rank
-  calls) into ``lowbit_rank_states.pt`` beside Accelerate's files; ``load_state`` hands each
-  rank its own back *after* Accelerate has loaded rank 0's optimizer state into every rank
-  (at another world size: the algorithm's merge, with a logged warning).
+  only, but momenta and error-feedback buffers differ across ranks. Every rank writes its own
+  :meth:`Sync.state_dict` to ``lowbit_rank_states/model_<k>/`` (inside ``save_state``, which
+  every rank calls; no rank holds another's state), the main process their index
+  ``lowbit_rank_states.pt``; ``load_state`` hands each rank its own back *after* Accelerate
+  has loaded rank 0's optimizer state into every rank (at another world size: the
+  algorithm's merge, with a logged warning). A rank that fails to write, or cannot see what
+  it must read, makes every rank raise (:mod:`lowbit_strategy.rank_state`).
 * ``traffic_logs()`` / ``bytes_sent`` / ``ddp_bytes_per_step()``: the bytes on the wire and
   what DDP's fp32 allreduce would have sent.
 
@@ -50,7 +52,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedDataParallelKwargs
 
-from lowbit_strategy import algorithms
+from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
@@ -58,7 +60,6 @@ from lowbit_strategy.integrations.ddp import (
     build_sync,
     destroy_process_group_at_exit,
     load_rank_states,
-    save_rank_states,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ __all__ = ["LowBitAccelerator", "LowBitSetupError", "PRECISIONS", "STATE_FILE"]
 
 #: Accelerate's ``mixed_precision`` -> the precision names ``Algorithm.check_precision`` reads
 PRECISIONS = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
-#: the file ``save_state`` writes every rank's low-bit state to, beside Accelerate's files
+#: the index of every rank's low-bit state files, written by ``save_state`` beside Accelerate's files
 STATE_FILE = "lowbit_rank_states.pt"
 #: Accelerate modes that do not wrap the model in ``DistributedDataParallel``
 _NOT_DDP = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
@@ -317,11 +318,15 @@ class LowBitAccelerator(Accelerator):
 
     # ---- checkpoints: every rank's own state ----------------------------------------
     def _save_lowbit_states(self, models, weights, output_dir: str) -> None:
-        """``save_state`` pre-hook (every rank runs it): gather every rank's state; the
-        main process writes :data:`STATE_FILE`."""
+        """``save_state`` pre-hook (every rank runs it): every rank writes its own state of
+        each prepared model to ``lowbit_rank_states/model_<k>/`` (a failed write on any rank
+        raises on every rank); the main process writes their index, :data:`STATE_FILE`."""
         if not self.lowbit_syncs:
             return
-        entries = [save_rank_states(sync) for sync in self.lowbit_syncs]  # collective, every rank
+        entries = [
+            rank_state.save_files(sync.state_dict(), _model_dir(output_dir, k), sync.group)  # collective
+            for k, sync in enumerate(self.lowbit_syncs)
+        ]
         if entries[0] is not None:
             torch.save(
                 {"algorithm": self.lowbit_config.algorithm, "models": entries}, os.path.join(output_dir, STATE_FILE)
@@ -355,7 +360,14 @@ class LowBitAccelerator(Accelerator):
     def _load_lowbit_states(self, input_dir: str) -> None:
         path = os.path.join(input_dir, STATE_FILE)
         algorithm = self.lowbit_config.algorithm
-        saved = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+        # every rank reads the index itself: a rank that cannot see it must not start afresh alone
+        missing = rank_state.failing_ranks(not os.path.exists(path), self.lowbit_syncs[0].group)
+        if missing and len(missing) < self.num_processes:
+            raise FileNotFoundError(
+                f"lowbit: rank(s) {missing} cannot see {path}, the others can: resume from storage every rank "
+                "can read (or copy the checkpoint to each node)"
+            )
+        saved = torch.load(path, map_location="cpu", weights_only=True) if not missing else None
         if saved is None or saved.get("algorithm") != algorithm:
             logger.warning(
                 "lowbit: %s holds no %s rank-local state; every rank starts from the main process's optimizer state",
@@ -369,8 +381,13 @@ class LowBitAccelerator(Accelerator):
                 f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
                 "run that saved it"
             )
-        for sync, entry in zip(self.lowbit_syncs, saved["models"]):
-            load_rank_states(sync, entry)
+        for k, (sync, entry) in enumerate(zip(self.lowbit_syncs, saved["models"])):
+            if entry.get("format") == "files":
+                merge = sync.algorithm.merge_states if sync.algorithm is not None else None
+                what = f"{algorithm} rank-local buffers"
+                sync.load_state_dict(rank_state.load_files(entry, _model_dir(input_dir, k), merge, what, sync.group))
+            else:  # a state file of lowbit-strategy 0.1: every rank's state in the entry
+                load_rank_states(sync, entry)
 
     def free_memory(self, *objects: Any):
         """Accelerate's ``free_memory``; the prepared models' algorithms are detached first."""
@@ -378,6 +395,11 @@ class LowBitAccelerator(Accelerator):
             sync.detach()
         self._lowbit_prepared = []
         return super().free_memory(*objects)
+
+
+def _model_dir(directory: str, k: int) -> str:
+    """Where each rank's state of the ``k``-th prepared model goes, inside a ``save_state`` folder."""
+    return os.path.join(directory, "lowbit_rank_states", f"model_{k}")
 
 
 def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,15 +69,24 @@ def attach(
     return sync
 
 
-def save_rank_states(sync: Sync) -> dict[str, Any] | None:
-    """Every rank's :meth:`Sync.state_dict`, gathered on rank 0 (None on the others).
-    Collective: call it on every rank; store the result in the checkpoint."""
+def save_rank_states(sync: Sync, directory: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """Every rank's :meth:`Sync.state_dict` for a checkpoint. Collective: call it on every
+    rank; store the return value (rank 0's; None on the others) in the checkpoint.
+
+    With ``directory`` (recommended): every rank writes its own state to a file of its own
+    there, and the return value is their small index: no rank holds another rank's state,
+    and a failed write on any rank raises on every rank. Without: every rank's state is
+    gathered into the return value on rank 0 (one rank at a time, over a CPU group)."""
+    if directory is not None:
+        return rank_state.save_files(sync.state_dict(), directory, sync.group)
     return rank_state.gather(sync.state_dict(), sync.group)
 
 
-def load_rank_states(sync: Sync, entry: Mapping[str, Any]) -> None:
-    """Restore this rank's own state from :func:`save_rank_states`'s entry (at another world
-    size, the algorithm's merge of all saved ranks, with a logged warning)."""
+def load_rank_states(sync: Sync, entry: Mapping[str, Any], directory: str | os.PathLike | None = None) -> None:
+    """Restore this rank's own state from :func:`save_rank_states`'s entry (and the
+    ``directory`` it wrote to, if it wrote files; a rank that cannot see its file makes every
+    rank raise). At another world size, the algorithm's merge of all saved ranks, with a
+    logged warning."""
     group = sync.group
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
@@ -85,9 +95,15 @@ def load_rank_states(sync: Sync, entry: Mapping[str, Any]) -> None:
         raise ValueError(
             "load_rank_states: another world size needs the algorithm's merge; build the sync with build_sync/attach"
         )
-    sync.load_state_dict(
-        rank_state.pick(dict(entry), rank, world, merge, f"{sync.config.algorithm} rank-local buffers")
-    )
+    what = f"{sync.config.algorithm} rank-local buffers"
+    if entry.get("format") == "files":
+        if directory is None:
+            raise ValueError(
+                "load_rank_states: the entry indexes per-rank files; pass the directory they were saved to"
+            )
+        sync.load_state_dict(rank_state.load_files(dict(entry), directory, merge, what, group))
+        return
+    sync.load_state_dict(rank_state.pick(dict(entry), rank, world, merge, what))
 
 
 def _destroy_process_group() -> None:

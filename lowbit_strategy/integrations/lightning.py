@@ -26,6 +26,7 @@ Notes for users:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, cast
 
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -147,13 +148,31 @@ class LowBitStrategy(DDPStrategy):
 
     # ---- checkpoints: every rank's own state ----------------------------------------
     def save_checkpoint(self, ckpt: dict[str, Any], filepath, storage_options=None) -> None:
-        # Every rank calls this (Trainer.save_checkpoint), so the gather is safe here. Only
+        """Lightning's checkpoint, plus every rank's rank-local state in a file of its own in
+        ``<checkpoint>.lowbit/`` (the checkpoint holds their index): no rank holds more than
+        its own state, and a failed write on any rank raises on every rank. Remote paths
+        (``scheme://``) keep the states inside the checkpoint, gathered on rank 0."""
+        # Every rank calls this (Trainer.save_checkpoint), so the collectives are safe here. Only
         # full training checkpoints carry rank-local state, as only they carry optimizer state.
         if self.sync is not None and "optimizer_states" in ckpt:
-            entry = rank_state.gather(self.sync.state_dict(), self.sync.group)
+            state, group = self.sync.state_dict(), self.sync.group
+            if _local(filepath):
+                entry = rank_state.save_files(state, _sidecar(filepath), group)
+            else:
+                entry = rank_state.gather(state, group)
             if entry is not None:
                 ckpt = {**ckpt, rank_state.KEY: {**entry, "algorithm": self.lowbit_config.algorithm}}
         super().save_checkpoint(ckpt, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        """Lightning's removal (rank 0), and this rank's file of the checkpoint's rank-local state."""
+        super().remove_checkpoint(filepath)
+        if _local(filepath):
+            rank_state.remove_files(_sidecar(filepath), self.sync.group if self.sync is not None else None)
+
+    def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._lowbit_ckpt_path = checkpoint_path  # where the rank-local files are, for the optimizer state
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     def load_optimizer_state_dict(self, ckpt) -> None:
         for opt, saved in zip(self.optimizers, ckpt["optimizer_states"]):
@@ -168,15 +187,31 @@ class LowBitStrategy(DDPStrategy):
                 self.lowbit_config.algorithm,
             )
             return
-        self.sync.load_state_dict(
-            rank_state.pick(
-                entry,
-                self.global_rank,
-                self.world_size,
-                self.algorithm.merge_states,
-                f"{self.lowbit_config.algorithm} rank-local buffers",
-            )
-        )
+        what = f"{self.lowbit_config.algorithm} rank-local buffers"
+        if entry.get("format") == "files":
+            path = getattr(self, "_lowbit_ckpt_path", None)
+            if path is None:
+                raise RuntimeError(
+                    "lowbit: the checkpoint's rank-local state is in files beside it, but its path is "
+                    "unknown; load it with Trainer(...).fit(ckpt_path=...)"
+                )
+            sidecar = _sidecar(path, resolve=True)
+            state = rank_state.load_files(entry, sidecar, self.algorithm.merge_states, what, self.sync.group)
+        else:
+            state = rank_state.pick(entry, self.global_rank, self.world_size, self.algorithm.merge_states, what)
+        self.sync.load_state_dict(state)
+
+
+def _local(filepath) -> bool:
+    return "://" not in str(filepath) or str(filepath).startswith("file://")
+
+
+def _sidecar(filepath, resolve: bool = False) -> str:
+    """The directory of a checkpoint's per-rank files: ``<checkpoint>.lowbit``; with ``resolve``
+    beside the file a symlinked checkpoint points to (ModelCheckpoint's ``save_last="link"``)."""
+    path = str(filepath)
+    path = path[len("file://") :] if path.startswith("file://") else path
+    return (os.path.realpath(path) if resolve else path) + ".lowbit"
 
 
 #: launcher suffix -> start method, like Lightning's ``ddp``, ``ddp_spawn``, ``ddp_notebook``

@@ -20,6 +20,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 
 import lowbit_strategy  # noqa: E402
 from lowbit_strategy import ConfigError, LowBitConfig, LowBitSetupError  # noqa: E402
+from lowbit_strategy import rank_state  # noqa: E402
 from lowbit_strategy.accelerate import STATE_FILE, LowBitAccelerator  # noqa: E402
 from tests.algorithms.lion_cub.test_optimizer import BETAS, LR, WD, _batch, _model  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -221,9 +222,10 @@ def _check_resume(rank, world_size, tmp):
         where = os.path.join(tmp, name)
         half, _ = _run(rank, world_size, cfg, make_opt, 3, save_to=where)
         saved = torch.load(os.path.join(where, STATE_FILE), weights_only=True)
-        assert saved["algorithm"] == name and saved["models"][0]["world_size"] == world_size
-        # every rank's own state is in the file, and the ranks' states differ
-        states = saved["models"][0]["states"]
+        assert saved["algorithm"] == name and saved["models"][0] == {"world_size": world_size, "format": "files"}
+        # every rank's own state is in a file of its own, and the ranks' states differ
+        states = [torch.load(rank_state._file(os.path.join(where, "lowbit_rank_states", "model_0"), r, world_size),
+                             weights_only=True) for r in range(world_size)]
         own = half.lowbit_syncs[0].state_dict()
         assert _flat(states[rank]) and all(torch.equal(a, b) for a, b in zip(_flat(states[rank]), _flat(own)))
         assert any(not torch.equal(a, b) for a, b in zip(_flat(states[0]), _flat(states[1]))), name

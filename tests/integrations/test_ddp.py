@@ -1,6 +1,8 @@
 """The plain-DDP front end: lowbit_strategy.attach and the per-rank state helpers, on real
 gloo process groups, against the single-process references of the algorithm tests."""
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tests.algorithms.lion_cub.test_optimizer import BETAS, LR, STEPS, WD, _batc
 from tests.distributed import run_ranks
 
 
-def _lion_run(rank, steps, sync_cfg, resume_from=None):
+def _lion_run(rank, steps, sync_cfg, resume_from=None, directory=None):
     model = nn.parallel.DistributedDataParallel(_model())
     opt = lowbit_strategy.Lion(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     sync = lowbit_strategy.attach(model, [opt], sync_cfg)
@@ -21,7 +23,7 @@ def _lion_run(rank, steps, sync_cfg, resume_from=None):
         weights, optim, entry, start = resume_from
         model.module.load_state_dict(weights)
         opt.load_state_dict(optim)
-        lowbit_strategy.load_rank_states(sync, entry)
+        lowbit_strategy.load_rank_states(sync, entry, directory)
     for step in range(start, steps + 1):
         model.zero_grad()
         x, y = _batch(rank, step)
@@ -47,10 +49,39 @@ def _check_lion(rank, world_size):
     assert entry["world_size"] == world_size
     resumed, _, _ = _lion_run(rank, STEPS, cfg, (copy.deepcopy(half.module.state_dict()), rank0_optim, entry, 4))
     assert all(torch.equal(a, b) for a, b in zip(resumed.module.parameters(), model.module.parameters()))
+    _check_rank_files(rank, world_size, cfg, half, half_sync, rank0_optim, model)
     # AdamW under Lion Cub: a clear error naming the fix, before any step
     ddp = nn.parallel.DistributedDataParallel(_model())
     with pytest.raises(LowBitSetupError, match=r"drives lowbit_strategy\.Lion.*torch\.optim\.adamw\.AdamW.*bitdp"):
         lowbit_strategy.attach(ddp, [torch.optim.AdamW(ddp.parameters())], cfg)
+
+
+def _check_rank_files(rank, world_size, cfg, half, half_sync, rank0_optim, straight):
+    """The same resume through per-rank files (no rank holds another's state), and the two
+    failures every rank must see together: a failed write, a file a rank cannot see."""
+    shared = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    where = os.path.join(shared[0], "states")
+    index = [lowbit_strategy.save_rank_states(half_sync, directory=where)]
+    torch.distributed.broadcast_object_list(index, src=0)  # rank 0's checkpoint holds the index
+    assert index[0] == {"world_size": world_size, "format": "files"}
+    assert sorted(os.listdir(where)) == [f"rank_{r:05d}_of_{world_size:05d}.pt" for r in range(world_size)]
+    weights = copy.deepcopy(half.module.state_dict())
+    resumed, _, _ = _lion_run(rank, STEPS, cfg, (weights, rank0_optim, index[0], 4), directory=where)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.module.parameters(), straight.module.parameters()))
+    # a write that fails on rank 1 only: every rank raises, naming it
+    target = os.path.join(shared[0], "not-a-dir") if rank == 1 else os.path.join(shared[0], "ok")
+    if rank == 1:
+        open(target, "w").close()  # a file where rank 1's directory should be
+    with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
+        lowbit_strategy.save_rank_states(half_sync, directory=target)
+    # a file rank 1 cannot see: every rank raises, naming it, before anyone loads anything
+    torch.distributed.barrier()
+    if rank == 1:
+        os.remove(os.path.join(where, f"rank_{1:05d}_of_{world_size:05d}.pt"))
+    torch.distributed.barrier()
+    with pytest.raises(FileNotFoundError, match=r"rank\(s\) \[1\] cannot see"):
+        _lion_run(rank, 4, cfg, (weights, rank0_optim, index[0], 4), directory=where)
 
 
 def _check_bitdp(rank, world_size):
