@@ -19,26 +19,19 @@ from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
 from lowbit_strategy.algorithms.onebit import OneBitAdam, OneBitLamb
 from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
+from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lowbit-strategy")
-    except PackageNotFoundError:  # a source tree on sys.path that pip never installed
-        return "0+unknown"
-
+from lowbit_strategy.version import installed_version
 
 #: the installed distribution's version (``pyproject.toml``), read from the package metadata
-__version__ = _version()
+__version__ = installed_version()
 
 __all__ = [
     "ALGORITHMS",
     "BitDPState",
     "ConfigError",
+    "ConfigMismatchError",
     "Lion",
     "LionCommunicator",
     "OneBitAdam",

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.collectives.group import cpu_group
+
 logger = logging.getLogger(__name__)
 
 #: where front ends store the gathered entry in a checkpoint
@@ -61,7 +63,7 @@ def gather(obj: Any, group=None) -> dict[str, Any] | None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {"world_size": 1, "states": [obj]}
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    cpu = _cpu_group(group)
+    cpu = cpu_group(group)
     if rank != 0:
         dist.send_object_list([obj], dst=dist.get_global_rank(cpu, 0), group=cpu)
         return None
@@ -71,25 +73,6 @@ def gather(obj: Any, group=None) -> dict[str, Any] | None:
         dist.recv_object_list(box, src=dist.get_global_rank(cpu, r), group=cpu)
         states.append(box[0])
     return {"world_size": world, "states": states}
-
-
-_CPU_GROUPS: dict[Any, Any] = {}
-
-
-def _cpu_group(group):
-    """A process group over ``group``'s ranks that moves CPU tensors: ``group`` itself when
-    its backend is gloo alone, else a gloo group made on first use (only the member ranks
-    take part, ``use_local_synchronization``) and kept."""
-    if dist.get_backend(group) == "gloo":
-        return group if group is not None else dist.group.WORLD
-    key = (id(dist.group.WORLD), id(group))  # a new default group (after re-initialization) gets its own
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(
-            dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
-            backend="gloo",
-            use_local_synchronization=True,
-        )
-    return _CPU_GROUPS[key]
 
 
 def pick(entry: dict[str, Any], rank: int, world_size: int, merge: Callable[[list], Any] | None, what: str) -> Any:
@@ -132,7 +115,7 @@ def failing_ranks(failed: bool, group=None) -> list[int]:
         return [0] if failed else []
     flags = torch.zeros(world, dtype=torch.int32)
     flags[rank] = int(failed)
-    dist.all_reduce(flags, group=_cpu_group(group))
+    dist.all_reduce(flags, group=cpu_group(group))
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 

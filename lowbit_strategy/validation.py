@@ -27,6 +27,17 @@ class ConfigError(ValueError):
         super().__init__(f"LowBitConfig.{field_name}: got {value!r}; {allowed}")
 
 
+class ConfigMismatchError(ConfigError):
+    """The ranks of one run disagree on their configuration; raised on every rank, with the
+    same message, naming the fields and the ranks (:attr:`fields`: the differing names)."""
+
+    def __init__(self, message: str, fields: list[str]):
+        self.field = fields[0] if fields else "<root>"
+        self.fields = list(fields)
+        self.value = None
+        ValueError.__init__(self, message)
+
+
 def suggestion(value: Any, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string."""
     hint = difflib.get_close_matches(str(value), list(choices), n=1)

@@ -294,3 +294,25 @@ def validated(validate, x, group, what: str, check: bool, traffic=None) -> None:
             if problem is not None:
                 raise problem from None
             raise
+
+
+_CPU_GROUPS: dict[Any, Any] = {}
+
+
+def cpu_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """A process group over ``group``'s ranks that moves CPU tensors (setup agreements,
+    checkpoints): ``group`` itself when its backend is gloo alone, else a gloo group made on
+    first use (only the member ranks take part, ``use_local_synchronization``) and kept. So
+    nothing of this kind is ever staged on a GPU."""
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialized: no process group to agree over")
+    target = group if group is not None else world
+    if dist.get_backend(target) == "gloo":
+        return target
+    key = (id(world), id(group))  # a new default group (after re-initialization) gets its own
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(
+            dist.get_process_group_ranks(target), backend="gloo", use_local_synchronization=True
+        )
+    return _CPU_GROUPS[key]

@@ -57,6 +57,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.ddp import (
+    attach_optimizers,
     build_sync,
     destroy_process_group_at_exit,
     load_rank_states,
@@ -258,7 +259,7 @@ class LowBitAccelerator(Accelerator):
             owned = {id(p) for p in prepared.model.parameters()}
             mine = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
             if mine and [id(o) for o in mine] != prepared.attached:
-                prepared.sync.attach(mine, who=self._who())
+                attach_optimizers(prepared.sync, mine, who=self._who())
                 prepared.attached = [id(o) for o in mine]
 
     # ---- gradients changed after backward -------------------------------------------

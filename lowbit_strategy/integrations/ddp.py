@@ -26,8 +26,11 @@ import torch.distributed as dist
 
 from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import Sync, keep_local_gradients
+from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.selection import unwrap
+from lowbit_strategy.validation import ConfigMismatchError
+from lowbit_strategy.version import installed_version
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +38,51 @@ __all__ = ["attach", "build_sync", "keep_local_gradients", "load_rank_states", "
 
 
 def build_sync(config: LowBitConfig, module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> Sync:
-    """The registered algorithm's :class:`Sync` for ``module`` (unwrapped from DDP)."""
+    """The registered algorithm's :class:`Sync` for ``module`` (unwrapped from DDP), after
+    the configuration handshake: every rank compares the resolved configuration, the package
+    version and the model's parameters (one small collective, before any other), and a
+    difference raises the same :class:`~lowbit_strategy.validation.ConfigMismatchError` on
+    every rank, naming the fields and the ranks."""
+    module = unwrap(module)
+    check_same(setup_fingerprint(config, module), group, "The low-bit setup", ConfigMismatchError)
     algo = algorithms.get(config.algorithm)
-    sync = algo.build(config, unwrap(module), group)
+    sync = algo.build(config, module, group)
     sync.algorithm = algo
     return sync
+
+
+def setup_fingerprint(config: LowBitConfig, module: torch.nn.Module) -> dict[str, Any]:
+    """What every rank of a run must agree on before the first collective: every field of
+    the resolved configuration (``lion.bits``, ``debug``, ...), the package version, and the
+    model's parameters (names, shapes, dtypes, which are trained), which fix the buckets."""
+    fields: dict[str, Any] = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, Mapping):
+            fields.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            fields[key] = value
+    fields["lowbit_strategy version"] = installed_version()
+    fields["model parameters"] = [
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()
+    ]
+    return fields
+
+
+def attach_optimizers(sync: Sync, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
+    """``sync.attach(optimizers, who)`` after every rank has checked that all ranks pass the
+    same kinds of optimizers (class, parameter groups and their hyperparameters) and the same
+    ``overlap`` (one small collective): else the same
+    :class:`~lowbit_strategy.validation.ConfigMismatchError` on every rank."""
+    fields: dict[str, Any] = {"overlap": sync.overlap}
+    for i, opt in enumerate(optimizers):
+        fields[f"optimizer[{i}]"] = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        for j, grp in enumerate(opt.param_groups):
+            fields[f"optimizer[{i}].param_groups[{j}]"] = (
+                [tuple(p.shape) for p in grp["params"]],
+                {k: v for k, v in grp.items() if k != "params"},
+            )
+    check_same(fields, sync.group, "The optimizers", ConfigMismatchError)
+    sync.attach(list(optimizers), who=who)
 
 
 def attach(
@@ -65,7 +108,7 @@ def attach(
     cfg = LowBitConfig.coerce(config, **overrides)
     sync = build_sync(cfg, ddp_model, group)
     ddp_model.register_comm_hook(sync.hook_state, sync.comm_hook)
-    sync.attach(list(optimizers))
+    attach_optimizers(sync, list(optimizers))
     return sync
 
 

@@ -39,7 +39,7 @@ from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.ddp import build_sync, destroy_process_group_at_exit
+from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync, destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,9 @@ class LowBitStrategy(DDPStrategy):
         self.algorithm.check_precision(getattr(self.precision_plugin, "precision", None))
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.sync is not None:
-            self.sync.attach([_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}")
+            attach_optimizers(
+                self.sync, [_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}"
+            )
             reason = self._gradients_change_after_backward(trainer)
             if reason:
                 self.sync.disable_overlap(
