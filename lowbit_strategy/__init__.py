@@ -19,9 +19,9 @@ from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
 from lowbit_strategy.algorithms.onebit import OneBitAdam, OneBitLamb
 from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
-from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
+from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
 
 #: the installed distribution's version (``pyproject.toml``), read from the package metadata
