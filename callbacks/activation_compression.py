@@ -37,6 +37,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lowbit_strategy.nn import SavedTensorMeter, SavedTensorStats, TurboQuantLinear, compress_activations
+from lowbit_strategy.nn.linear import check_layer_settings
 from lowbit_strategy.selection import check_patterns
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,7 @@ class ActivationCompression(pl.Callback):
         block: int | None = None,
         measure: bool = True,
     ) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise ValueError(f"ActivationCompression: bits must be an int in [2, 8] (4 is the paper's), got {bits!r}")
+        check_layer_settings("ActivationCompression", bits, block, 0)  # at construction, not at setup
         self.include = check_patterns("ActivationCompression: include", include)
         self.exclude = check_patterns("ActivationCompression: exclude", exclude)
         self.bits, self.block, self.measure = bits, block, bool(measure)

@@ -33,6 +33,11 @@ from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float
 __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 
 
+#: the largest bucket (64 GiB of float32): beyond it the bucket's element count overflows
+#: what a collective can move in one call
+MAX_BUCKET_MB = 65536.0
+
+
 class LowBitConfig:
     """Every knob of the low-bit algorithms, validated once, immutable afterwards.
 
@@ -84,8 +89,8 @@ class LowBitConfig:
         registry = REGISTRY
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (immutable)
         set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
-        set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True))
-        set_("warmup_steps", as_int("warmup_steps", warmup_steps, 0))
+        set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True, maximum=MAX_BUCKET_MB))
+        set_("warmup_steps", as_int("warmup_steps", warmup_steps, 0, 2**62))
         set_("link_bandwidth_gbps", as_float("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
         set_("link_latency_us", as_float("link_latency_us", link_latency_us, positive=False))
         set_("debug", as_bool("debug", debug))
@@ -192,8 +197,14 @@ class LowBitConfig:
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError("<file>", str(path), f"cannot read the YAML file: {exc.strerror or exc}") from None
+        if len(text) > MAX_YAML_BYTES:
+            raise ConfigError(
+                "<file>",
+                str(path),
+                f"a config file of {len(text)} bytes is too long (at most {MAX_YAML_BYTES}): is it the right file?",
+            )
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_strict_loader())
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -255,6 +266,42 @@ class LowBitConfig:
 
     def replace(self, **changes: Any) -> LowBitConfig:
         return self.coerce(self, **changes)
+
+
+#: the longest config file read (a config is a few hundred bytes)
+MAX_YAML_BYTES = 1 << 20
+
+
+def _strict_loader():
+    """PyYAML's safe loader, refusing what a config file never needs and what silently goes
+    wrong: a key given twice (the last would win), and anchors/aliases (a few hundred bytes
+    of nested aliases expand to gigabytes)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, "anchors and aliases (*name) are not supported in a lowbit config", event.start_mark
+                )
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"the key {key!r} is given twice (the first at line {seen[key] + 1})",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
+
+
+#: how values are shown in messages: shortened (a 450-byte YAML file of nested aliases once
+#: made a 55 MB message)
+SHORT = reprlib.Repr()
+SHORT.maxstring, SHORT.maxother, SHORT.maxlist, SHORT.maxtuple, SHORT.maxdict, SHORT.maxlevel = 240, 60, 6, 6, 6, 3
+
+
+def short(value: Any) -> str:
+    """``repr(value)``, shortened to a few dozen characters."""
+    return SHORT.repr(value)
 
 
 class ConfigError(ValueError):
@@ -24,7 +39,7 @@ class ConfigError(ValueError):
     def __init__(self, field_name: str, value: Any, allowed: str):
         self.field = field_name
         self.value = value
-        super().__init__(f"LowBitConfig.{field_name}: got {value!r}; {allowed}")
+        super().__init__(f"LowBitConfig.{field_name}: got {short(value)}; {allowed}")
 
 
 class ConfigMismatchError(ConfigError):
@@ -49,31 +64,51 @@ def is_none(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
 
 
-def as_int(name: str, value: Any, minimum: int) -> int:
+def exact_int(value: Any) -> int | None:
+    """``value`` as an int if it is exactly an integer of any numeric type (int, numpy or
+    torch integer, an integral float, Decimal or one-element tensor, a string of digits),
+    else None. Never truncates: 8.5 from any type is None, as are bools, NaN and infinities."""
     if isinstance(value, bool):
-        raise ConfigError(name, value, f"expected an integer >= {minimum}")
+        return None
     if isinstance(value, str):
-        value = value.strip()
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        return exact_int(value.item())
     try:
-        out = int(value)
-        if isinstance(value, float) and out != value:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(name, value, f"expected an integer >= {minimum}") from None
-    if out < minimum:
-        raise ConfigError(name, value, f"expected an integer >= {minimum}")
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not math.isfinite(number) or not number.is_integer() or (not isinstance(value, float) and value != int(number)):
+        return None  # (Decimal("8.0000000000000000001") is 8.0 as a float, but not 8)
+    return int(number)
+
+
+def as_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """An exact integer in ``[minimum, maximum]`` (any numeric type; 8.5 never becomes 8)."""
+    span = f">= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+    out = exact_int(value)
+    if out is None or out < minimum or (maximum is not None and out > maximum):
+        raise ConfigError(name, value, f"expected an integer {span}")
     return out
 
 
-def as_float(name: str, value: Any, *, positive: bool) -> float:
+def as_float(name: str, value: Any, *, positive: bool, maximum: float | None = None) -> float:
     allowed = "expected a finite number " + ("> 0" if positive else ">= 0")
+    allowed += f" and <= {maximum:g}" if maximum is not None else ""
     if isinstance(value, bool):
         raise ConfigError(name, value, allowed)
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(name, value, allowed) from None
-    if not math.isfinite(out) or out < 0 or (positive and out == 0):
+    if not math.isfinite(out) or out < 0 or (positive and out == 0) or (maximum is not None and out > maximum):
         raise ConfigError(name, value, allowed)
     return out
 
@@ -111,13 +146,23 @@ def as_patterns(name: str, value: Any) -> tuple[str, ...] | None:
 def check_number(
     cls: str, name: str, value: Any, low: float, high: float | None = None, low_open: bool = False
 ) -> float:
-    """``value`` as a float; ``ValueError`` naming ``cls`` and ``name`` unless it is a real
-    number (not a bool, not NaN) in ``[low, high)`` (``(low, high)`` with ``low_open``).
-    For constructor arguments of optimizers and layers (config fields use the converters
-    above, which raise :class:`ConfigError`)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """``value`` as a float; ``ValueError`` naming ``cls`` and ``name`` unless it is a finite
+    real number (not a bool, NaN or an infinity) in ``[low, high)`` (``(low, high)`` with
+    ``low_open``). For constructor arguments of optimizers and layers (config fields use the
+    converters above, which raise :class:`ConfigError`)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
     ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
     if not ok:
         span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'})"
-        raise ValueError(f"{cls}: {name} must be a number in {span}, got {value!r}")
+        raise ValueError(f"{cls}: {name} must be a number in {span} (finite), got {short(value)}")
     return float(value)
+
+
+def check_int(cls: str, name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
+    """``value`` as an int; ``ValueError`` naming ``cls`` and ``name`` unless it is exactly an
+    integer (:func:`exact_int`) in ``[low, high]``. ``what`` explains the argument."""
+    out = exact_int(value)
+    if out is None or out < low or (high is not None and out > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{cls}: {name} must be an integer {span}{what}, got {short(value)}")
+    return out

@@ -54,9 +54,15 @@ def check_block(block) -> int:
     return block
 
 
+#: rotation seeds: what a torch.Generator takes, and what the config's ``seed`` allows
+MAX_SEED = 2**63 - 1
+
+
 def _check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
     return seed
 
 

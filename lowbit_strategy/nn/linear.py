@@ -64,8 +64,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, check_block
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_block
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
+from lowbit_strategy.validation import short
 
 #: smallest per-token block the default rule accepts (below it: blocks of DEFAULT_BLOCK)
 MIN_ROW_BLOCK = 64
@@ -81,6 +82,20 @@ def default_block(in_features: int) -> int:
 
 
 @functools.cache
+def check_layer_settings(who: str, bits: int, block: int | None, seed: int) -> None:
+    """``bits``, ``block`` and ``seed`` as :class:`TurboQuantLinear` takes them, checked where
+    they enter (a model without linear layers would never build one to check them)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"{who}: bits must be an int in [2, 8] (4 is the paper's), got {short(bits)}")
+    if block is not None:
+        try:
+            check_block(block)
+        except ValueError as e:
+            raise ValueError(f"{who}: {e}; or pass block=None for the default rule") from None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{who}: seed must be an int in [0, 2**63 - 1], got {short(seed)}")
+
+
 def shared_codec(bits: int, block: int, seed: int) -> TurboQuantCodec:
     """The process's one codec for ``(bits, block, seed)`` (see "Codec sharing")."""
     return TurboQuantCodec(bits=bits, seed=seed, block=block)
@@ -184,22 +199,19 @@ class TurboQuantLinear(nn.Linear):
         device=None,
         dtype=None,
     ) -> None:
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"TurboQuantLinear: {name} must be an int >= 1 (its input is compressed for backward; "
+                    f"use nn.Linear for an empty layer), got {short(value)}"
+                )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(bits, block, seed)
 
     def _configure(self, bits: int, block: int | None, seed: int) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise ValueError(f"TurboQuantLinear: bits must be an int in [2, 8] (4 is the paper's), got {bits!r}")
-        if block is None:
-            block = default_block(self.in_features)
-        else:
-            try:
-                block = check_block(block)
-            except ValueError as e:
-                raise ValueError(f"TurboQuantLinear: {e}; or pass block=None for the default rule") from None
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"TurboQuantLinear: seed must be an int, got {type(seed).__name__}")
-        self.bits, self.block, self.seed = bits, block, seed
+        check_layer_settings("TurboQuantLinear", bits, block, seed)
+        self.bits, self.seed = bits, seed
+        self.block = default_block(self.in_features) if block is None else block
 
     @property
     def codec(self) -> TurboQuantCodec:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from lowbit_strategy.nn.linear import TurboQuantLinear
+from lowbit_strategy.nn.linear import TurboQuantLinear, check_layer_settings
 from lowbit_strategy.selection import check_patterns, output_head, unwrap
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ def compress_activations(
     ``bits``, ``block`` and ``seed``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compress_activations: model must be an nn.Module, got {type(model).__name__}")
+    check_layer_settings("compress_activations", bits, block, seed)  # here, whatever layers the model has
     root = unwrap(model)
     swapped = []
     for name, m in select_linears(root, include, exclude):

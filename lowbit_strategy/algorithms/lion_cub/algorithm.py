@@ -32,9 +32,10 @@ class LionSync(Sync):
     def __init__(self, config, module: torch.nn.Module, group=None):
         super().__init__(config, group)
         section: LionConfig = config.lion
-        self.momentum_params = (
-            momentum_sync_params(module, section.momentum_sync_layers) if section.momentum_sync_every else []
-        )
+        # checked even when unused: a pattern matching no parameter is an error at setup, not when
+        # momentum sync is switched on later
+        selected = momentum_sync_params(module, section.momentum_sync_layers)
+        self.momentum_params = selected if section.momentum_sync_every else []
         self.optimizers: list[Lion] = []
         self._traffic: list[TrafficLog] = []
         self.overlap = section.overlap

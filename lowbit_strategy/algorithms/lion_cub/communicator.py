@@ -47,6 +47,7 @@ from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_sta
 from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.streams import SideStream
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce_start
+from lowbit_strategy.validation import ConfigError
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
     from lowbit_strategy.config import LowBitConfig
@@ -235,6 +236,12 @@ class LionCommunicator:
             raise ValueError(f"LionCommunicator needs algorithm='lion', got {self.config.algorithm!r}")
         self.group = group
         self.world_size = g.world_size(group)
+        lion = _lion(config)
+        if lion.mode in ("sign", "lp") and lion.bits is not None:
+            try:  # a lane too narrow for this world size: say so now, not at the first backward
+                resolve_mode(config, self.world_size, 1)
+            except OverflowError as e:
+                raise ConfigError(lion.field_name("bits"), lion.bits, f"at world size {self.world_size}: {e}") from None
         self.traffic = wire.TrafficLog()
         self._side = SideStream()
         self.plan: Plan | None = None

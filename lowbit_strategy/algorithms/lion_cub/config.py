@@ -20,7 +20,7 @@ ALLOWED_BITS = {
     "auto": (None,),
     "1bit": (None, 1),
     "sign": (None,) + WIRE_LANES,
-    "lp": (None,) + WIRE_LANES,
+    "lp": (None, 4, 8, 16, 32),  # (2-bit lanes cannot hold codes in [-1, 1] summed over 2 ranks)
     "fp32": (None, 32),
     "bf16": (None, 16),
 }

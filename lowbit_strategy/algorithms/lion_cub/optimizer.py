@@ -36,12 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
-
-
-def _check(name: str, value: float, low: float, high: float | None = None) -> None:
-    if not isinstance(value, (int, float)) or value < low or (high is not None and value >= high):
-        span = f"[{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"Lion: {name} must be a number in {span}, got {value!r}")
+from lowbit_strategy.validation import check_number, short
 
 
 class Lion(Optimizer):
@@ -61,12 +56,12 @@ class Lion(Optimizer):
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
     ):
-        _check("lr", lr, 0.0)
+        check_number("Lion", "lr", lr, 0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Lion: betas must be a pair (beta1, beta2), got {betas!r}")
-        _check("betas[0]", betas[0], 0.0, 1.0)
-        _check("betas[1]", betas[1], 0.0, 1.0)
-        _check("weight_decay", weight_decay, 0.0)
+            raise ValueError(f"Lion: betas must be a pair (beta1, beta2), got {short(betas)}")
+        check_number("Lion", "betas[0]", betas[0], 0.0, 1.0)
+        check_number("Lion", "betas[1]", betas[1], 0.0, 1.0)
+        check_number("Lion", "weight_decay", weight_decay, 0.0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.communicator: LionCommunicator | None = None
         self.skipped_steps = 0

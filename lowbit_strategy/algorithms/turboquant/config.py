@@ -55,4 +55,4 @@ class TurboQuantConfig(Section):
         except ValueError:
             raise ConfigError(self.field_name("block"), self.block, "a power of two in [2, 2**20]") from None
         self._set("block", block)
-        self._set("seed", as_int(self.field_name("seed"), self.seed, 0))
+        self._set("seed", as_int(self.field_name("seed"), self.seed, 0, 2**63 - 1))
