@@ -52,15 +52,15 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedDataParallelKwargs
 
-from lowbit_strategy import algorithms, rank_state
+from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.integrations.accelerate_checkpoints import STATE_FILE, RankStateCheckpoints
 from lowbit_strategy.integrations.ddp import (
     attach_optimizers,
     build_sync,
     destroy_process_group_at_exit,
-    load_rank_states,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,6 @@ __all__ = ["LowBitAccelerator", "LowBitSetupError", "PRECISIONS", "STATE_FILE"]
 
 #: Accelerate's ``mixed_precision`` -> the precision names ``Algorithm.check_precision`` reads
 PRECISIONS = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
-#: the index of every rank's low-bit state files, written by ``save_state`` beside Accelerate's files
-STATE_FILE = "lowbit_rank_states.pt"
 #: Accelerate modes that do not wrap the model in ``DistributedDataParallel``
 _NOT_DDP = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 #: accelerate.utils probes of the device backends its launcher would use instead of gloo
@@ -126,7 +124,7 @@ class _Prepared:
     attached: list[int] = dataclasses.field(default_factory=list)
 
 
-class LowBitAccelerator(Accelerator):
+class LowBitAccelerator(RankStateCheckpoints, Accelerator):
     """An ``Accelerator`` whose ``prepare`` sets up the configured low-bit algorithm.
 
     Args:
@@ -317,90 +315,12 @@ class LowBitAccelerator(Accelerator):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return wire.allreduce_bytes(4 * numel, world)
 
-    # ---- checkpoints: every rank's own state ----------------------------------------
-    def _save_lowbit_states(self, models, weights, output_dir: str) -> None:
-        """``save_state`` pre-hook (every rank runs it): every rank writes its own state of
-        each prepared model to ``lowbit_rank_states/model_<k>/`` (a failed write on any rank
-        raises on every rank); the main process writes their index, :data:`STATE_FILE`."""
-        if not self.lowbit_syncs:
-            return
-        entries = [
-            rank_state.save_files(sync.state_dict(), _model_dir(output_dir, k), sync.group)  # collective
-            for k, sync in enumerate(self.lowbit_syncs)
-        ]
-        if entries[0] is not None:
-            torch.save(
-                {"algorithm": self.lowbit_config.algorithm, "models": entries}, os.path.join(output_dir, STATE_FILE)
-            )
-
-    def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any):
-        """Accelerate's ``save_state`` plus every rank's low-bit state (call it on every rank,
-        as Accelerate asks). Returns once every rank's files are written."""
-        location = super().save_state(output_dir, *args, **kwargs)
-        self.wait_for_everyone()
-        return location
-
-    def _remember_load_dir(self, models, input_dir: str) -> None:
-        self._lowbit_load_dir = input_dir
-
-    def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any):
-        """Accelerate's ``load_state``, then each rank's own low-bit state (its momenta, error
-        buffers, hook iteration) over the main process's optimizer state Accelerate loaded."""
-        self._lowbit_load_dir = None
-        result = super().load_state(input_dir, *args, **kwargs)
-        if self._lowbit_load_dir is not None and self.lowbit_syncs:
-            self._load_lowbit_states(self._lowbit_load_dir)
-        elif self._lowbit_load_dir is not None and os.path.exists(os.path.join(self._lowbit_load_dir, STATE_FILE)):
-            logger.info(
-                "lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
-                "the optimizer continues from the main process's state",
-                self._lowbit_load_dir,
-            )
-        return result
-
-    def _load_lowbit_states(self, input_dir: str) -> None:
-        path = os.path.join(input_dir, STATE_FILE)
-        algorithm = self.lowbit_config.algorithm
-        # every rank reads the index itself: a rank that cannot see it must not start afresh alone
-        missing = rank_state.failing_ranks(not os.path.exists(path), self.lowbit_syncs[0].group)
-        if missing and len(missing) < self.num_processes:
-            raise FileNotFoundError(
-                f"lowbit: rank(s) {missing} cannot see {path}, the others can: resume from storage every rank "
-                "can read (or copy the checkpoint to each node)"
-            )
-        saved = torch.load(path, map_location="cpu", weights_only=True) if not missing else None
-        if saved is None or saved.get("algorithm") != algorithm:
-            logger.warning(
-                "lowbit: %s holds no %s rank-local state; every rank starts from the main process's optimizer state",
-                input_dir,
-                algorithm,
-            )
-            return
-        if len(saved["models"]) != len(self.lowbit_syncs):
-            raise ValueError(
-                f"{path} holds the low-bit state of {len(saved['models'])} models, but this "
-                f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
-                "run that saved it"
-            )
-        for k, (sync, entry) in enumerate(zip(self.lowbit_syncs, saved["models"])):
-            if entry.get("format") == "files":
-                merge = sync.algorithm.merge_states if sync.algorithm is not None else None
-                what = f"{algorithm} rank-local buffers"
-                sync.load_state_dict(rank_state.load_files(entry, _model_dir(input_dir, k), merge, what, sync.group))
-            else:  # a state file of lowbit-strategy 0.1: every rank's state in the entry
-                load_rank_states(sync, entry)
-
     def free_memory(self, *objects: Any):
         """Accelerate's ``free_memory``; the prepared models' algorithms are detached first."""
         for sync in self.lowbit_syncs:
             sync.detach()
         self._lowbit_prepared = []
         return super().free_memory(*objects)
-
-
-def _model_dir(directory: str, k: int) -> str:
-    """Where each rank's state of the ``k``-th prepared model goes, inside a ``save_state`` folder."""
-    return os.path.join(directory, "lowbit_rank_states", f"model_{k}")
 
 
 def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:

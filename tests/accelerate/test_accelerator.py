@@ -184,13 +184,9 @@ def _check_errors(rank, world_size):
     model = acc.prepare(_model())
     with pytest.raises(LowBitSetupError, match=r"drives lowbit_strategy\.OneBitAdam.*got torch\.optim\.sgd\.SGD"):
         acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-    # a lane too narrow for the world size: the communicator's error, at its first collective
-    # (from the DDP hook during the first backward, as under the Lightning strategy)
-    acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="lp", bits=2))
-    model = acc.prepare(_model())
-    opt = acc.prepare(_lion(model.parameters()))
-    with pytest.raises(Exception, match=r"mode='lp' with a 2-bit lane cannot hold even codes .* 2 ranks"):
-        _train(acc, model, opt, rank, 1, 1)
+    # a lane too narrow for any world size: refused where the config is made, not at the first backward
+    with pytest.raises(lowbit_strategy.ConfigError, match=r"lion\.bits: got 2; with mode='lp' allowed: None, 4"):
+        _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="lp", bits=2))
     # clipping after an overlapped backward would be silently wrong: refused, naming the fix
     acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB))
     model = acc.prepare(_model())
@@ -243,6 +239,39 @@ def _flat(obj) -> list[torch.Tensor]:
     return []
 
 
+def _check_failures_reach_every_rank(rank, world_size, tmp):
+    """A save that fails on one rank, a checkpoint one rank cannot see, a state file missing on
+    one rank: every rank raises the same error, naming the rank, instead of waiting for it."""
+    import accelerate.accelerator as acc_module
+
+    cfg = dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB)
+    acc = _fresh_accelerator(rank, world_size, cfg)
+    model = acc.prepare(_model())
+    opt = acc.prepare(_lion(model.parameters()))
+    _train(acc, model, opt, rank, 1, 2)
+    where = os.path.join(tmp, "failures")
+    real = acc_module.save_accelerator_state
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    acc_module.save_accelerator_state = disk_full if rank == 0 else real  # the main process's write fails
+    try:
+        with pytest.raises(RuntimeError, match=r"save_state failed on rank\(s\) \[0\]"):
+            acc.save_state(where)
+    finally:
+        acc_module.save_accelerator_state = real
+    acc.save_state(where)  # a good save
+    with pytest.raises(RuntimeError, match=r"load_state failed on rank\(s\) \[1\]"):
+        acc.load_state(where if rank == 0 else where + "-not-there")  # rank 1 cannot see the checkpoint
+    dist.barrier()
+    if rank == 1:  # rank 1 cannot see its own state file
+        os.remove(rank_state._file(os.path.join(where, "lowbit_rank_states", "model_0"), 1, world_size))
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match=r"rank\(s\) \[1\] cannot see"):
+        acc.load_state(where)
+
+
 def _check_all(rank, world_size, tmp):
     _check_exact_mode_equals_ddp_lion(rank, world_size)
     _check_compressed_modes_keep_ranks_identical(rank, world_size)
@@ -250,6 +279,7 @@ def _check_all(rank, world_size, tmp):
     _check_bf16_accumulation_and_clipping(rank, world_size)
     _check_errors(rank, world_size)
     _check_resume(rank, world_size, tmp)
+    _check_failures_reach_every_rank(rank, world_size, tmp)
 
 
 @pytest.mark.slow

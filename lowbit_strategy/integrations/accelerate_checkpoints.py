@@ -1,0 +1,139 @@
+"""The Accelerate front end's checkpoints: every rank's own low-bit state beside Accelerate's
+files, and save/load that fail on every rank together (:class:`RankStateCheckpoints`, a
+mixin of :class:`~lowbit_strategy.integrations.accelerate.LowBitAccelerator`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy import rank_state
+from lowbit_strategy.algorithms.base import Sync
+from lowbit_strategy.integrations.ddp import load_rank_states
+
+logger = logging.getLogger(__name__)
+
+#: the index of every rank's low-bit state files, written by ``save_state`` beside Accelerate's files
+STATE_FILE = "lowbit_rank_states.pt"
+
+
+class RankStateCheckpoints:
+    """``save_state`` / ``load_state`` of a :class:`LowBitAccelerator` (which registers
+    :meth:`_save_lowbit_states` and :meth:`_remember_load_dir` as Accelerate's pre-hooks)."""
+
+    if TYPE_CHECKING:  # provided by LowBitAccelerator and Accelerator
+        lowbit_config: Any
+        num_processes: int
+        _lowbit_load_dir: str | None
+
+        @property
+        def lowbit_syncs(self) -> list[Sync]: ...
+
+        def wait_for_everyone(self) -> None: ...
+
+    # ---- checkpoints: every rank's own state ----------------------------------------
+    def _save_lowbit_states(self, models, weights, output_dir: str) -> None:
+        """``save_state`` pre-hook (every rank runs it): every rank writes its own state of
+        each prepared model to ``lowbit_rank_states/model_<k>/`` (a failed write on any rank
+        raises on every rank); the main process writes their index, :data:`STATE_FILE`."""
+        if not self.lowbit_syncs:
+            return
+        entries = [
+            rank_state.save_files(sync.state_dict(), _model_dir(output_dir, k), sync.group)  # collective
+            for k, sync in enumerate(self.lowbit_syncs)
+        ]
+        if entries[0] is not None:
+            torch.save(
+                {"algorithm": self.lowbit_config.algorithm, "models": entries}, os.path.join(output_dir, STATE_FILE)
+            )
+
+    def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any):
+        """Accelerate's ``save_state`` plus every rank's low-bit state (call it on every rank,
+        as Accelerate asks). Returns once every rank's files are written; if writing failed on
+        any rank (the main process writes the model and optimizer files), every rank raises
+        the same error, instead of the others waiting for it until the process group's timeout."""
+        location = self._together(
+            "save_state", lambda: cast(Any, super(RankStateCheckpoints, self)).save_state(output_dir, *args, **kwargs)
+        )
+        self.wait_for_everyone()
+        return location
+
+    def _together(self, what: str, call):
+        """``call()`` on every rank; a failure on any rank raises on every rank (one small
+        allreduce over a CPU group), naming the ranks."""
+        error: Exception | None = None
+        try:
+            result = call()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error, result = e, None
+        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            bad = rank_state.failing_ranks(error is not None)
+            if bad:
+                here = f": {type(error).__name__}: {error}" if error is not None else "; see the error there"
+                raise RuntimeError(f"lowbit: accelerator.{what} failed on rank(s) {bad}{here}") from error
+        elif error is not None:
+            raise error
+        return result
+
+    def _remember_load_dir(self, models, input_dir: str) -> None:
+        self._lowbit_load_dir = input_dir
+
+    def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any):
+        """Accelerate's ``load_state``, then each rank's own low-bit state (its momenta, error
+        buffers, hook iteration) over the main process's optimizer state Accelerate loaded."""
+        self._lowbit_load_dir = None
+        # a rank that cannot read the checkpoint fails in Accelerate's load before the others'
+        # next collective: every rank learns it here and raises, naming the ranks
+        result = self._together(
+            "load_state", lambda: cast(Any, super(RankStateCheckpoints, self)).load_state(input_dir, *args, **kwargs)
+        )
+        if self._lowbit_load_dir is not None and self.lowbit_syncs:
+            self._load_lowbit_states(self._lowbit_load_dir)
+        elif self._lowbit_load_dir is not None and os.path.exists(os.path.join(self._lowbit_load_dir, STATE_FILE)):
+            logger.info(
+                "lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
+                "the optimizer continues from the main process's state",
+                self._lowbit_load_dir,
+            )
+        return result
+
+    def _load_lowbit_states(self, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE)
+        algorithm = self.lowbit_config.algorithm
+        # every rank reads the index itself: a rank that cannot see it must not start afresh alone
+        missing = rank_state.failing_ranks(not os.path.exists(path), self.lowbit_syncs[0].group)
+        if missing and len(missing) < self.num_processes:
+            raise FileNotFoundError(
+                f"lowbit: rank(s) {missing} cannot see {path}, the others can: resume from storage every rank "
+                "can read (or copy the checkpoint to each node)"
+            )
+        saved = torch.load(path, map_location="cpu", weights_only=True) if not missing else None
+        if saved is None or saved.get("algorithm") != algorithm:
+            logger.warning(
+                "lowbit: %s holds no %s rank-local state; every rank starts from the main process's optimizer state",
+                input_dir,
+                algorithm,
+            )
+            return
+        if len(saved["models"]) != len(self.lowbit_syncs):
+            raise ValueError(
+                f"{path} holds the low-bit state of {len(saved['models'])} models, but this "
+                f"accelerator prepared {len(self.lowbit_syncs)}; prepare the same models as the "
+                "run that saved it"
+            )
+        for k, (sync, entry) in enumerate(zip(self.lowbit_syncs, saved["models"])):
+            if entry.get("format") == "files":
+                merge = sync.algorithm.merge_states if sync.algorithm is not None else None
+                what = f"{algorithm} rank-local buffers"
+                sync.load_state_dict(rank_state.load_files(entry, _model_dir(input_dir, k), merge, what, sync.group))
+            else:  # a state file of lowbit-strategy 0.1: every rank's state in the entry
+                load_rank_states(sync, entry)
+
+
+def _model_dir(directory: str, k: int) -> str:
+    """Where each rank's state of the ``k``-th prepared model goes, inside a ``save_state`` folder."""
+    return os.path.join(directory, "lowbit_rank_states", f"model_{k}")
