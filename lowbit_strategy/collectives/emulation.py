@@ -62,16 +62,24 @@ class _Landing:
     """The data of one emulated collective: written into ``out`` once, after the gloo work."""
 
     def __init__(
-        self, work: torch.futures.Future, private: torch.Tensor, out: torch.Tensor, on_land: Callable[[], None]
+        self,
+        work: torch.futures.Future,
+        private: torch.Tensor,
+        out: torch.Tensor,
+        on_land: Callable[[], None],
+        failed: Callable[[Exception], Exception],
     ):
-        self.work, self.private, self.out, self.on_land = work, private, out, on_land
+        self.work, self.private, self.out, self.on_land, self.failed = work, private, out, on_land, failed
         self.landed = False
         self._lock = threading.Lock()
 
     def land(self) -> None:
         with self._lock:
             if not self.landed:
-                self.work.wait()  # re-raises a failed collective
+                try:
+                    self.work.wait()  # re-raises a failed collective, named by ``failed``
+                except RuntimeError as e:
+                    raise self.failed(e) from e
                 self.out.copy_(self.private)
                 self.landed = True
                 self.on_land()
@@ -111,6 +119,7 @@ def launch(
     out: torch.Tensor,
     in_place: bool,
     on_land: Callable[[], None],
+    failed: Callable[[Exception], Exception],
 ) -> NcclFuture:
     """Run ``start(private)`` (the real gloo collective writing ``private`` instead of
     ``out``; for an in-place allreduce ``private`` starts as a copy of ``out``), poison
@@ -118,7 +127,7 @@ def launch(
     private = out.clone() if in_place else torch.empty_like(out)
     work = start(private)
     poison(out)
-    return NcclFuture(_Landing(work, private, out, on_land))
+    return NcclFuture(_Landing(work, private, out, on_land, failed))
 
 
 def _collect_all_at_once(futures: list[torch.futures.Future]) -> torch.futures.Future:

@@ -43,6 +43,31 @@ def host_seconds(seconds: float, t: torch.Tensor) -> float | None:
     return None if t.is_cuda else seconds
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed while this rank waited for it: names the operation, and says what
+    usually causes it and where the timeout is set."""
+
+    def __init__(self, op: str, kind: str, world: int, cause: BaseException):
+        self.op = op
+        super().__init__(
+            f"lowbit: the collective {op!r} ({kind} over {world} ranks) failed while this rank waited for it: "
+            f"{type(cause).__name__}: {cause}. A peer rank has probably died (its own error is in its log); a "
+            "peer that hangs ends this after the process group's timeout, set by "
+            "torch.distributed.init_process_group(timeout=...), Lightning's DDPStrategy(timeout=...) / "
+            "LowBitStrategy(timeout=...), or Accelerate's InitProcessGroupKwargs(timeout=...)"
+        )
+
+
+def _blocking(op: str, kind: str, world: int, call) -> float:
+    """Run a blocking collective; its wall seconds, or :class:`CollectiveError` naming ``op``."""
+    with wire.timed() as t:
+        try:
+            call()
+        except RuntimeError as e:
+            raise CollectiveError(op, kind, world, e) from e
+    return t.seconds
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -50,60 +75,51 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
     """Equal-split all-to-all of 1-D ``inp`` into ``out`` (chunk i goes to rank i)."""
     p = world_size(group)
-    with wire.timed() as t:
-        if p == 1:
-            out.copy_(inp)
-        else:
-            dist.all_to_all_single(out, inp, group=group)
+    if p == 1:
+        out.copy_(inp)
+    seconds = _blocking(op, "all-to-all", p, lambda: p > 1 and dist.all_to_all_single(out, inp, group=group))
     chunk = _nbytes(inp) // p
     n = wire.all_to_all_bytes(chunk, p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, out)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out)), traffic)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
     """Gather every rank's 1-D ``inp`` into ``out`` (rank order). Reads ``out`` itself:
     on gloo a gather's future resolves to per-rank chunks, not to the output buffer."""
     p = world_size(group)
-    with wire.timed() as t:
-        if p == 1:
-            out.copy_(inp)
-        else:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(out, inp, group=group)
+    if p == 1:
+        out.copy_(inp)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    seconds = _blocking(op, "all-gather", p, lambda: p > 1 and gather(out, inp, group=group))
     n = wire.all_gather_bytes(_nbytes(inp), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, out)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out)), traffic)
 
 
 def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     """In-place SUM allreduce of ``buf``."""
     p = world_size(group)
-    with wire.timed() as t:
-        if p > 1:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    seconds = _blocking(op, "SUM allreduce", p, lambda: p > 1 and dist.all_reduce(buf, group=group))
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
 
 
 def all_reduce_max(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     """In-place MAX allreduce of ``buf`` (bytes as for a SUM allreduce: a ring of P chunks)."""
     p = world_size(group)
-    with wire.timed() as t:
-        if p > 1:
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    max_ = dist.ReduceOp.MAX
+    seconds = _blocking(op, "MAX allreduce", p, lambda: p > 1 and dist.all_reduce(buf, op=max_, group=group))
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
 
 
 def broadcast(buf: torch.Tensor, src_rank: int, group, op: str, traffic=None) -> None:
     """``buf`` of rank ``src_rank`` of ``group`` on every rank (in place). Bytes: a pipelined
     ring broadcast, every rank forwards (and receives) the buffer once."""
     p = world_size(group)
-    with wire.timed() as t:
-        if p > 1:
-            src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-            dist.broadcast(buf, src=src, group=group)
+    src = dist.get_global_rank(group, src_rank) if group is not None and p > 1 else src_rank
+    seconds = _blocking(op, "broadcast", p, lambda: p > 1 and dist.broadcast(buf, src=src, group=group))
     n = wire.broadcast_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(t.seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
 
 
 class Pending:
@@ -217,7 +233,7 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
             return dist.all_reduce(dest, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
     if p > 1 and emulation.ACTIVE:  # NCCL's completion semantics on CPU (tests)
-        return emulation.launch(begin, out, kind == "allreduce", record)
+        return emulation.launch(begin, out, kind == "allreduce", record, lambda e: CollectiveError(op, kind, p, e))
     if p == 1:
         if kind != "allreduce":
             out.copy_(inp)
@@ -227,7 +243,10 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
         fut = begin(out)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
-        f.value()  # re-raise a failed collective
+        try:
+            f.value()  # re-raise a failed collective, naming it
+        except RuntimeError as e:
+            raise CollectiveError(op, kind, p, e) from e
         record()
         return out
 
