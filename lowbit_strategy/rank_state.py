@@ -119,6 +119,27 @@ def failing_ranks(failed: bool, group=None) -> list[int]:
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
+def together(what: str, call: Callable[[], Any], group=None) -> Any:
+    """``call()`` on every rank of ``group``; a failure on any rank raises the same
+    ``RuntimeError`` on every rank, naming the ranks (one small allreduce over a CPU group;
+    none without a process group). For what one rank does alone (rank 0 writing a
+    checkpoint, each rank reading one) before the next collective."""
+    error: Exception | None = None
+    result = None
+    try:
+        result = call()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        bad = failing_ranks(error is not None, group)
+        if bad:
+            here = f": {type(error).__name__}: {error}" if error is not None else "; see the error there"
+            raise RuntimeError(f"lowbit: {what} failed on rank(s) {bad}{here}") from error
+    elif error is not None:
+        raise error
+    return result
+
+
 def save_files(obj: Any, directory: str | os.PathLike, group=None) -> dict[str, Any] | None:
     """Every rank writes its own ``obj`` (tensors copied to CPU) to a file of its own in
     ``directory``: the index ``{"world_size": P, "format": "files"}`` on rank 0, None on the

@@ -9,7 +9,6 @@ import os
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 
 from lowbit_strategy import rank_state
 from lowbit_strategy.algorithms.base import Sync
@@ -56,28 +55,11 @@ class RankStateCheckpoints:
         as Accelerate asks). Returns once every rank's files are written; if writing failed on
         any rank (the main process writes the model and optimizer files), every rank raises
         the same error, instead of the others waiting for it until the process group's timeout."""
-        location = self._together(
+        location = rank_state.together(
             "save_state", lambda: cast(Any, super(RankStateCheckpoints, self)).save_state(output_dir, *args, **kwargs)
         )
         self.wait_for_everyone()
         return location
-
-    def _together(self, what: str, call):
-        """``call()`` on every rank; a failure on any rank raises on every rank (one small
-        allreduce over a CPU group), naming the ranks."""
-        error: Exception | None = None
-        try:
-            result = call()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error, result = e, None
-        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
-            bad = rank_state.failing_ranks(error is not None)
-            if bad:
-                here = f": {type(error).__name__}: {error}" if error is not None else "; see the error there"
-                raise RuntimeError(f"lowbit: accelerator.{what} failed on rank(s) {bad}{here}") from error
-        elif error is not None:
-            raise error
-        return result
 
     def _remember_load_dir(self, models, input_dir: str) -> None:
         self._lowbit_load_dir = input_dir
@@ -88,7 +70,7 @@ class RankStateCheckpoints:
         self._lowbit_load_dir = None
         # a rank that cannot read the checkpoint fails in Accelerate's load before the others'
         # next collective: every rank learns it here and raises, naming the ranks
-        result = self._together(
+        result = rank_state.together(
             "load_state", lambda: cast(Any, super(RankStateCheckpoints, self)).load_state(input_dir, *args, **kwargs)
         )
         if self._lowbit_load_dir is not None and self.lowbit_syncs:

@@ -164,7 +164,12 @@ class LowBitStrategy(DDPStrategy):
                 entry = rank_state.gather(state, group)
             if entry is not None:
                 ckpt = {**ckpt, rank_state.KEY: {**entry, "algorithm": self.lowbit_config.algorithm}}
-        super().save_checkpoint(ckpt, filepath, storage_options=storage_options)
+        # rank 0 writes Lightning's file: if that fails, every rank raises (else the others wait for
+        # it in Trainer.save_checkpoint's barrier until the timeout)
+        rank_state.together(
+            "save_checkpoint",
+            lambda: super(LowBitStrategy, self).save_checkpoint(ckpt, filepath, storage_options=storage_options),
+        )
 
     def remove_checkpoint(self, filepath) -> None:
         """Lightning's removal (rank 0), and this rank's file of the checkpoint's rank-local state."""
@@ -173,8 +178,12 @@ class LowBitStrategy(DDPStrategy):
             rank_state.remove_files(_sidecar(filepath), self.sync.group if self.sync is not None else None)
 
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load on every rank; a rank that cannot read the checkpoint makes every rank
+        raise, naming the ranks (instead of the others waiting for it in the next collective)."""
         self._lowbit_ckpt_path = checkpoint_path  # where the rank-local files are, for the optimizer state
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        return rank_state.together(
+            "load_checkpoint", lambda: super(LowBitStrategy, self).load_checkpoint(checkpoint_path, *args, **kwargs)
+        )
 
     def load_optimizer_state_dict(self, ckpt) -> None:
         for opt, saved in zip(self.optimizers, ckpt["optimizer_states"]):
