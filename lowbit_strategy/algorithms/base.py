@@ -141,6 +141,11 @@ class Algorithm:
         world size loads (the front end logs a warning when it uses it).
     check_precision: raises :class:`LowBitSetupError` for a precision it cannot run.
     summary: one line for the strategy registry's description.
+    optimizer: the optimizer class an optimizer-level algorithm drives (``Lion``,
+        ``OneBitAdam``, ...), which front ends that build the optimizer themselves (the
+        Hugging Face ``Trainer``) construct; None: any optimizer (gradient-level algorithms).
+    warmup_argument: the name of that optimizer's full-precision warm-up argument
+        (``freeze_step``, ``warmup_steps``), or None when it has none.
     """
 
     name: str
@@ -150,3 +155,5 @@ class Algorithm:
     merge_states: Callable[[list], dict] = _no_merge
     check_precision: Callable[[str | None], None] = _any_precision
     summary: str = ""
+    optimizer: type[torch.optim.Optimizer] | None = None
+    warmup_argument: str | None = None

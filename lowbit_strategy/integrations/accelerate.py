@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -162,6 +163,10 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
         if not isinstance(overlap, bool):
             raise TypeError(f"LowBitAccelerator(overlap=...) must be True or False, got {overlap!r}")
         self.lowbit_overlap = overlap
+        #: why ``overlap`` is off, in the algorithm's log line (front ends built on this one say theirs)
+        self.lowbit_overlap_reason = "LowBitAccelerator(overlap=False)"
+        #: whether ``overlap=False`` turned off the overlap of an algorithm that had it on
+        self.lowbit_overlap_turned_off = False
         self._lowbit_prepared: list[_Prepared] = []
         self._lowbit_load_dir: str | None = None
         # Accelerate itself refuses some precisions only later (or on some devices): check
@@ -232,7 +237,8 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
             sync = build_sync(self.lowbit_config, ddp, group=None)
             ddp.register_comm_hook(sync.hook_state, sync.comm_hook)
             if not self.lowbit_overlap:
-                sync.disable_overlap("LowBitAccelerator(overlap=False)")
+                self.lowbit_overlap_turned_off |= sync.overlap
+                sync.disable_overlap(self.lowbit_overlap_reason)
             self._lowbit_prepared.append(_Prepared(ddp, sync))
             self._attach_optimizers()
         elif not self.lowbit_syncs and self.num_processes == 1:
@@ -289,8 +295,11 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's ``clip_grad_norm_`` (needs ``LowBitAccelerator(overlap=False)`` with an
-        optimizer-level algorithm; it clips each rank's local gradient there)."""
-        self._refuse_if_overlapping("accelerator.clip_grad_norm_")
+        optimizer-level algorithm; it clips each rank's local gradient there). With
+        ``max_norm=inf`` it only measures the norm (the Hugging Face ``Trainer`` does so to
+        log ``grad_norm``): allowed whatever ``overlap`` is, as no gradient changes."""
+        if not math.isinf(float(max_norm)):
+            self._refuse_if_overlapping("accelerator.clip_grad_norm_")
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters, clip_value):

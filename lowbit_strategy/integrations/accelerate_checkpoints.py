@@ -73,15 +73,28 @@ class RankStateCheckpoints:
         result = rank_state.together(
             "load_state", lambda: cast(Any, super(RankStateCheckpoints, self)).load_state(input_dir, *args, **kwargs)
         )
-        if self._lowbit_load_dir is not None and self.lowbit_syncs:
-            self._load_lowbit_states(self._lowbit_load_dir)
-        elif self._lowbit_load_dir is not None and os.path.exists(os.path.join(self._lowbit_load_dir, STATE_FILE)):
+        if self._lowbit_load_dir is not None:
+            self.load_lowbit_state(self._lowbit_load_dir)
+        return result
+
+    def save_lowbit_state(self, output_dir: str) -> None:
+        """Every rank's own low-bit state of each prepared model into ``output_dir`` (what
+        ``save_state`` adds to Accelerate's files), for front ends that write the rest of a
+        checkpoint themselves (the Hugging Face ``Trainer``). Collective: call it on every rank."""
+        self._save_lowbit_states(None, None, output_dir)
+
+    def load_lowbit_state(self, input_dir: str) -> None:
+        """Each rank's own low-bit state from ``input_dir`` (written by :meth:`save_lowbit_state`
+        or ``save_state``), loaded *after* the optimizer's state; at another world size the
+        algorithm's merge, with a logged warning. Collective: call it on every rank."""
+        if self.lowbit_syncs:
+            self._load_lowbit_states(input_dir)
+        elif os.path.exists(os.path.join(input_dir, STATE_FILE)):
             logger.info(
                 "lowbit: one process, nothing to synchronize: the ranks' low-bit state in %s is not used; "
                 "the optimizer continues from the main process's state",
-                self._lowbit_load_dir,
+                input_dir,
             )
-        return result
 
     def _load_lowbit_states(self, input_dir: str) -> None:
         path = os.path.join(input_dir, STATE_FILE)

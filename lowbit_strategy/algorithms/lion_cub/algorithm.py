@@ -151,4 +151,5 @@ ALGORITHM = Algorithm(
     merge_states=merge_states,
     check_precision=check_precision,
     summary="Lion Cub (lowbit_strategy.Lion)",
+    optimizer=Lion,
 )

@@ -58,6 +58,8 @@ def _entry(name: str, section, sync, strategy: str, summary: str) -> Algorithm:
         merge_states=merge_states,
         check_precision=check_local_gradient_precision,
         summary=summary,
+        optimizer=sync.optimizer_class,
+        warmup_argument="freeze_step",
     )
 
 

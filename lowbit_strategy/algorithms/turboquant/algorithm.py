@@ -61,4 +61,6 @@ ALGORITHM = Algorithm(
     merge_states=merge_states,
     check_precision=check_local_gradient_precision,
     summary="TurboQuant-Adam: 4-bit Hadamard + Lloyd-Max momentum (lowbit_strategy.TurboQuantAdamW)",
+    optimizer=TurboQuantAdamW,
+    warmup_argument="warmup_steps",
 )
