@@ -12,9 +12,13 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c const
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e ".[dev]"
-	# transformers (the notebook's Hugging Face path) beside the environment, not in it: see
-	# pyproject.toml's dev extra; tests/examples/tiny_hf.py adds it to the tests that need it
-	$(PIP_INSTALL) --upgrade --target $(VENV)/hf-overlay "transformers>=4.46"
+	# transformers, datasets, TRL and tensorboardX (the Hugging Face paths: the notebook,
+	# LowBitTrainer, SFTTrainer) beside the environment, not in it: see pyproject.toml's dev
+	# extra; tests/examples/tiny_hf.py and with_overlay.py add it to the tests that need it.
+	# TRL without its dependencies: they are all there already (accelerate in the environment),
+	# and --target would otherwise put a second torch in the overlay.
+	$(PIP_INSTALL) --upgrade --target $(VENV)/hf-overlay "transformers>=4.46" "datasets>=4.7" "tensorboardX>=2.6"
+	$(PIP_INSTALL) --upgrade --no-deps --target $(VENV)/hf-overlay "trl>=0.20"
 	touch $(STAMP)
 
 venv: $(STAMP)

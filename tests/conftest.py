@@ -6,6 +6,7 @@ per-example deadline: on a loaded 2-core machine wall time says
 nothing about correctness."""
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -27,3 +28,19 @@ settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The Hugging Face overlay (``tests/examples/tiny_hf.py``) is on ``sys.path`` only for the
+    test that asked for it: processes that later tests spawn inherit ``sys.path``, and with
+    transformers importable torchmetrics imports it with every ``import lightning`` (~1 s each)."""
+    import sys
+    from pathlib import Path
+
+    try:
+        return (yield)  # fixtures' teardown first
+    finally:
+        overlay = str(Path(sys.prefix) / "hf-overlay")
+        while overlay in sys.path:
+            sys.path.remove(overlay)

@@ -142,7 +142,8 @@ def test_codecs_are_pure_and_only_front_ends_import_frameworks():
     for module, names in _external("lowbit_strategy.codecs").items():
         assert not any(n.startswith("torch.distributed") for n in names), f"{module} talks to torch.distributed"
     frameworks = ("lightning", "pytorch_lightning", "accelerate", "transformers")
-    allowed = {"lowbit_strategy.integrations.lightning", "lowbit_strategy.integrations.accelerate"}
+    allowed = {"lowbit_strategy.integrations.lightning", "lowbit_strategy.integrations.accelerate",
+               "lowbit_strategy.integrations.hf"}
     for module, names in _external("lowbit_strategy").items():
         if module not in allowed:
             bad = sorted(n for n in names if n.split(".")[0] in frameworks)

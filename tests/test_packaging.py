@@ -30,6 +30,7 @@ PUBLIC = (
     "lowbit_strategy.nn",
     "lowbit_strategy.algorithms",
     "lowbit_strategy.accelerate",
+    "lowbit_strategy.hf",
     "callbacks",
 )
 
@@ -77,6 +78,7 @@ def test_wheel_installs_into_a_fresh_environment_and_exports_every_public_name(t
     assert tops == {"lowbit_strategy", "callbacks"}, tops
     assert {"lowbit_strategy/py.typed", "callbacks/py.typed"} <= set(names)
     assert "lowbit_strategy/integrations/accelerate.py" in names and "lowbit_strategy/accelerate.py" in names
+    assert "lowbit_strategy/integrations/hf.py" in names and "lowbit_strategy/hf.py" in names
     assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
     # the sdist carries the sources and the metadata a rebuild needs
     members = tarfile.open(sdist).getnames()
@@ -91,7 +93,9 @@ def test_wheel_installs_into_a_fresh_environment_and_exports_every_public_name(t
     # dependencies from the test environment, after the fresh environment's own site-packages
     fresh_site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                      check=True, capture_output=True, text=True).stdout.strip())
-    (fresh_site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # (and transformers from the Makefile's overlay, for lowbit_strategy.hf)
+    overlay = Path(sys.prefix) / "hf-overlay"
+    (fresh_site / "zz_test_dependencies.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{overlay}\n")
 
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([str(py), "-c", IMPORT_ALL, *PUBLIC], cwd=tmp_path, env=environ, capture_output=True,

@@ -48,8 +48,9 @@ def write_tiny_gpt2(path: Path, vocab: int = 320, context: int = 64, seed: int =
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([reference_manual_text()[:100_000]], trainers.BpeTrainer(
-        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))  # GPT-2's end-of-text token, id 0 (TRL's SFTTrainer appends it to each text)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=context, n_embd=32, n_layer=2, n_head=2,
                         bos_token_id=0, eos_token_id=0)
