@@ -50,7 +50,13 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.codecs
 	$(PY) -m benchmarks.collectives
 
-.PHONY: bench-e2e bench-e2e-quick gpu-check
+.PHONY: bench-e2e bench-e2e-quick gpu-check demo-hf
+
+# Hugging Face Trainer with LowBitTrainer on 2 processes (examples/hf_trainer_finetune.py), with
+# transformers/datasets/TRL from the overlay; try LOWBIT_ALGORITHM=bitdp or HF_ARGS="--trainer sft"
+demo-hf: $(STAMP)
+	LOWBIT_CONFIG=$${LOWBIT_CONFIG:-examples/lowbit.yaml} PYTHONPATH=$(VENV)/hf-overlay \
+	    $(VENV)/bin/torchrun --nproc-per-node 2 examples/hf_trainer_finetune.py $(HF_ARGS)
 
 # The first command on a machine with GPUs: Triton kernels compiled and bit-exact, the kernel
 # benchmark, an NCCL training run of every algorithm (benchmarks/gpu_check.py). Exits 0 without a GPU.

@@ -209,6 +209,13 @@ def report(args, trainer, evaluation: dict) -> dict:
               f"eval loss {summary['eval_loss']:.4f}")
         print(f"bytes sent per step per rank: {sent:,.0f} (DDP fp32 allreduce: {ddp:,.0f}; "
               f"{ddp / sent if sent else 1.0:.1f}x less)")
+        # the optimizer-level algorithms send fp32 during their warm-up: the last logging
+        # window shows the compressed phase alone
+        windows = [(e["step"], e["comm/bytes_per_step"]) for e in trainer.state.log_history
+                   if "loss" in e and "comm/bytes_per_step" in e]
+        if len(windows) > 1 and windows[-1][1] != sent:
+            (first, _), (last, late) = windows[-2], windows[-1]
+            print(f"  steps {first + 1}-{last}: {late:,.0f} per step ({ddp / late if late else 1.0:.1f}x less)")
         if args.summary:
             Path(args.summary).write_text(json.dumps(summary, indent=1, default=str))
     return summary
