@@ -61,8 +61,9 @@ def own_cpu_s() -> float:
                for f in ("ru_utime", "ru_stime"))
 
 
-def run_config(net: Network, config: str, args, partial: Path, echo: bool) -> dict:
+def run_config(net: Network, config: str, args, partial: Path, echo: bool, env: dict | None = None) -> dict:
     """One training run of ``config`` on every rank of ``net``; its record (or a failure).
+    ``env``: more variables for the ranks (e.g. ``LOWBIT_TOPOLOGY`` from :mod:`benchmarks.nodes`).
 
     ``other_load``: the share of the machine's cores kept busy by anything but this
     benchmark's processes during the run: other users' jobs, and interrupt/softirq time
@@ -77,7 +78,7 @@ def run_config(net: Network, config: str, args, partial: Path, echo: bool) -> di
     if args.lowbit:
         cmd += ["--lowbit", args.lowbit]
     cmd += ["--freeze-step", str(args.freeze_step)]
-    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", **(env or {})}
     result = net.run(cmd, timeout=args.budget + 240, env=env, echo=(0,) if echo else (), cwd=str(ROOT))
     wall = time.monotonic() - t0
     other = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))

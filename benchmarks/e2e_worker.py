@@ -6,7 +6,10 @@ wall-clock budget inside the emulated network, then rank 0 writes one JSON recor
 with ``devices=P, num_nodes=1``: Lightning picks its ``LightningEnvironment``, whose
 ``creates_processes_externally`` is true as soon as ``LOCAL_RANK`` is set, so its "popen"
 launcher spawns nothing, the global rank is ``LOCAL_RANK`` (node 0), and the process group
-is initialized with env:// over gloo on the interface the harness named.
+is initialized with env:// over gloo on the interface the harness named. With nodes
+(``Network(nodes=N, ranks_per_node=L)``, which sets torchrun's ``LOCAL_WORLD_SIZE`` = L and
+``NODE_RANK``), it is ``devices=L, num_nodes=N``: global rank = ``NODE_RANK`` * L +
+``LOCAL_RANK``, as torchrun numbers them.
 
 **Configurations** (:data:`CONFIGS`): DDP with fp32 allreduce (Lion or AdamW), DDP with
 ``fp16_compress_hook`` or ``powerSGD_hook`` (AdamW), the registered ``lowbit_*`` strategies,
@@ -263,6 +266,9 @@ def main() -> int:
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     kind, optimizer = CONFIGS[args.config]
     p = int(os.environ["WORLD_SIZE"])
+    # nodes of the harness (benchmarks.netem --nodes N --ranks-per-node L): torchrun's
+    # LOCAL_WORLD_SIZE and NODE_RANK; without them (per-rank form) one node of P devices
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", p))
 
     pl.seed_everything(args.seed, verbose=False)
     tokens = stdlib_bytes(int(args.data_mb * 2**20))
@@ -275,7 +281,8 @@ def main() -> int:
     stats = CommStats(prog_bar=False)
     probe = Probe(args.budget, args.warm, args.log_every, stats)
     trainer = pl.Trainer(
-        strategy=make_strategy(kind, parse_overrides(args.lowbit)), accelerator="cpu", devices=p, num_nodes=1, max_epochs=-1,
+        strategy=make_strategy(kind, parse_overrides(args.lowbit)), accelerator="cpu", devices=per_node,
+        num_nodes=p // per_node, max_epochs=-1,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[stats, probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -308,7 +315,7 @@ def main() -> int:
         per_rank = [dict(zip(keys, t.tolist())) for t in every]
         rec = {
             "config": args.config, "strategy": kind if isinstance(kind, str) else "", "optimizer": optimizer,
-            "lr": lr, "P": p, "link": os.environ.get("LBS_LINK", "?"),
+            "lr": lr, "P": p, "ranks_per_node": per_node, "link": os.environ.get("LBS_LINK", "?"),
             "link_bps": float(os.environ.get("LBS_LINK_BPS", "0")) or None,
             "params": sum(t.numel() for t in model.parameters()), "budget_s": args.budget,
             "steps": trainer.global_step, "train_s": end[1], "window_first_step": start[0],
