@@ -28,7 +28,7 @@ from typing import Any
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
 from lowbit_strategy.collectives import emulation
 from lowbit_strategy.section import SHARED_FIELDS, Section
-from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, suggestion
+from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, is_none, suggestion
 
 __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 
@@ -36,6 +36,8 @@ __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 #: the largest bucket (64 GiB of float32): beyond it the bucket's element count overflows
 #: what a collective can move in one call
 MAX_BUCKET_MB = 65536.0
+#: the values of LowBitConfig.topology
+TOPOLOGIES = ("auto", "flat", "hierarchical")
 
 
 class LowBitConfig:
@@ -49,6 +51,14 @@ class LowBitConfig:
         link_bandwidth_gbps, link_latency_us: the network the cost model plans for.
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
+        topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction
+            inside each node, the algorithm's compressed collective between nodes on a
+            1/L shard per local rank, an all-gather inside the node: only what crosses nodes
+            is compressed) or ``auto`` (hierarchical when there are >= 2 nodes of >= 2 ranks;
+            :mod:`lowbit_strategy.collectives.hierarchy`).
+        ranks_per_node: L, the ranks of one node (contiguous rank blocks of equal size);
+            None reads it from the launcher (torchrun's / Accelerate's ``LOCAL_WORLD_SIZE``,
+            Lightning's devices per node).
 
     Sections: one per registered algorithm, each a :class:`Section` (``config.lion``,
     ``config.bitdp``); see each algorithm's ``config`` module for its fields. Keyword
@@ -64,6 +74,8 @@ class LowBitConfig:
         "link_bandwidth_gbps",
         "link_latency_us",
         "debug",
+        "topology",
+        "ranks_per_node",
         "_sections",
     )
 
@@ -74,6 +86,8 @@ class LowBitConfig:
     link_bandwidth_gbps: float
     link_latency_us: float
     debug: bool
+    topology: str
+    ranks_per_node: int | None
     _sections: dict[str, Section]
 
     def __init__(
@@ -84,6 +98,8 @@ class LowBitConfig:
         link_bandwidth_gbps: float = 1.0,
         link_latency_us: float = 50.0,
         debug: bool = False,
+        topology: str = "auto",
+        ranks_per_node: int | None = None,
         **sections: Any,
     ) -> None:
         registry = REGISTRY
@@ -94,6 +110,8 @@ class LowBitConfig:
         set_("link_bandwidth_gbps", as_float("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
         set_("link_latency_us", as_float("link_latency_us", link_latency_us, positive=False))
         set_("debug", as_bool("debug", debug))
+        set_("topology", as_choice("topology", topology, TOPOLOGIES))
+        set_("ranks_per_node", None if is_none(ranks_per_node) else as_int("ranks_per_node", ranks_per_node, 1, 2**20))
         values = self._route(sections, registry)
         set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
 

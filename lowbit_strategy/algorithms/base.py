@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.section import Section
 
@@ -64,6 +65,10 @@ class Sync:
         self.config = config
         self.group = group
         self.algorithm: Algorithm | None = None  # the registry entry; set by the front end
+        #: the node layout (set by the front end, ``build_sync``, before ``attach``); None: flat
+        self.topology: Topology | None = None
+        #: the bytes of the hierarchical form's intra-node reduction (scope "node")
+        self.node_traffic = TrafficLog()
 
     # ---- the DDP communication hook ------------------------------------------------
     @property
@@ -108,7 +113,19 @@ class Sync:
 
 def bucket_hook(state: Sync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of optimizer-level algorithms: hands the bucket to
-    ``state.bucket_ready`` (plain function: DDP wants a function, not a bound method)."""
+    ``state.bucket_ready`` (plain function: DDP wants a function, not a bound method).
+
+    In the hierarchical form the node is the worker: the bucket is first replaced by its
+    exact mean over the node's ranks (:meth:`Topology.node_mean_`), and so is every
+    parameter's ``.grad`` that is not a view of it (what the optimizer reads), so the node's
+    ranks hold the same gradient, and their algorithm state stays the same."""
+    topology = state.topology
+    if topology is not None and topology.hierarchical:
+        buf = bucket.buffer()
+        topology.node_mean_(buf, state.node_traffic)
+        for p, view in zip(bucket.parameters(), bucket.gradients()):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                p.grad.copy_(view)
     return state.bucket_ready(bucket)
 
 
@@ -146,6 +163,9 @@ class Algorithm:
         Hugging Face ``Trainer``) construct; None: any optimizer (gradient-level algorithms).
     warmup_argument: the name of that optimizer's full-precision warm-up argument
         (``freeze_step``, ``warmup_steps``), or None when it has none.
+    hierarchical: whether its :class:`Sync` runs the hierarchical (node-aware) form when
+        :attr:`Sync.topology` says so (:mod:`lowbit_strategy.collectives.hierarchy`); without
+        it, ``topology='auto'`` stays flat and ``'hierarchical'`` is refused at setup.
     """
 
     name: str
@@ -157,3 +177,4 @@ class Algorithm:
     summary: str = ""
     optimizer: type[torch.optim.Optimizer] | None = None
     warmup_argument: str | None = None
+    hierarchical: bool = False

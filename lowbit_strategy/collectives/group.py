@@ -80,7 +80,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=Non
     seconds = _blocking(op, "all-to-all", p, lambda: p > 1 and dist.all_to_all_single(out, inp, group=group))
     chunk = _nbytes(inp) // p
     n = wire.all_to_all_bytes(chunk, p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out), scope(group)), traffic)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> None:
@@ -92,7 +92,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=Non
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     seconds = _blocking(op, "all-gather", p, lambda: p > 1 and gather(out, inp, group=group))
     n = wire.all_gather_bytes(_nbytes(inp), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, out), scope(group)), traffic)
 
 
 def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
@@ -100,7 +100,7 @@ def all_reduce_sum(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     p = world_size(group)
     seconds = _blocking(op, "SUM allreduce", p, lambda: p > 1 and dist.all_reduce(buf, group=group))
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf), scope(group)), traffic)
 
 
 def all_reduce_max(buf: torch.Tensor, group, op: str, traffic=None) -> None:
@@ -109,7 +109,7 @@ def all_reduce_max(buf: torch.Tensor, group, op: str, traffic=None) -> None:
     max_ = dist.ReduceOp.MAX
     seconds = _blocking(op, "MAX allreduce", p, lambda: p > 1 and dist.all_reduce(buf, op=max_, group=group))
     n = wire.allreduce_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf), scope(group)), traffic)
 
 
 def broadcast(buf: torch.Tensor, src_rank: int, group, op: str, traffic=None) -> None:
@@ -119,7 +119,7 @@ def broadcast(buf: torch.Tensor, src_rank: int, group, op: str, traffic=None) ->
     src = dist.get_global_rank(group, src_rank) if group is not None and p > 1 else src_rank
     seconds = _blocking(op, "broadcast", p, lambda: p > 1 and dist.broadcast(buf, src=src, group=group))
     n = wire.broadcast_bytes(_nbytes(buf), p)
-    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf)), traffic)
+    wire.record(wire.TrafficRecord(op, n, n, p, host_seconds(seconds, buf), scope(group)), traffic)
 
 
 class Pending:
@@ -204,6 +204,20 @@ class TwoPhase:
         raise NotImplementedError
 
 
+_NODE_LOCAL: set[int] = set()
+
+
+def mark_node_local(group) -> None:
+    """``group``'s ranks share one node: its collectives' records get scope ``"node"``
+    (:mod:`.hierarchy`)."""
+    _NODE_LOCAL.add(id(group))
+
+
+def scope(group) -> str:
+    """``"node"`` for a group of :func:`mark_node_local`, else ``"network"``."""
+    return "node" if group is not None and id(group) in _NODE_LOCAL else "network"
+
+
 def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic) -> torch.futures.Future:
     """Start an async all-gather or all-to-all of ``inp`` into ``out`` (or an in-place SUM
     allreduce of ``out``); the future resolves to ``out``. Gloo's gather future yields
@@ -221,7 +235,7 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
 
     def record() -> None:
         seconds = host_seconds(time.perf_counter() - start, out)
-        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, seconds), traffic)
+        ctx.run(wire.record, wire.TrafficRecord(op, n, n, p, seconds, scope(group)), traffic)
 
     def begin(dest: torch.Tensor) -> torch.futures.Future:
         with record_function(f"lowbit.launch:{op}"):  # the launch, labelled in profiles

@@ -13,6 +13,11 @@ Lion Cub's Table 1 uses):
 These are the payload bytes the algorithm must move; the emulated-network benchmarks
 read the interfaces' counters to compare them with what really crossed the link.
 
+A record's ``scope`` says which link it used: ``"network"`` (the default: between nodes, or
+any link of a flat run) or ``"node"`` (inside one node, the hierarchical form's reduction
+and all-gather: :mod:`.hierarchy`). :attr:`TrafficLog.bytes_sent` counts the network only;
+:attr:`TrafficLog.node_bytes_sent` the rest.
+
 Records go to an explicit :class:`TrafficLog` passed as ``traffic=`` and to every log opened
 with :func:`recording` in the current context (a ``contextvars`` stack, so concurrent
 threads or tasks do not see each other's traffic; DDP hook threads should pass ``traffic=``).
@@ -40,6 +45,7 @@ class TrafficRecord:
     bytes_received: int
     world_size: int
     seconds: float | None = 0.0
+    scope: str = "network"
 
 
 #: how many of the latest records a :class:`TrafficLog` keeps for inspection
@@ -58,8 +64,12 @@ class TrafficLog:
 
     def add(self, rec: TrafficRecord) -> None:
         with self._lock:
-            self.bytes_sent += rec.bytes_sent
-            self.bytes_received += rec.bytes_received
+            if rec.scope == "node":
+                self.node_bytes_sent += rec.bytes_sent
+                self.node_bytes_received += rec.bytes_received
+            else:
+                self.bytes_sent += rec.bytes_sent
+                self.bytes_received += rec.bytes_received
             self.calls += 1
             if rec.seconds is None:
                 self.untimed_calls += 1
@@ -80,9 +90,13 @@ class TrafficLog:
             return dict(self._by_op)
 
     def clear(self) -> None:
-        #: bytes this rank sent / received, and collective calls, since the last clear()
+        #: bytes this rank sent / received over the network, and collective calls, since the
+        #: last clear()
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: bytes sent / received inside this rank's node (hierarchical form only)
+        self.node_bytes_sent = 0
+        self.node_bytes_received = 0
         self.calls = 0
         #: calls whose seconds were not measurable (CUDA)
         self.untimed_calls = 0

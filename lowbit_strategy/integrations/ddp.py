@@ -16,6 +16,7 @@ The Lightning strategy (and the Accelerate front end) are built on the same thre
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy import algorithms, rank_state
-from lowbit_strategy.algorithms.base import Sync, keep_local_gradients
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, keep_local_gradients
+from lowbit_strategy.collectives import hierarchy
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.selection import unwrap
@@ -37,17 +39,36 @@ logger = logging.getLogger(__name__)
 __all__ = ["attach", "build_sync", "keep_local_gradients", "load_rank_states", "save_rank_states"]
 
 
-def build_sync(config: LowBitConfig, module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> Sync:
+def build_sync(
+    config: LowBitConfig,
+    module: torch.nn.Module,
+    group: dist.ProcessGroup | None = None,
+    ranks_per_node: int | None = None,
+) -> Sync:
     """The registered algorithm's :class:`Sync` for ``module`` (unwrapped from DDP), after
     the configuration handshake: every rank compares the resolved configuration, the package
     version and the model's parameters (one small collective, before any other), and a
     difference raises the same :class:`~lowbit_strategy.validation.ConfigMismatchError` on
-    every rank, naming the fields and the ranks."""
+    every rank, naming the fields and the ranks. Then the node layout
+    (:func:`~lowbit_strategy.collectives.hierarchy.resolve`; ``ranks_per_node``: a front end's
+    hint, e.g. Lightning's devices per node) gives the sync its :class:`Topology`."""
     module = unwrap(module)
     check_same(setup_fingerprint(config, module), group, "The low-bit setup", ConfigMismatchError)
     algo = algorithms.get(config.algorithm)
+    topology = hierarchy.resolve(config, group, ranks_per_node)
+    if topology.hierarchical and not algo.hierarchical:
+        if config.topology == "hierarchical":
+            raise LowBitSetupError(
+                f"topology='hierarchical': {config.algorithm} has no hierarchical form yet; "
+                "use topology='flat' (or 'auto', which falls back to flat for it)"
+            )
+        logger.info("lowbit: %s has no hierarchical form yet: synchronizing flat over all ranks", config.algorithm)
+        topology = dataclasses.replace(topology, hierarchical=False, intra=None, inter=None)
     sync = algo.build(config, module, group)
     sync.algorithm = algo
+    sync.topology = topology
+    if topology.hierarchical:
+        logger.info("lowbit: %s synchronizes %s", config.algorithm, topology.describe())
     return sync
 
 

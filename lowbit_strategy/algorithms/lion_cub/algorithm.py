@@ -6,6 +6,10 @@ vectors c from the local gradients and its momenta and starts the bucket's compr
 collective at once, while backward goes on; ``step()`` waits for the results and applies
 them. Without it, each :class:`Lion` synchronizes everything in ``step()``. The rank-local
 state checkpoints keep is every optimizer's ``state`` (each rank's own momenta).
+
+Across nodes (``topology``) the hook first averages each bucket over the node's ranks
+(:func:`~lowbit_strategy.algorithms.base.bucket_hook`), so the momenta belong to the node,
+and the communicator sends each local rank's shard across nodes.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class LionSync(Sync):
         self._traffic = []
         section = self.config.lion
         for opt in self.optimizers:
-            comm = LionCommunicator(self.config, group=self.group)
+            comm = LionCommunicator(self.config, group=self.group, topology=self.topology)
             opt.attach_communicator(comm)
             self._traffic.append(comm.traffic)
             if section.momentum_sync_every:
@@ -95,7 +99,7 @@ class LionSync(Sync):
             opt.set_momentum_sync(0, [])
 
     def traffic_logs(self) -> list[TrafficLog]:
-        return list(self._traffic)
+        return [*self._traffic, self.node_traffic]
 
     def state_dict(self) -> dict:
         return {"optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers]}
@@ -152,4 +156,5 @@ ALGORITHM = Algorithm(
     check_precision=check_precision,
     summary="Lion Cub (lowbit_strategy.Lion)",
     optimizer=Lion,
+    hierarchical=True,
 )

@@ -19,6 +19,14 @@ sum. With one rank nothing is sent and the direction is sign(c), so a world of o
 plain Lion bit for bit. Zero-element tensors take no part in any collective (their
 direction is the empty tensor).
 
+Across nodes (``topology``, :mod:`lowbit_strategy.collectives.hierarchy`) the node is the
+worker: its ranks hold the node's mean gradient (the DDP hook reduced it) and so the same
+c, and the plan is made for N nodes. Each local rank encodes the whole bucket as the flat
+algorithm would, sends only its shard of the payload over its cross-node group, and the
+node all-gathers the shards' directions: the flat algorithm with N workers, shard by shard,
+bit for bit (every mode's code is per element; the L_p scale is per parameter and is
+computed before the payload is cut).
+
 It also averages momenta across ranks (selective momentum sync, Sec. 5), agrees on which
 parameters have gradients and whether any rank saw a non-finite one, and can audit a step
 against the full-precision direction (sign match / flip rates, Fig. 4). Every byte goes
@@ -47,6 +55,7 @@ from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
+from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.streams import SideStream
@@ -68,6 +77,8 @@ class _InFlight:
     plan: Plan
     handle: g.Pending | MajorityVote  # MajorityVote for the 1bit plan
     flagged: bool  # a non-finite flag travels with the payload
+    n: int  # the bucket's elements
+    sent: int  # how many of them this rank's collective carries (its shard; all when flat)
 
     @property
     def vote(self) -> MajorityVote:
@@ -94,7 +105,7 @@ class LionCommunicator:
     bucket order, never from a future's callback.
     """
 
-    def __init__(self, config: LowBitConfig | None = None, group=None):
+    def __init__(self, config: LowBitConfig | None = None, group=None, topology: Topology | None = None):
         if config is None:  # the default config, imported here: lowbit_strategy.config imports the algorithms
             from lowbit_strategy.config import LowBitConfig
 
@@ -102,8 +113,11 @@ class LionCommunicator:
         self.config = config
         if self.config.algorithm != "lion":
             raise ValueError(f"LionCommunicator needs algorithm='lion', got {self.config.algorithm!r}")
-        self.group = group
-        self.world_size = g.world_size(group)
+        self.group = group  # agreements and momentum sync: every rank
+        self.topology = topology if topology is not None and topology.hierarchical else None
+        # the compressed collectives: the cross-node group of this local rank, or every rank
+        self.sync_group = self.topology.inter if self.topology else group
+        self.world_size = g.world_size(self.sync_group)  # the workers: N nodes, or P ranks
         lion = _lion(config)
         if lion.mode in ("sign", "lp") and lion.bits is not None:
             try:  # a lane too narrow for this world size: say so now, not at the first backward
@@ -132,7 +146,7 @@ class LionCommunicator:
         mine = measure_codec_seconds(candidates, self.world_size, size, _lion(self.config).p, device)
         times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64, device=device)  # NCCL: on the GPU
         g.all_reduce_sum(times, self.group, "lion.calibrate", self.traffic)
-        self.codec_seconds = dict(zip(candidates, (times / self.world_size).tolist()))
+        self.codec_seconds = dict(zip(candidates, (times / g.world_size(self.group)).tolist()))
 
     def _plan(self, step: int, numel: int) -> Plan:
         if self.plan is None:
@@ -206,36 +220,43 @@ class LionCommunicator:
     def start(
         self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None, params: list | None = None
     ) -> _InFlight:
-        """Encode one bucket of update vectors and launch its (first) collective."""
+        """Encode one bucket of update vectors and launch its (first) collective: over all
+        ranks, or across nodes on this local rank's shard of the payload."""
         check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
         kw: dict[str, Any] = dict(check=check, traffic=traffic)
+        group = self.sync_group
+        if plan.mode == "lp":
+            p = _lion(self.config).p
+            payload = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk])
+        else:
+            payload = buckets.flatten(chunk)
+        n = sent = payload.numel()
+        if self.topology is not None:
+            lo, hi = self.topology.shard(n)
+            sent = hi - lo
+            # an empty shard still takes part (one zero element, dropped after): the flag rides along
+            payload = payload[lo:hi] if sent else payload.new_zeros(1)
         handle: g.Pending | MajorityVote
         if plan.mode == "1bit":
             flag = nonfinite.to(torch.uint8) if nonfinite is not None else None
-            handle = majority_vote_start(buckets.flatten(chunk), step, self.group, flag=flag, validate=False, **kw)
+            handle = majority_vote_start(payload, step, group, flag=flag, validate=False, **kw)
         elif plan.mode in ("fp32", "bf16"):
-            flat = buckets.flatten(chunk + ([nonfinite.to(chunk[0].dtype).reshape(1)] if nonfinite is not None else []))
+            flat = torch.cat([payload, nonfinite.to(payload.dtype).reshape(1)]) if nonfinite is not None else payload
             dtype = torch.float32 if plan.mode == "fp32" else torch.bfloat16
-            handle = full_allreduce_start(flat, self.group, wire_dtype=dtype, **kw)
+            handle = full_allreduce_start(flat, group, wire_dtype=dtype, **kw)
         elif plan.mode == "sign":
-            codes = sign_bits(buckets.flatten(chunk), step, check_nan=False)
+            codes = sign_bits(payload, step, check_nan=False)
             if nonfinite is not None:
                 codes = torch.cat([codes, nonfinite.to(torch.uint8).reshape(1)])
-            handle = summed_allreduce_start(
-                codes, 1, self.group, signed=False, lane_bits=plan.bits, validate=False, **kw
-            )
+            handle = summed_allreduce_start(codes, 1, group, signed=False, lane_bits=plan.bits, validate=False, **kw)
         else:
-            p = _lion(self.config).p
-            parts = [lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk]
-            if nonfinite is not None:
-                parts.append(nonfinite.to(parts[0].dtype).reshape(1))
-            codes = torch.cat(parts)
+            codes = torch.cat([payload, nonfinite.to(payload.dtype).reshape(1)]) if nonfinite is not None else payload
             if flagged:
                 # NaN/Inf input casts to arbitrary integers: keep them inside their lanes, so
                 # that they can never carry into the flag's
                 codes[:-1].clamp_(-plan.levels, plan.levels)
-            handle = summed_allreduce_start(codes, plan.levels, self.group, lane_bits=plan.bits, validate=False, **kw)
-        return _InFlight(params or [], chunk, plan, handle, flagged)
+            handle = summed_allreduce_start(codes, plan.levels, group, lane_bits=plan.bits, validate=False, **kw)
+        return _InFlight(params or [], chunk, plan, handle, flagged, n, sent)
 
     def finish(
         self, launched: Sequence[_InFlight], audit: bool = False
@@ -247,7 +268,7 @@ class LionCommunicator:
         flats, verdicts = [], []
         for job, handle in zip(launched, handles):
             result = handle.wait()
-            n = sum(c.numel() for c in job.chunk)
+            n = max(job.sent, 1) if self.topology is not None else job.n  # where a flag follows
             if job.plan.mode == "1bit":
                 flat = result
                 if job.flagged:
@@ -262,6 +283,8 @@ class LionCommunicator:
                 if job.plan.mode == "sign":
                     result = 2 * result - self.world_size
                 flat = torch.sign(result).to(job.chunk[0].dtype)
+            if self.topology is not None:  # this shard's directions -> the node's whole bucket
+                flat = self.topology.gather_async(flat[: job.sent], job.n, traffic=self.traffic).wait()
             flats.append(flat)
         bad = torch.stack(verdicts).any() if verdicts else None
         # the audit (a diagnostic, on request) reads the verdict and its counts on the host
