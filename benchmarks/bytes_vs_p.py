@@ -3,19 +3,21 @@
     python -m benchmarks.bytes_vs_p [--numel 124000000] [--worlds 2,4,8,16,32]
 
 Reduce-scatter based methods (Lion Cub's votes and lanes, the 1-bit allreduce of 1-bit
-Adam/LAMB, TurboQuant's two-stage form) keep their ratio to fp32 at any P; all-gather based
-ones (BitDP, TurboQuant's one-stage form, the paper's Algorithm 1) send every rank's whole
+Adam/LAMB, the two-stage forms of BitDP and TurboQuant) keep their ratio to fp32 at any P;
+all-gather based ones (BitDP's and TurboQuant's paper forms) send every rank's whole
 payload to every peer, so they save less as P grows and lose to fp32 past 32/b ranks
 (b = bits per element). The figures are the byte formulas the collectives' tests check
-against the recorded traffic (bits per element, scales included: BitDP one fp16 scale pair
-per output channel, modeled here as rows of 1024; TurboQuant one float32 per 1024; 1-bit
-Adam one float32 per 32768), for ``numel`` elements and the ring's ``2(P-1)/P`` factor.
+against the recorded traffic (bits per element, scales included: BitDP one float32 scale
+per output channel, modeled here as rows of 1024 — its two-stage rows are the cost model's
+exact formula for that layout, ``cost_model.bitdp_bytes``; TurboQuant one float32 per 1024;
+1-bit Adam one float32 per 32768), for ``numel`` elements and the ring's ``2(P-1)/P`` factor.
 """
 from __future__ import annotations
 
 import argparse
 
 from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.collectives.summed import lane_for
 
 #: elements per scale of each method's payload (for the few bytes of scales)
@@ -40,6 +42,8 @@ def per_rank_bytes(method: str, p: int, n: int) -> float:
         return gather * (n / 4 + 4 * n / ROW)
     if method == "BitDP 1-bit all-gather":
         return gather * (n / 8 + 4 * n / ROW)
+    if method in ("BitDP 2-bit two-stage", "BitDP 1-bit two-stage"):
+        return cost_model.bitdp_bytes("two_stage", _rows_layout(n, int(method[6])), p, flagged=False)
     if method == "TurboQuant 4-bit all-gather (paper)":
         return gather * n * cost_model._TQ_BITS / 8
     if method == "TurboQuant 4-bit two-stage":
@@ -47,9 +51,16 @@ def per_rank_bytes(method: str, p: int, n: int) -> float:
     raise ValueError(method)
 
 
+def _rows_layout(n: int, bits: int) -> Layout:
+    """``n`` elements as BitDP matrices of rows of :data:`ROW` (and one shorter row)."""
+    shapes = [(n // ROW, ROW)] if n >= ROW else []
+    return Layout.of(shapes + ([(1, n % ROW)] if n % ROW else []), bits)
+
+
 METHODS = ("fp32 ring allreduce (DDP)", "Lion Cub 1-bit majority vote", "Lion Cub sign votes (lane holding P)",
            "Lion Cub 8-bit L1 lanes", "1-bit Adam/LAMB compensated allreduce", "BitDP 2-bit all-gather",
-           "BitDP 1-bit all-gather", "TurboQuant 4-bit all-gather (paper)", "TurboQuant 4-bit two-stage")
+           "BitDP 1-bit all-gather", "BitDP 2-bit two-stage", "BitDP 1-bit two-stage",
+           "TurboQuant 4-bit all-gather (paper)", "TurboQuant 4-bit two-stage")
 
 
 def table(n: int, worlds: list[int]) -> str:

@@ -41,6 +41,7 @@ CONFIG = [
     ("bitdp.reduction", dict(bitdp_reduction="sum")),
     ("bitdp.quantize", dict(bitdp_quantize=[])),
     ("bitdp.error_feedback", dict(bitdp_error_feedback="perhaps")),
+    *[("bitdp.form", dict(bitdp_form=v)) for v in ("three", 2)],
     *[("onebit_adam.scale_block", dict(onebit_adam_scale_block=v)) for v in (4, 12, -8, 8.5, True)],
     ("onebit_lamb.overlap", dict(onebit_lamb_overlap=3)),
     *[("turboquant.form", dict(turboquant_form=v)) for v in ("three", 2)],

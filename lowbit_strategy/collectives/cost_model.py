@@ -33,6 +33,14 @@ vector to every peer, ``(P-1)·N/2`` bytes, so it beats the float32 ring (``2(P-
 8x at P = 2, 4x at P = 4 and loses 2x at P = 32; the two-stage form (all-to-all of chunks,
 then all-gather of the re-encoded chunks) is ~8x below float32 at any P, with one
 all-to-all's latency more.
+
+BitDP (:func:`bitdp_bytes`, :func:`bitdp_estimate`, :func:`bitdp_form`) is costed from its
+payload's layout, not from N alone: its scales are one per row and the two-stage form pads
+every chunk to the largest (:mod:`.gathered_two_stage`). Bytes per rank, ``W`` code bytes,
+``R`` scales, ``f`` = 1 with the non-finite flag: all-gather ``(P-1)·(W + 4(R+f))`` (Eq. 10's
+"paper" reduction allreduces the scales instead: ``(P-1)·W`` + a ring of ``4(R+f)``),
+latency ``log2(P)·α``; two-stage ``2(P-1)·(W_max + 4(R_max+f))`` ≈ ``2(P-1)/P·(W + 4R)``,
+latency ``(P-1+log2(P))·α``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered_two_stage import chunk_plan
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 
 WORD_BITS = 32
@@ -185,3 +196,57 @@ def cheapest(
     if best is None:
         raise OverflowError(f"no candidate of {candidates} can run at world size {world_size}")
     return best
+
+
+# ---- BitDP: bytes from the payload's layout (module docstring) ----------------------------
+
+#: BitDP's forms, as ``bitdp.form`` names them (``auto`` chooses one by :func:`bitdp_form`)
+BITDP_FORMS = ("allgather", "two_stage")
+#: ``auto`` takes the two-stage form only when the all-gather is predicted at least this many
+#: times slower: the two-stage form re-quantizes the mean (a second error, which the server's
+#: error feedback only defers), the all-gather form is the paper's exact mean of the ranks'
+#: dequantized gradients. With 2: never at P <= 4 (the all-gather sends at most P/2 times the
+#: two-stage bytes), from P = 5 on for buckets large enough that bandwidth dominates.
+BITDP_TWO_STAGE_MARGIN = 2.0
+
+
+def bitdp_bytes(form: str, layout: Layout, world_size: int, *, flagged: bool = True, reduction: str = "mean") -> int:
+    """Bytes one rank sends (= receives) to synchronize one BitDP payload laid out as
+    ``layout`` in ``form`` (``allgather`` or ``two_stage``) at ``world_size`` ranks; the
+    figures the collectives record in their :class:`~.wire.TrafficLog`."""
+    p = int(world_size)
+    if p <= 1:
+        return 0
+    if form == "allgather":
+        scales = 4 * (layout.rows + flagged)
+        if reduction == "paper":
+            return wire.all_gather_bytes(layout.words, p) + wire.allreduce_bytes(scales, p)
+        return wire.all_gather_bytes(layout.words + scales, p)
+    if form == "two_stage":
+        return chunk_plan(layout, p).wire_bytes(flagged)
+    raise ValueError(f"BitDP form: got {form!r}; use one of {BITDP_FORMS}")
+
+
+def bitdp_estimate(form: str, layout: Layout, world_size: int, latency_s: float, bandwidth_bps: float) -> Estimate:
+    """Predicted seconds of one BitDP payload in ``form`` (non-finite flag included)."""
+    p, r = int(world_size), _rounds(int(world_size))
+    if p <= 1:
+        return Estimate(f"bitdp_{form}", layout.bits, 0.0, 0.0)
+    alphas = r if form == "allgather" else p - 1 + r
+    seconds = 8 * bitdp_bytes(form, layout, p) / float(bandwidth_bps)
+    return Estimate(f"bitdp_{form}", layout.bits, alphas * float(latency_s), seconds)
+
+
+def bitdp_form(
+    form: str, layout: Layout, world_size: int, latency_s: float, bandwidth_bps: float, reduction: str = "mean"
+) -> str:
+    """``form`` itself, or for ``"auto"``: ``two_stage`` when the all-gather is predicted
+    :data:`BITDP_TWO_STAGE_MARGIN` times slower or more, else ``allgather`` (always with
+    ``reduction="paper"``: Eq. 10 is an all-gather of codes)."""
+    if form != "auto":
+        return form
+    if reduction != "mean" or world_size < 3:
+        return "allgather"
+    ag = bitdp_estimate("allgather", layout, world_size, latency_s, bandwidth_bps).seconds
+    ts = bitdp_estimate("two_stage", layout, world_size, latency_s, bandwidth_bps).seconds
+    return "two_stage" if ag >= BITDP_TWO_STAGE_MARGIN * ts else "allgather"

@@ -2,7 +2,8 @@
 
 Pure decode-and-reduce is checked with hypothesis against the single-process reference
 (mean over ranks of the dequantized gradients, or Eq. 10); the collective itself runs on
-real gloo groups — P = 2, 3, 4 as subgroups of one spawned run, P = 1 in this process —
+real gloo groups — P = 2, 3, 4 as subgroups of one spawned run shared with the two-stage
+form's tests (test_gathered_two_stage.py), P = 1 in this process —
 where every rank rebuilds all ranks' gradients from a seed. Bytes on the wire are
 asserted, and chunked decoding is shown to bound peak memory.
 """
@@ -23,7 +24,6 @@ from lowbit_strategy.collectives.gathered import (
     gathered_mean,
     gathered_mean_async,
 )
-from tests.distributed import SUBGROUPS, in_subgroups, run_ranks
 
 
 def _grads(seed: int, world_size: int, shapes) -> list[list[torch.Tensor]]:
@@ -223,8 +223,5 @@ def test_gathered_one_rank():
         _check_gathered(0, 1)
 
 
-#: P = 2, 3, 4 as gloo subgroups of one 4-process run (one spawn instead of three); in the
-#: first two a rank's group rank differs from its global rank.
-@pytest.mark.slow
-def test_gathered_on_gloo():
-    run_ranks(len(SUBGROUPS[-1]), in_subgroups, _check_gathered)
+# The gloo run (P = 2, 3, 4) shares its launch with the two-stage form's:
+# tests/collectives/test_gathered_two_stage.py::test_both_forms_on_gloo.

@@ -12,8 +12,8 @@ from lowbit_strategy.collectives.wire import TrafficLog
 
 
 class BitDPSync(Sync):
-    """Registers :func:`bitdp_hook`; its state (iteration count, error-feedback residuals)
-    is the rank-local state checkpoints keep."""
+    """Registers :func:`bitdp_hook`; its state (iteration count, error-feedback residuals,
+    two-stage server errors) is the rank-local state checkpoints keep."""
 
     level = "gradient"
 
@@ -29,6 +29,8 @@ class BitDPSync(Sync):
             reduction=section.reduction,
             error_feedback=section.error_feedback,
             traffic=TrafficLog(),
+            form=section.form,
+            link=(config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9),
         ).attach(module)
 
     @property
@@ -52,11 +54,13 @@ class BitDPSync(Sync):
 def merge_states(states: list[dict]) -> dict:
     """BitDP hook state for another world size: rank 0's iteration count and the mean
     residual, which carries the same untransmitted part of the mean gradient
-    (Σ_r e_r / P) into every new rank."""
+    (Σ_r e_r / P) into every new rank; the two-stage server errors restart at zero (each
+    belonged to one rank's chunk, and the chunks change with the world size)."""
     names = set.intersection(*(set(s["residuals"]) for s in states))
     return {
         "iter": states[0]["iter"],
         "residuals": {n: torch.stack([s["residuals"][n] for s in states]).mean(0) for n in sorted(names)},
+        "server_errors": {},
     }
 
 

@@ -43,11 +43,25 @@ parameter, the residual ``e = (g + e) - s ⊙ q`` of its own last encoding and a
 next gradient before quantizing. Rank-local state; not touched by warm-up or flagged
 steps.
 
+**Forms** (``form``): ``allgather`` (the paper's: every rank's codes to every rank, the exact
+mean of the dequantized gradients, :mod:`.collectives.gathered`), ``two_stage`` (codes
+reduce-scattered at whole rows, each rank averages its chunk, re-encodes it with its own
+server error feedback, all-gather: bytes flat in P, :mod:`.collectives.gathered_two_stage`),
+or ``auto``: once per run, for the model's quantized matrices as one payload, by the α–β
+cost model on ``link`` (:func:`~lowbit_strategy.collectives.cost_model.bitdp_form`: the
+all-gather unless it is predicted at least twice as slow, so never at P <= 4). Once per run
+rather than per bucket: DDP rebuilds its buckets after its first iteration, and again after
+every restart, so a per-bucket choice could change across a resume. The two-stage form waits for its
+first stage in the hook (a stream wait on NCCL, the transfer itself on gloo) before it
+launches the second (in bucket order on every rank, never from a callback).
+
 **Checkpoints.** :meth:`BitDPState.state_dict` holds the iteration count (so a resumed run
-does not repeat the warm-up) and this rank's residuals keyed by parameter name (ids do not
-survive a restart); :meth:`BitDPState.load_state_dict` restores them. The quantized result
-depends only on each parameter's own rows, never on how DDP groups them into buckets, so a
-resume that restores this state continues as the uninterrupted run did.
+does not repeat the warm-up), this rank's residuals keyed by parameter name (ids do not
+survive a restart) and, in the two-stage form, this rank's server errors (the rows of each
+parameter it owns, by parameter name); :meth:`BitDPState.load_state_dict` restores them.
+Both forms depend only on each parameter's own rows (the two-stage chunks are cut per
+matrix), never on how DDP groups parameters into buckets, so a resume that restores this
+state continues as the uninterrupted run did.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
@@ -59,9 +73,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.algorithms.bitdp import local_state
 from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.cost_model import BITDP_FORMS, bitdp_form
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -70,6 +86,7 @@ from lowbit_strategy.collectives.gathered import (
     matrix_shape,
     pack_payload,
 )
+from lowbit_strategy.collectives.gathered_two_stage import chunk_plan, gathered_two_stage_start
 from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.selection import check_patterns
 
@@ -107,6 +124,8 @@ class BitDPState:
         reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
         chunk_rows: rows decoded at a time (bounds decode memory); None: whole matrices.
         error_feedback: keep a rank-local residual per quantized parameter (off in BitDP).
+        form: ``"auto"``, ``"allgather"`` or ``"two_stage"`` (module docstring, "Forms").
+        link: ``(latency seconds, bandwidth bits/s)`` that ``auto`` plans for.
         model: optional; the same as calling :meth:`attach` with it.
         traffic: a :class:`~lowbit_strategy.collectives.TrafficLog` receiving every transfer.
     """
@@ -121,11 +140,15 @@ class BitDPState:
         "chunk_rows",
         "error_feedback",
         "traffic",
+        "form",
+        "link",
         # internal state
         "iter",
         "params",
         "plans",
         "residuals",
+        "forms",
+        "server_errors",
     )
 
     def __init__(
@@ -141,6 +164,8 @@ class BitDPState:
         *,
         model: torch.nn.Module | None = None,
         traffic=None,
+        form: str = "auto",
+        link: tuple[float, float] = (50e-6, 1e9),
     ):
         if isinstance(bits, bool) or bits not in (1, 2):
             raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
@@ -161,11 +186,18 @@ class BitDPState:
             raise _bad("chunk_rows", chunk_rows, "pass a positive number of rows decoded at a time, or None")
         if not isinstance(error_feedback, bool):
             raise _bad("error_feedback", error_feedback, "pass True or False")
+        if form not in ("auto", *BITDP_FORMS):
+            raise _bad("form", form, "use 'auto', 'allgather' (exact mean) or 'two_stage' (bytes flat in P)")
+        if form == "two_stage" and reduction != "mean":
+            raise _bad("form", form, "the two-stage form averages exactly (reduction='mean'); use form='allgather'")
+        if not (isinstance(link, tuple) and len(link) == 2 and link[0] >= 0 and link[1] > 0):
+            raise _bad("link", link, "pass (latency seconds >= 0, bandwidth bits/s > 0)")
         self.bits, self.process_group = int(bits), process_group
         self.quantize = check_patterns("BitDPState.quantize", quantize)
         self.exclude = check_patterns("BitDPState.exclude", exclude)
         self.start_iter, self.reduction, self.chunk_rows = start_iter, reduction, chunk_rows
         self.error_feedback, self.traffic = error_feedback, traffic
+        self.form, self.link = form, (float(link[0]), float(link[1]))
         self.iter = 0
         # id(parameter) -> what the selection rule decided; filled by attach()
         self.params: dict[int, ParamInfo] = {}
@@ -173,6 +205,9 @@ class BitDPState:
         self.plans: dict[tuple[int, int], _Plan] = {}
         # id(parameter) -> this rank's quantization residual (error feedback only)
         self.residuals: dict[int, torch.Tensor] = {}
+        # the form chosen for this run ("model" -> form); parameter name -> its server error
+        self.forms: dict[str, str] = {}
+        self.server_errors: dict[str, torch.Tensor] = {}
         if model is not None:
             self.attach(model)
 
@@ -183,40 +218,19 @@ class BitDPState:
             raise TypeError(f"BitDPState.attach needs an nn.Module, got {type(model).__name__}")
         self.params = classify(model, self.quantize, self.exclude)
         self.plans.clear()
+        self.forms.clear()
         n_q = sum(i.quantized for i in self.params.values())
         logger.info("BitDP: %d of %d parameters quantized to %d bits", n_q, len(self.params), self.bits)
         return self
 
     def state_dict(self) -> dict:
-        """What a resume needs: ``{"iter": int, "residuals": {param name: tensor}}``, the
-        residuals being this rank's own (copies on CPU)."""
-        names = {k: info.name for k, info in self.params.items()}
-        return {
-            "iter": self.iter,
-            "residuals": {names[k]: r.detach().cpu().clone() for k, r in self.residuals.items() if k in names},
-        }
+        """What a resume needs (:func:`.local_state.state_dict`): this rank's own, on CPU."""
+        return local_state.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output; call after :meth:`attach` (names are resolved
-        against the attached model). Residuals move to the gradients' device on first use."""
-        if not self.params:
-            raise RuntimeError("BitDPState.load_state_dict: call attach(model) first, so parameter names resolve")
-        it = state.get("iter") if isinstance(state, dict) else None
-        if isinstance(it, bool) or not isinstance(it, int) or it < 0:
-            raise ValueError(f"BitDPState.load_state_dict: 'iter' must be an int >= 0, got {it!r}")
-        by_name = {name: (k, info) for k, info in self.params.items() for name in info.names}
-        residuals = {}
-        for name, tensor in state.get("residuals", {}).items():
-            if name not in by_name:
-                raise KeyError(f"BitDPState.load_state_dict: residual for unknown parameter {name!r}")
-            key, info = by_name[name]
-            if not info.quantized or tuple(tensor.shape) != info.shape:
-                raise ValueError(
-                    f"BitDPState.load_state_dict: residual of {name!r} has shape {tuple(tensor.shape)}; "
-                    f"the model's is {info.shape} and {'quantized' if info.quantized else 'not quantized'}"
-                )
-            residuals[key] = tensor.float()
-        self.iter, self.residuals = it, residuals
+        against the attached model; :func:`.local_state.load_state_dict`)."""
+        local_state.load_state_dict(self, state)
 
     def selection(self) -> dict[str, ParamInfo]:
         """Every parameter's decision by (first) name: ``info.quantized``, ``info.reason``."""
@@ -270,6 +284,25 @@ class BitDPState:
         self.plans[key] = _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed))
         return self.plans[key]
 
+    def form_of(self) -> str:
+        """The form of every bucket of this run (module docstring, "Forms"), chosen once."""
+        form = self.forms.get("model")
+        if form is None:
+            p = g.world_size(self.process_group)
+            shapes = [(i.shape[1] if i.transposed else i.shape[0]) for i in self.params.values() if i.quantized]
+            numel = [math.prod(i.shape) for i in self.params.values() if i.quantized]
+            layout = Layout.of([(r, n // r) for r, n in zip(shapes, numel)], self.bits) if shapes else None
+            form = "allgather" if layout is None else bitdp_form(self.form, layout, p, *self.link, self.reduction)
+            self.forms["model"] = form
+            logger.info("BitDP: %s form at P=%d (form=%s)", form, p, self.form)
+        return form
+
+    def server_error(self, plan: _Plan, layout: Layout, device: torch.device) -> torch.Tensor:
+        """This rank's server error of a two-stage bucket (:func:`.local_state.server_error`)."""
+        names = tuple(self.params[key].name for _, _, key in plan.quantized)
+        group = self.process_group
+        return local_state.server_error(self, names, chunk_plan(layout, g.world_size(group)), g.rank(group), device)
+
 
 def _encode(state: BitDPState, plan: _Plan, rows: list[torch.Tensor]):
     """``(codes, scales, residuals)`` of the bucket's quantized matrices (channel-major
@@ -310,31 +343,40 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     if warmup or not plan.quantized:
         op = "bitdp.warmup.allreduce" if warmup else "bitdp.full.allreduce"
         return mean_allreduce_async(buf, group, op, traffic)
-    # Whether this rank's bucket holds NaN/Inf: a device-side flag, sent beside the scales,
-    # so every rank decides from the gathered data alone (no blocking agreement here).
+    # this rank's NaN/Inf flag: device-side, sent beside the scales (no blocking agreement)
     nonfinite = ~torch.isfinite(buf).all()
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
     codes, scales, residuals = _encode(state, plan, rows)
     layout = Layout.of([matrix_shape(m) for m in rows], state.bits)
-    words, scl = pack_payload(codes, scales, layout)
     # Decode straight into the bucket when it is float32 and no matrix is transposed: the
     # local gradient is encoded already. Otherwise decode into a temporary and copy back.
     direct = buf.dtype == torch.float32 and not plan.transposed
     out = [m.view(-1) for m in mats] if direct else None
-    kw = dict(reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
-    f_q = gathered_mean_async(words, scl, layout, group, **kw)
-    if not plan.full:
-        return f_q.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, None))
-    fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / g.world_size(group))
-    f_full = g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic)  # launched last
-    return f_full.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, (plan.full, fp)))
+    two_stage = state.form_of() == "two_stage"
+    if two_stage:  # stage 1 now; stage 2 after the full-precision launch, below
+        err = state.server_error(plan, layout, buf.device)
+        kw = dict(chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
+        handle = gathered_two_stage_start(codes, scales, layout, err, group, **kw)
+    else:
+        words, scl = pack_payload(codes, scales, layout)
+        kw = dict(reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
+        f_q = gathered_mean_async(words, scl, layout, group, **kw)
+    full = None
+    if plan.full:
+        fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / g.world_size(group))
+        full = (plan.full, fp, g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
+    if two_stage:  # waits for stage 1, runs this rank's server step, launches stage 2 (last)
+        f_q = handle.gather()
+    last = f_q if two_stage or full is None else full[2]  # the future of the last launch
+    return last.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, full))
 
 
 def _assemble(state: BitDPState, buf: torch.Tensor, rows, layout: Layout, residuals: dict, f_q, full) -> torch.Tensor:
-    """The bucket's mean gradient, written into ``buf``: the decoded quantized matrices (waited
-    for here) and the full-precision runs ``full = (plan.full, their allreduced values)``.
+    """The bucket's mean gradient, written into ``buf``: the decoded quantized matrices and the
+    full-precision runs ``full = (plan.full, their allreduced values, its future)``, each
+    waited for here (one of them is the future this runs chained from).
 
     If any rank's gradient was non-finite every rank gets NaN in the quantized matrices (as
     an allreduce would spread it), so AMP's GradScaler skips the step everywhere, and this
@@ -348,8 +390,9 @@ def _assemble(state: BitDPState, buf: torch.Tensor, rows, layout: Layout, residu
     for key, e in residuals.items():
         old = state.residuals.get(key)
         state.residuals[key] = e.masked_fill_(raised, 0) if old is None else torch.where(raised, old.to(e.device), e)
-    if full is not None:  # (chained from its collective: its data is there)
-        runs, fp = full
+    if full is not None:
+        runs, fp, f_full = full
+        f_full.wait()  # its own wait: its data is there
         start = 0
         for o, n in runs:
             buf[o : o + n].copy_(fp[start : start + n])

@@ -2,8 +2,9 @@
 
 The DDP tests run a small GPT-like model (tied lm_head, LayerNorm, biased linears) with a
 Llama-like block (RMSNorm, bias-free linears, SwiGLU) under real DistributedDataParallel on
-gloo: P = 2, 3, 4 as subgroups of one 4-process run (so group rank != global rank and the
-hook runs on a non-default process group), and P = 1 in this process. Every rank recomputes
+gloo: P = 2, 3, 4 as subgroups of one 4-process run shared with test_two_stage.py (so group
+rank != global rank and the hook runs on a non-default process group), and P = 1 in this
+process. Every rank recomputes
 all ranks' local gradients without DDP and checks that, after backward, full-precision
 parameters hold the exact mean and quantized linear weights the mean of the dequantized
 per-rank gradients (or BitDP Eq. 10).
@@ -22,7 +23,6 @@ from lowbit_strategy.codecs import channel_decode, channel_encode
 from lowbit_strategy.collectives import TrafficLog
 from lowbit_strategy import BitDPState, bitdp_hook
 from lowbit_strategy.algorithms.bitdp import classify
-from tests.distributed import SUBGROUPS, in_subgroups, run_ranks
 
 VOCAB, DIM, CTX, BATCH = 32, 16, 8, 2
 
@@ -490,7 +490,5 @@ def test_bitdp_hook_one_rank():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.slow
-def test_bitdp_hook_in_ddp():
-    """P = 2, 3, 4: DDP over gloo subgroups of one 4-process run (see tests.distributed.SUBGROUPS)."""
-    run_ranks(len(SUBGROUPS[-1]), in_subgroups, _check_ddp)
+# P = 2, 3, 4 under DDP on gloo subgroups: one 4-process launch shared with the two-stage
+# form, tests/algorithms/bitdp/test_two_stage.py::test_bitdp_hook_both_forms_in_ddp.
