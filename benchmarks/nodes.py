@@ -23,8 +23,8 @@ calibrations do not depend on it and run once per link). Without a ``topology`` 
 
 Usage (root needed)::
 
-    python -m benchmarks.nodes --quick        # 15 s per run -> results/nodes_quick.{json,md}
-    python -m benchmarks.nodes                # 45 s per run -> results/nodes.{json,md}
+    python -m benchmarks.nodes --quick        # ~10 min: 20 s per run -> results/nodes_quick.{json,md}
+    python -m benchmarks.nodes                # ~20 min: 40 s per run -> results/nodes.{json,md}
     python -m benchmarks.nodes --links 100mbit --algorithms lion,bitdp --topologies flat hierarchical
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ from benchmarks.netem import NetemError, Network, require_root
 RESULTS = e2e.RESULTS
 BASELINES = ("ddp_lion", "ddp_adamw")
 TOPOLOGIES = ("flat", "hierarchical")
-QUICK = {"budget": 15.0, "warm": 15}
-FULL = {"budget": 45.0, "warm": 20}
+QUICK = {"budget": 20.0, "warm": 20, "freeze_step": 15}
+FULL = {"budget": 40.0, "warm": 40, "freeze_step": 30}
 
 
 def algorithm_configs() -> dict[str, str | None]:
@@ -54,6 +54,14 @@ def algorithm_configs() -> dict[str, str | None]:
 
     return {name: next((c for c, (kind, _) in CONFIGS.items() if kind in algo.strategy_names), None)
             for name, algo in REGISTRY.items()}
+
+
+def without_hierarchical_form() -> set[str]:
+    """Registered algorithms whose Sync has no hierarchical form (``topology='hierarchical'``
+    is refused for them at setup): their hierarchical rows are not run."""
+    from lowbit_strategy.algorithms import REGISTRY
+
+    return {name for name, algo in REGISTRY.items() if not getattr(algo, "hierarchical", True)}
 
 
 def topology_supported() -> bool:
@@ -70,13 +78,16 @@ def per_node_bytes(rec: dict, ranks_per_node: int) -> list[float]:
     return [max(r["wire_tx"], r["wire_rx"]) for r in per_rank[::ranks_per_node]]
 
 
-def plan_runs(configs: list[str], calib: list[str], links, topologies: list[str]) -> list[tuple]:
-    """(link, config, topology or None) in run order: calibration and DDP once per link."""
+def plan_runs(configs: list[str], calib: list[str], links, topologies: list[str],
+              flat_only: set[str] = frozenset()) -> list[tuple]:
+    """(link, config, topology or None) in run order: calibration and DDP once per link;
+    the configurations in ``flat_only`` only with the flat topology."""
     runs = []
     for link in links:
         runs += [(link, c, None) for c in calib]
         runs += [(link, c, None) for c in configs if not CONFIGS[c][0].startswith("lowbit_")]
-        runs += [(link, c, t) for t in topologies for c in configs if CONFIGS[c][0].startswith("lowbit_")]
+        runs += [(link, c, t) for t in topologies for c in configs
+                 if CONFIGS[c][0].startswith("lowbit_") and (t == "flat" or c not in flat_only)]
     return runs
 
 
@@ -113,6 +124,8 @@ def table(records: list[dict]) -> str:
 
 def markdown(data: dict) -> str:
     s = data["settings"]
+    no_hier = s.get("without_hierarchical_form") if "hierarchical" in s["topologies"] else None
+    flat_only = f"; flat only (no hierarchical form): {', '.join(no_hier)}" if no_hier else ""
     return (f"# Multi-node end to end: {s['nodes']} nodes × {s['ranks_per_node']} ranks\n\n"
             f"`{data['command']}` — {data['date']}; {s.get('total_seconds', '?')} s in all.\n\n"
             f"Machine: {data['machine']}\n\n"
@@ -120,7 +133,8 @@ def markdown(data: dict) -> str:
             f"{s['warm_steps']}; 1-bit Adam/LAMB freeze step and TurboQuant warm-up {s['freeze_step']}. "
             f"Links between nodes: {s['links']}; inside a node: loopback (unshaped). "
             f"Topologies: {s['topologies']}"
-            f"{'' if s['topology_field'] else ' (LowBitConfig has no topology field yet: flat only)'}.\n\n"
+            f"{'' if s['topology_field'] else ' (LowBitConfig has no topology field yet: flat only)'}"
+            f"{flat_only}.\n\n"
             + table(data["records"]) +
             "\n- **step ms**: rank 0's steady-state step time; **of bound**: the same optimizer's "
             "calibration step time (no gradient crosses the wire) ÷ step time (1-bit Adam/LAMB and "
@@ -151,8 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--topologies", nargs="+", default=["flat"], choices=TOPOLOGIES)
     parser.add_argument("--budget", type=float, default=None, help="training seconds per run")
     parser.add_argument("--warm", type=int, default=None, help="steps before the steady-state window")
-    parser.add_argument("--freeze-step", type=int, default=10,
-                        help="1-bit Adam/LAMB freeze step, TurboQuant warm-up (keep it below --warm)")
+    parser.add_argument("--freeze-step", type=int, default=None,
+                        help=f"1-bit Adam/LAMB freeze step, TurboQuant warm-up (keep it below --warm; default "
+                             f"{FULL['freeze_step']}, --quick {QUICK['freeze_step']})")
     parser.add_argument("--lowbit", default="", metavar="KEY=VALUE,...", help="more LowBitConfig overrides")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="skip the runs left after this")
     parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/nodes[_quick])")
@@ -171,6 +186,7 @@ def main(argv=None) -> int:
     preset = QUICK if args.quick else FULL
     args.budget = args.budget or preset["budget"]
     args.warm = preset["warm"] if args.warm is None else args.warm
+    args.freeze_step = preset["freeze_step"] if args.freeze_step is None else args.freeze_step
 
     by_algo = algorithm_configs()
     wanted = args.algorithms.split(",") if args.algorithms else list(by_algo)
@@ -188,7 +204,8 @@ def main(argv=None) -> int:
     dropped = sorted(set(args.topologies) - set(topologies))
     links = [parse_link(t.strip()) for t in args.links.split(",")]
     calib = e2e.calibrations(configs)
-    runs = plan_runs(configs, calib, links, topologies)
+    no_hier = sorted(without_hierarchical_form() & set(wanted)) if has_field else []
+    runs = plan_runs(configs, calib, links, topologies, {by_algo[a] for a in no_hier})
     stem.parent.mkdir(parents=True, exist_ok=True)
     partial = stem.with_name(stem.name + ".rank0.tmp")
     try:
@@ -206,6 +223,7 @@ def main(argv=None) -> int:
                      "algorithms": {a: by_algo[a] for a in wanted}, "without_config": no_config,
                      "baselines": baselines, "calibrations": calib, "topologies": topologies,
                      "topology_field": has_field, "topologies_dropped": dropped,
+                     "without_hierarchical_form": no_hier,
                      "budget_s": args.budget, "warm_steps": args.warm, "freeze_step": args.freeze_step,
                      "lowbit_overrides": args.lowbit or None,
                      "model": {k: getattr(args, k) for k in e2e.MODEL_ARGS}},
@@ -214,7 +232,8 @@ def main(argv=None) -> int:
     print(f"nodes benchmark: {args.nodes} nodes x {args.ranks_per_node} ranks, links {[link.name for link in links]}, "
           f"topologies {topologies}{f' (dropped {dropped}: LowBitConfig has no topology field)' if dropped else ''}, "
           f"{len(runs)} runs of {args.budget:g} s; algorithms {algo_of}; "
-          f"without an e2e config: {no_config or 'none'}", flush=True)
+          f"without an e2e config: {no_config or 'none'}"
+          f"{f'; flat only (no hierarchical form): {no_hier}' if 'hierarchical' in topologies else ''}", flush=True)
     start, deadline = time.monotonic(), time.monotonic() + args.max_minutes * 60
     user_lowbit = args.lowbit
     try:
