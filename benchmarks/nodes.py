@@ -98,8 +98,8 @@ def _bound(r: dict) -> float | None:
 def table(records: list[dict]) -> str:
     """The markdown table: one row per (algorithm, topology, link)."""
     lines = ["| algorithm | config | topology | link | step ms | of bound | cross-node kB/step per node | "
-             "vs DDP (same optimizer) | loss reached |",
-             "|---|---|---|---|---:|---:|---|---:|---:|"]
+             "vs DDP (same optimizer) | loss reached | other load |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|"]
     ddp = {(r["link"], r["optimizer"]): r for r in records if r["config"] in BASELINES and not r.get("failed")}
     for r in records:
         if r["config"].startswith("calib_"):
@@ -107,7 +107,7 @@ def table(records: list[dict]) -> str:
         topo = r.get("topology") or "–"
         if r.get("failed"):
             lines.append(f"| {r.get('algorithm', '–')} | {r['config']} | {topo} | {r['link']} | FAILED"
-                         f"{' (timed out)' if r.get('timed_out') else ''} | – | – | – | – |")
+                         f"{' (timed out)' if r.get('timed_out') else ''} | – | – | – | – | – |")
             continue
         base = ddp.get((r["link"], report.CALIBRATION_OF.get(r["optimizer"], r["optimizer"]))) or \
             ddp.get((r["link"], "lion"))
@@ -116,7 +116,7 @@ def table(records: list[dict]) -> str:
         plan = f" ({', '.join(report._plan(x) for x in r['plan'])})" if r.get("plan") else ""
         lines.append(f"| {r.get('algorithm', '–')} | {r['config']}{plan} | {topo} | {r['link']} | "
                      f"{r['step_s'] * 1e3:.1f} | {report._f(_bound(r), fmt='{:.2f}')} | {nodes} | {speed} | "
-                     f"{r['loss_reached']:.3f} |")
+                     f"{r['loss_reached']:.3f} | {report._f(r.get('other_load'), 100, '{:.0f} %')} |")
     calib = [f"{r['config']} {r['link']}: {r['step_s'] * 1e3:.1f} ms" for r in records
              if r["config"].startswith("calib_") and not r.get("failed")]
     return "\n".join(lines) + "\n\nComm-free bound (calibration runs): " + ("; ".join(calib) or "–") + "\n"
@@ -129,6 +129,7 @@ def markdown(data: dict) -> str:
     return (f"# Multi-node end to end: {s['nodes']} nodes × {s['ranks_per_node']} ranks\n\n"
             f"`{data['command']}` — {data['date']}; {s.get('total_seconds', '?')} s in all.\n\n"
             f"Machine: {data['machine']}\n\n"
+            + (f"Run from {s['source']}.\n\n" if s.get("source") else "") +
             f"GPT {s['model']}; {s['budget_s']:g} s of training per run, steady-state window after step "
             f"{s['warm_steps']}; 1-bit Adam/LAMB freeze step and TurboQuant warm-up {s['freeze_step']}. "
             f"Links between nodes: {s['links']}; inside a node: loopback (unshaped). "
@@ -142,8 +143,9 @@ def markdown(data: dict) -> str:
             "shaped link (qdisc counters: frames with headers; max of the two directions; 1 kB = 1000 B). "
             "Traffic between the ranks of a node stays on its loopback and is not in it.\n"
             "- **vs DDP**: step time of DDP (fp32 allreduce) with the same optimizer family ÷ this "
-            "step time.\n- 4 ranks share 2 CPU cores: read differences under ~20 % as noise. One run "
-            "per row.\n")
+            "step time.\n- **other load**: share of the machine's cores busy with anything but this "
+            "benchmark during the run (other jobs, softirq): 4 ranks share 2 CPU cores, so read "
+            "differences under ~20 % as noise, more where the other load is high. One run per row.\n")
 
 
 def write(data: dict, stem: Path) -> None:
