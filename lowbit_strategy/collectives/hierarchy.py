@@ -90,44 +90,59 @@ class Topology:
     # ---- the three stages ------------------------------------------------------------
     def node_mean_(self, buf: torch.Tensor, traffic=None) -> None:
         """Replace ``buf`` by its mean over this node's ranks, in place, in its own dtype
-        (stage 1). A no-op in the flat form. Blocking on the host only on gloo: on NCCL
-        ``wait()`` orders the compute stream after the collective and returns."""
+        (stage 1), as DDP averages: scaled by 1/L, then summed (so one node of P ranks gives
+        DDP's mean bit for bit). A no-op in the flat form. Blocking on the host only on gloo:
+        on NCCL ``wait()`` orders the compute stream after the collective and returns."""
         if not self.hierarchical or self.ranks_per_node == 1:
             return
+        buf.mul_(1.0 / self.ranks_per_node)
         g.all_reduce_sum_async(buf, self.intra, "node.mean", traffic).wait()
-        buf.div_(self.ranks_per_node)
 
-    def shard(self, n: int, align: int = 1) -> tuple[int, int]:
+    def shard(self, n: int, align: int = 64) -> tuple[int, int]:
         """``(lo, hi)``: the elements of an ``n``-element payload this local rank sends
         across nodes (stage 2). Shards are ``shard_length(n, align)`` long, in local-rank
         order, the last ones shorter or empty: a deterministic split every rank computes
-        alike. The flat form owns everything."""
+        alike. The flat form owns everything. ``align``: the algorithm's unit (its scale
+        block): aligned shards keep every block whole, so a blocked codec gives the same
+        codes as in the whole bucket."""
         if not self.hierarchical:
             return 0, n
         size = self.shard_length(n, align)
         lo = min(n, self.local_rank * size)
         return lo, min(n, lo + size)
 
-    def shard_length(self, n: int, align: int = 1) -> int:
-        """ceil(n / L), rounded up to a multiple of ``align`` (a packing unit)."""
-        size = -(-n // self.ranks_per_node)
-        return -(-size // align) * align
+    def shard_length(self, n: int, align: int = 64) -> int:
+        """ceil(n / L) rounded up to a multiple of ``align``."""
+        per_rank = -(-n // self.ranks_per_node)
+        return -(-per_rank // align) * align
 
     def gather_async(
-        self, part: torch.Tensor, n: int, align: int = 1, traffic=None
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Stage 3: every local rank's ``part`` (its shard's result, ``shard(n, align)``
-        long) all-gathered inside the node into the full ``n``-element result. A future
-        resolving to it, chained from the all-gather's own (read it after ``wait()``)."""
+        self, part: torch.Tensor, n: int, traffic=None, flag: torch.Tensor | None = None, align: int = 64
+    ) -> torch.futures.Future[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Stage 3: every local rank's ``part`` (its shard's result, ``shard(n, align)`` long)
+        all-gathered inside the node into the full ``n``-element result. ``flag``: this
+        rank's 0-d bool verdict on its shard (e.g. "non-finite"), which travels with it: the
+        result's second item is the node's OR of them, so every rank of the node decides
+        alike. A future resolving to ``(result, flag or None)``, chained from the
+        all-gather's own (read it after ``wait()``)."""
         if not self.hierarchical:
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(part)
+            done: torch.futures.Future[tuple[torch.Tensor, torch.Tensor | None]] = torch.futures.Future()
+            done.set_result((part, flag))
             return done
-        size = self.shard_length(n, align)
-        padded = part if part.numel() == size else torch.cat([part, part.new_zeros(size - part.numel())])
-        out = part.new_empty(size * self.ranks_per_node)
-        fut = g.all_gather_async(out, padded, self.intra, "node.all_gather", traffic)
-        return fut.then(lambda f: f.value()[:n])
+        size, flagged = self.shard_length(n, align), flag is not None
+        block = part.new_zeros(size + flagged)
+        block[: part.numel()] = part
+        if flag is not None:
+            block[size] = flag.to(block.dtype)
+        out = part.new_empty((size + flagged) * self.ranks_per_node)
+        fut = g.all_gather_async(out, block, self.intra, "node.all_gather", traffic)
+
+        def assemble(f: torch.futures.Future) -> tuple[torch.Tensor, torch.Tensor | None]:
+            rows = f.value().view(self.ranks_per_node, size + flagged)
+            result = rows[:, :size].reshape(-1)[:n]
+            return result, (rows[:, size] != 0).any() if flagged else None
+
+        return fut.then(assemble)
 
 
 def launcher_layout(environ: Mapping[str, str] | None = None) -> tuple[int | None, int | None]:

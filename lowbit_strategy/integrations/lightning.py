@@ -99,7 +99,8 @@ class LowBitStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None:
             raise RuntimeError("LowBitStrategy.configure_ddp: no LightningModule is connected")
-        self.sync = build_sync(self.lowbit_config, module, group=None)
+        # the devices of one node: Lightning's launcher does not export LOCAL_WORLD_SIZE
+        self.sync = build_sync(self.lowbit_config, module, group=None, ranks_per_node=self.num_processes)
         ddp = cast(DistributedDataParallel, self.model)  # DDPStrategy.configure_ddp wrapped the module in DDP
         ddp.register_comm_hook(self.sync.hook_state, self.sync.comm_hook)
 

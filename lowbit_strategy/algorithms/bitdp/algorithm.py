@@ -7,13 +7,15 @@ import torch
 
 from lowbit_strategy.algorithms.base import Algorithm, Sync
 from lowbit_strategy.algorithms.bitdp.config import BitDPConfig
+from lowbit_strategy.algorithms.bitdp.hierarchical import hierarchical_hook
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook
 from lowbit_strategy.collectives.wire import TrafficLog
 
 
 class BitDPSync(Sync):
-    """Registers :func:`bitdp_hook`; its state (iteration count, error-feedback residuals,
-    two-stage server errors) is the rank-local state checkpoints keep."""
+    """Registers :func:`bitdp_hook` (across nodes :func:`.hierarchical.hierarchical_hook`);
+    its state (iteration count, error-feedback residuals, two-stage server errors) is the
+    rank-local state checkpoints keep."""
 
     level = "gradient"
 
@@ -34,15 +36,24 @@ class BitDPSync(Sync):
         ).attach(module)
 
     @property
-    def hook_state(self) -> BitDPState:
+    def hierarchical(self) -> bool:
+        return self.topology is not None and self.topology.hierarchical
+
+    @property
+    def hook_state(self):
+        topology = self.topology
+        if topology is not None and topology.hierarchical:
+            # the hook needs the topology too; BitDP's own collectives run across nodes
+            self.state.process_group = topology.inter
+            return self
         return self.state
 
     @property
     def comm_hook(self):
-        return bitdp_hook
+        return hierarchical_hook if self.hierarchical else bitdp_hook
 
     def traffic_logs(self) -> list[TrafficLog]:
-        return [self.state.traffic]
+        return [self.state.traffic, self.node_traffic]
 
     def state_dict(self) -> dict:
         return self.state.state_dict()
@@ -74,4 +85,5 @@ ALGORITHM = Algorithm(
     },
     merge_states=merge_states,
     summary="BitDP channel-wise 1/2-bit gradients (any optimizer)",
+    hierarchical=True,
 )

@@ -284,7 +284,7 @@ class LionCommunicator:
                     result = 2 * result - self.world_size
                 flat = torch.sign(result).to(job.chunk[0].dtype)
             if self.topology is not None:  # this shard's directions -> the node's whole bucket
-                flat = self.topology.gather_async(flat[: job.sent], job.n, traffic=self.traffic).wait()
+                flat = self.topology.gather_async(flat[: job.sent], job.n, self.traffic).wait()[0]
             flats.append(flat)
         bad = torch.stack(verdicts).any() if verdicts else None
         # the audit (a diagnostic, on request) reads the verdict and its counts on the host

@@ -28,7 +28,11 @@ class OneBitSync(StagedSync):
 
     def make_communicator(self, optimizer) -> OneBitCommunicator:
         return OneBitCommunicator(
-            self.group, self.config.bucket_size_mb, self.config.debug, block=self.section.scale_block
+            self.group,
+            self.config.bucket_size_mb,
+            self.config.debug,
+            block=self.section.scale_block,
+            topology=self.topology,
         )
 
 
@@ -59,6 +63,7 @@ def _entry(name: str, section, sync, strategy: str, summary: str) -> Algorithm:
         check_precision=check_local_gradient_precision,
         summary=summary,
         optimizer=sync.optimizer_class,
+        hierarchical=True,
         warmup_argument="freeze_step",
     )
 

@@ -34,6 +34,7 @@ from lowbit_strategy.collectives.compensated import (
     compensated_allreduce_start,
     compensated_error_buffers,
 )
+from lowbit_strategy.collectives.hierarchy import Topology
 
 __all__ = ["Key", "OneBitCommunicator"]
 
@@ -45,11 +46,19 @@ class OneBitCommunicator(BucketCommunicator):
 
     label = "1-bit allreduce"
 
-    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, block: int | None = None):
+    def __init__(
+        self,
+        group=None,
+        bucket_size_mb: float = 25.0,
+        debug: bool = False,
+        block: int | None = None,
+        topology: Topology | None = None,
+    ):
         check_block(block, "OneBitCommunicator")
-        super().__init__(group, bucket_size_mb, debug)
+        super().__init__(group, bucket_size_mb, debug, topology)
         #: elements per scale block of the compressed allreduce (None: one scale per bucket)
         self.block = block
+        self.shard_align = block or self.shard_align
 
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
         if saved is None:

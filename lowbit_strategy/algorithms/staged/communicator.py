@@ -13,6 +13,7 @@ import torch
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.streams import SideStream
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class Job:
     like: list  # the momenta sent (shapes and dtypes of the results)
     state: tuple  # this step's rank-local state of the bucket, committed on success
     handle: g.Flagging  # .gather() -> .wait() -> the flat mean; .nonfinite() after it
+    n: int = 0  # the bucket's elements
+    sent: int = 0  # those this rank's collective carries (its shard across nodes; all when flat)
 
 
 class BucketCommunicator:
@@ -44,14 +47,24 @@ class BucketCommunicator:
     and a resumed run, bit for bit the same. A step's new state is only committed
     (:meth:`commit`) once the optimizer applies the step; a skipped step keeps the old one
     (:meth:`discard`).
+
+    Across nodes (``topology`` hierarchical, :mod:`lowbit_strategy.collectives.hierarchy`)
+    the ranks of a node hold the same momenta (the hook averaged their gradients); each
+    sends only its shard of a bucket over its cross-node group, with that shard's state, and
+    the node all-gathers the shards' means and their non-finite verdicts. ``group`` and
+    ``world_size`` are then the cross-node group and N.
     """
 
     #: name used in log messages
     label = "compressed"
+    #: elements that must stay together in one shard across nodes (a scale block)
+    shard_align = 64
 
-    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False):
-        self.group = group
-        self.world_size = g.world_size(group)
+    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, topology: Topology | None = None):
+        self.topology = topology if topology is not None and topology.hierarchical else None
+        #: the group of the compressed collectives: every rank, or this local rank's across nodes
+        self.group = self.topology.inter if self.topology else group
+        self.world_size = g.world_size(self.group)
         #: elements per bucket of the optimizer's fixed layout
         self.bucket_numel = buckets.bucket_numel(bucket_size_mb)
         self.debug = debug
@@ -72,6 +85,12 @@ class BucketCommunicator:
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
         flat = buckets.flatten([m.float() for m in momenta])
+        n = sent = flat.numel()
+        if self.topology is not None:
+            lo, hi = self.topology.shard(n, self.shard_align)
+            sent = hi - lo
+            # an empty shard still takes part (one zero element, dropped after)
+            flat = flat[lo:hi] if sent else flat.new_zeros(1)
         saved = self.errors.get(key)
         if saved is not None and (saved[0].numel() != flat.numel() or saved[0].device != flat.device):
             saved = None
@@ -82,7 +101,7 @@ class BucketCommunicator:
                 key[:4] + ((...,) if len(key) > 4 else ()),
             )
         state, handle = self._start_bucket(key, flat, saved)
-        return Job(key, list(momenta), state, handle)
+        return Job(key, list(momenta), state, handle, n, sent)
 
     def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """Wait for ``jobs`` (second phases launched first, in order): their mean momenta and
@@ -91,8 +110,12 @@ class BucketCommunicator:
         pending = [job.handle.gather() for job in jobs]
         results, verdicts = [], []
         for job, handle in zip(jobs, pending):
-            flat = handle.wait()
-            verdicts.append(job.handle.nonfinite())
+            flat, bad = handle.wait(), job.handle.nonfinite()
+            if self.topology is not None:  # this shard -> the node's whole bucket, and the node's verdict
+                part = flat.view(-1)[: job.sent]
+                flat, node_bad = self.topology.gather_async(part, job.n, self.traffic, bad, self.shard_align).wait()
+                bad = bad if node_bad is None else node_bad
+            verdicts.append(bad)
             results.append(buckets.unflatten(flat.view(-1), job.like))
         self._finished.extend(jobs)
         return results, (torch.stack(verdicts).any() if verdicts else None)

@@ -54,12 +54,27 @@ class StagedSync(Sync):
         params = bucket.parameters()
         owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
         if any(opt.stage == "warmup" for opt in owners) or not owners:
-            return mean_allreduce_async(bucket.buffer(), self.group, "staged.warmup.allreduce", self._hook_traffic)
+            return self._warmup_mean(bucket.buffer())
         if self.overlap:
             for opt in owners:  # the same order on every rank
                 if opt._distributed:
                     opt.grads_ready([p for p in params if self._owner.get(id(p)) is opt])
         return super().bucket_ready(bucket)
+
+    def _warmup_mean(self, buf: torch.Tensor) -> torch.futures.Future:
+        """The bucket's exact mean over ranks, as DDP computes it. Across nodes the hook has
+        averaged it over the node already: each local rank averages its shard over its
+        cross-node group (DDP's arithmetic, N workers) and the node all-gathers the shards."""
+        topology = self.topology
+        if topology is None or not topology.hierarchical:
+            return mean_allreduce_async(buf, self.group, "staged.warmup.allreduce", self._hook_traffic)
+        lo, hi = topology.shard(buf.numel())
+        shard = buf[lo:hi] if hi > lo else buf.new_zeros(1)
+        # waited here, not chained: the node's all-gather is a second collective, launched
+        # in hook order on every rank, never from a future's callback
+        mean_allreduce_async(shard, topology.inter, "staged.warmup.allreduce", self._hook_traffic).wait()
+        gathered = topology.gather_async(shard[: hi - lo], buf.numel(), self._hook_traffic)
+        return gathered.then(lambda f: buf.copy_(f.value()[0]))
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:
@@ -91,7 +106,7 @@ class StagedSync(Sync):
             opt.attach_communicator(None)
 
     def traffic_logs(self) -> list[wire.TrafficLog]:
-        return [self._hook_traffic] + [
+        return [self._hook_traffic, self.node_traffic] + [
             opt.communicator.traffic for opt in self.optimizers if opt.communicator is not None
         ]
 

@@ -43,6 +43,7 @@ class TurboQuantSync(StagedSync):
             seed=section.seed,
             scale_decay=optimizer.scale_decay,
             link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9),
+            topology=self.topology,
         )
 
 
@@ -62,5 +63,6 @@ ALGORITHM = Algorithm(
     check_precision=check_local_gradient_precision,
     summary="TurboQuant-Adam: 4-bit Hadamard + Lloyd-Max momentum (lowbit_strategy.TurboQuantAdamW)",
     optimizer=TurboQuantAdamW,
+    hierarchical=True,
     warmup_argument="warmup_steps",
 )

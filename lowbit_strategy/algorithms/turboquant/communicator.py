@@ -31,6 +31,7 @@ import torch
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.turboquant import (
     TurboQuantAllgather,
     TurboQuantTwoStage,
@@ -90,9 +91,11 @@ class TurboQuantCommunicator(BucketCommunicator):
         seed: int = 0,
         scale_decay: float = 0.0,
         link: tuple[float, float] = (50e-6, 1e9),
+        topology: Topology | None = None,
     ):
-        super().__init__(group, bucket_size_mb, debug)
+        super().__init__(group, bucket_size_mb, debug, topology)
         self.codec = TurboQuantCodec(bits, seed=seed, block=block)
+        self.shard_align = block  # whole rotation blocks in each shard across nodes
         self.form = form
         self.scale_decay = float(scale_decay)
         self.link = link

@@ -1,0 +1,165 @@
+"""BitDP across nodes: the hierarchical form (:mod:`lowbit_strategy.collectives.hierarchy`).
+
+The node is the worker. For each DDP bucket:
+
+1. the bucket is replaced by its exact mean over the node's L ranks (DDP's arithmetic);
+2. local rank j takes rows ``[⌊j·R/L⌋, ⌊(j+1)·R/L⌋)`` of every quantized matrix (channel
+   rows: a row keeps its scale, so each row's codes are the flat algorithm's), and shard j
+   of the bucket's full-precision runs, and runs BitDP on them over its cross-node group
+   (local rank j of every node, N ranks): the all-gather or the two-stage form, the same
+   one for every shard (``form_of``, planned for N), with the non-finite flag beside the
+   scales as in the flat hook;
+3. the node all-gathers the L results (padded to the longest) and every rank writes each
+   one back where it came from.
+
+So every row's mean is the flat algorithm's over N workers that each hold their node's mean
+gradient, and each node sends every row once across nodes. During the warm-up every
+gradient goes the full-precision way (1-2 above with no quantized rows): DDP's mean over
+nodes of the node means; so does everything on a single node, which then equals DDP. The hook waits for its cross-node collectives before it starts the
+node's all-gather (a second collective, launched in hook order on every rank, never from a
+callback): on NCCL a stream wait, on gloo the transfer itself.
+
+Error-feedback residuals keep the parameter's shape; this rank fills only its rows of them.
+"""
+
+# No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
+# annotations and accepts only the real objects dist.GradBucket / Future[Tensor], not strings.
+import math
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy.algorithms.bitdp.hook import _Plan
+from lowbit_strategy.codecs.channel import channel_decode, channel_encode
+from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.gathered import Layout, gathered_mean_async, matrix_shape, pack_payload
+from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
+
+__all__ = ["hierarchical_hook", "row_range"]
+
+
+def row_range(rows: int, ranks_per_node: int, local_rank: int) -> tuple[int, int]:
+    """The channel rows of an ``rows``-row matrix local rank ``local_rank`` sends across nodes."""
+    return local_rank * rows // ranks_per_node, (local_rank + 1) * rows // ranks_per_node
+
+
+def _pieces(rows: list[torch.Tensor], per_node: int, j: int) -> list[tuple[int, int, int]]:
+    """``(matrix, first row, end row)`` of local rank ``j``, matrices with no rows left out."""
+    return [(k, a, b) for k, r in enumerate(rows) for a, b in [row_range(r.shape[0], per_node, j)] if b > a]
+
+
+def _encode(state, plan: _Plan, rows, pieces):
+    """Codes, scales and new residuals (full parameter shape, this rank's rows changed) of
+    this rank's rows, as the flat hook's ``_encode`` does for whole matrices."""
+    codes, scales, residuals = [], [], {}
+    for k, a, b in pieces:
+        key = plan.quantized[k][2]
+        m = rows[k][a:b].float()
+        old = state.residuals.get(key) if state.error_feedback else None
+        if old is not None:
+            m = m + (old.t() if key in plan.transposed else old)[a:b].to(m.device)
+        c, s = channel_encode(m, state.bits, validate=False)
+        if state.error_feedback:
+            full = rows[k].new_zeros(rows[k].shape, dtype=torch.float32) if old is None else old.to(m.device).clone()
+            if old is None and key in plan.transposed:
+                full = full.t().contiguous()  # kept in the parameter's own layout
+            (full.t() if key in plan.transposed else full)[a:b] = m - channel_decode(c, s, state.bits).view(m.shape)
+            residuals[key] = full
+        codes.append(c)
+        scales.append(s)
+    return codes, scales, residuals
+
+
+def _full_runs(buf: torch.Tensor, runs) -> list[torch.Tensor]:
+    return [buf[o : o + n] for o, n in runs]
+
+
+def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of BitDP across nodes (module docstring); ``sync`` is the
+    :class:`~.algorithm.BitDPSync`, whose ``state.process_group`` is the cross-node group."""
+    state, topo, traffic = sync.state, sync.topology, sync.state.traffic
+    buf = bucket.buffer()
+    plan = state.plan(bucket)
+    warmup = state.iter < state.start_iter
+    state.maybe_increase_iter(bucket)
+    topo.node_mean_(buf, sync.node_traffic)
+    per_node, j, inter = topo.ranks_per_node, topo.local_rank, topo.inter
+    mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
+    rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
+    # the warm-up, and a single node (nothing crosses a network: nothing to compress), send
+    # every gradient the exact way
+    exact = warmup or g.world_size(inter) == 1
+    runs = ((0, buf.numel()),) if exact else plan.full
+    if exact:
+        rows = []
+    nfull = sum(n for _, n in runs)
+    size = -(-nfull // per_node)
+
+    def lengths(i: int) -> int:  # local rank i's result: its rows, then its full-precision slice
+        quantized = sum((b - a) * rows[k][0].numel() for k, a, b in _pieces(rows, per_node, i))
+        return quantized + max(0, min(nfull, (i + 1) * size) - min(nfull, i * size))
+
+    mine = _pieces(rows, per_node, j)
+    parts: list[torch.Tensor] = []
+    f_q = residuals = None
+    if mine:
+        nonfinite = ~torch.isfinite(buf).all()
+        sub = [rows[k][a:b] for k, a, b in mine]
+        sub_plan = _Plan(tuple(plan.quantized[k] for k, _, _ in mine), (), plan.param_ids, plan.transposed)
+        codes, scales, residuals = _encode(state, plan, rows, mine)
+        layout = Layout.of([matrix_shape(m) for m in sub], state.bits)
+        kw = dict(chunk_rows=state.chunk_rows, out=None, traffic=traffic, flag=nonfinite)
+        if state.form_of() == "two_stage":
+            err = state.server_error(sub_plan, layout, buf.device)
+            f_q = gathered_two_stage_start(codes, scales, layout, err, inter, **kw).gather()
+        else:
+            words, scl = pack_payload(codes, scales, layout)
+            f_q = gathered_mean_async(words, scl, layout, inter, reduction=state.reduction, **kw)
+    lo, hi = min(nfull, j * size), min(nfull, (j + 1) * size)
+    fp = None
+    if hi > lo:
+        fp = torch.cat(_full_runs(buf, runs))[lo:hi].mul_(1.0 / g.world_size(inter))
+        f_full = g.all_reduce_sum_async(fp, inter, "bitdp.full.allreduce", traffic)
+    if f_q is not None:
+        q, raised = f_q.wait()
+        parts.append(q.to(buf.dtype).masked_fill_(raised, float("nan")))
+        for key, e in (residuals or {}).items():
+            old = state.residuals.get(key)
+            kept = e.masked_fill_(raised, 0) if old is None else torch.where(raised, old.to(e.device), e)
+            state.residuals[key] = kept
+    if fp is not None:
+        f_full.wait()
+        parts.append(fp.to(buf.dtype))
+    longest = max(lengths(i) for i in range(per_node))
+    block = buf.new_zeros(longest)
+    if parts:
+        mine_flat = torch.cat(parts)
+        block[: mine_flat.numel()] = mine_flat
+    every = buf.new_empty(longest * per_node)
+    fut = g.all_gather_async(every, block, topo.intra, "node.all_gather", sync.node_traffic)
+
+    def assemble(f: torch.futures.Future) -> torch.Tensor:
+        gathered = f.value().view(per_node, longest)
+        full_views = _full_runs(buf, runs)
+        for i in range(per_node):
+            at = 0
+            for k, a, b in _pieces(rows, per_node, i):
+                n = (b - a) * rows[k][0].numel()
+                rows[k][a:b].copy_(gathered[i, at : at + n].view(rows[k][a:b].shape))
+                at += n
+            lo_i, hi_i = min(nfull, i * size), min(nfull, (i + 1) * size)
+            _scatter(full_views, lo_i, gathered[i, at : at + hi_i - lo_i])
+        return buf
+
+    return fut.then(assemble)
+
+
+def _scatter(views: list[torch.Tensor], lo: int, values: torch.Tensor) -> None:
+    """Write ``values`` at positions ``lo ..`` of the concatenation of ``views``."""
+    start = 0
+    for v in views:
+        n = v.numel()
+        a, b = max(lo, start), min(lo + values.numel(), start + n)
+        if b > a:
+            v[a - start : b - start].copy_(values[a - lo : b - lo])
+        start += n
