@@ -16,8 +16,9 @@ So every row's mean is the flat algorithm's over N workers that each hold their 
 gradient, and each node sends every row once across nodes. During the warm-up every
 gradient goes the full-precision way (1-2 above with no quantized rows): DDP's mean over
 nodes of the node means; so does everything on a single node, which then equals DDP. The
-hook waits for its cross-node collectives before it starts the node's all-gather (a second collective, launched in hook order on every rank, never from a
-callback): on NCCL a stream wait, on gloo the transfer itself.
+hook waits for its cross-node collectives before it starts the node's all-gather (a second
+collective, launched in hook order on every rank, never from a callback): on NCCL a stream
+wait, on gloo the transfer itself.
 
 Error-feedback residuals keep the parameter's shape; this rank fills only its rows of them.
 """
