@@ -50,7 +50,12 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.codecs
 	$(PY) -m benchmarks.collectives
 
-.PHONY: bench-e2e bench-e2e-quick gpu-check demo-hf
+.PHONY: bench-e2e bench-e2e-quick gpu-check demo-hf bench-nodes
+
+# 2 emulated nodes x 2 ranks, flat against hierarchical for DDP and every algorithm, at 1 Gbit/s
+# and 100 Mbit/s between nodes (root; benchmarks/nodes.py -> benchmarks/results/nodes.md)
+bench-nodes: $(STAMP)
+	$(PY) -m benchmarks.nodes --topologies flat hierarchical
 
 # Hugging Face Trainer with LowBitTrainer on 2 processes (examples/hf_trainer_finetune.py), with
 # transformers/datasets/TRL from the overlay; try LOWBIT_ALGORITHM=bitdp or HF_ARGS="--trainer sft"
