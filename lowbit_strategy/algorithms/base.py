@@ -6,7 +6,9 @@ and one :class:`Algorithm` entry in :data:`lowbit_strategy.algorithms.REGISTRY`.
 never names an algorithm; it does, for one DDP model:
 
 1. ``algo = REGISTRY[config.algorithm]``; ``algo.check_precision(precision)``;
-2. ``sync = algo.build(config, module, group)``: the run's :class:`Sync`;
+2. ``sync = algo.build(config, module, group)``: the run's :class:`Sync`, then
+   ``sync.topology`` (the node layout, :func:`lowbit_strategy.collectives.hierarchy.resolve`;
+   ``integrations/ddp.build_sync`` does both);
 3. ``ddp_model.register_comm_hook(sync.hook_state, sync.comm_hook)``;
 4. ``sync.attach(optimizers)`` once the optimizers exist (raises :class:`LowBitSetupError`
    naming the fix for an optimizer the algorithm cannot drive);

@@ -189,6 +189,9 @@ def resolve(config, group=None, ranks_per_node_hint: int | None = None, environ=
     same :class:`~lowbit_strategy.validation.ConfigError` on every rank."""
     world = g.world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = g.rank(group) if world > 1 else 0
+    if group is not None and world != dist.get_world_size():
+        # a subgroup of the world: its ranks are not the launcher's, so it has no nodes (flat)
+        return Topology(group, world, world, 0, rank)
     env_l, env_node = launcher_layout(environ)
     per_node = config.ranks_per_node or env_l or ranks_per_node_hint or world
     # the launcher's node rank describes the launcher's nodes: an explicit ranks_per_node
@@ -209,8 +212,7 @@ def resolve(config, group=None, ranks_per_node_hint: int | None = None, environ=
         "hierarchical": True,
         "auto": world // per_node >= 2 and per_node >= 2,
     }[config.topology]
-    if not hierarchical or world == 1 or group is not None and world != dist.get_world_size():
-        # (a subgroup of the world: its ranks are not the launcher's; flat inside it)
+    if not hierarchical or world == 1:
         return Topology(group, world, per_node, node, rank % per_node)
     intra, inter = _subgroups(world, per_node)
     return Topology(group, world, per_node, node, rank % per_node, True, intra[node], inter[rank % per_node])
