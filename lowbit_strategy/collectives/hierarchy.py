@@ -73,16 +73,6 @@ class Topology:
     def nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
-    @property
-    def sync_group(self) -> Any:
-        """The group the algorithm's compressed collective runs over."""
-        return self.inter if self.hierarchical else self.group
-
-    @property
-    def workers(self) -> int:
-        """How many workers the algorithm sees: N nodes (hierarchical) or P ranks (flat)."""
-        return self.nodes if self.hierarchical else self.world_size
-
     def describe(self) -> str:
         form = "hierarchical" if self.hierarchical else "flat"
         return f"{form}: {self.nodes} node(s) x {self.ranks_per_node} rank(s)"
@@ -196,8 +186,8 @@ def resolve(config, group=None, ranks_per_node_hint: int | None = None, environ=
     per_node = config.ranks_per_node or env_l or ranks_per_node_hint or world
     # the launcher's node rank describes the launcher's nodes: an explicit ranks_per_node
     # other than the launcher's redefines them (node = rank // L)
-    launcher_nodes = env_node is not None and per_node == (env_l or ranks_per_node_hint or per_node)
-    node: int = env_node if launcher_nodes and env_node is not None else rank // max(per_node, 1)
+    launcher_nodes = per_node == (env_l or ranks_per_node_hint or per_node)
+    node = env_node if launcher_nodes and env_node is not None else rank // max(per_node, 1)
     if world > 1:
         mine = [int(per_node), int(node), rank]
         seen: list[Any] = [None] * world

@@ -22,19 +22,9 @@ from torch import nn
 
 import lowbit_strategy
 from lowbit_strategy import LowBitConfig
+from tests.integrations.restart_app import _batch, _model
 
 STEPS = 4
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 16, generator=gen)
-    return x, (x[:, :4].sum(dim=1) > 0).long()
 
 
 def _report(args, sync, params) -> None:

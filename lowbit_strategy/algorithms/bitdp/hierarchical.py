@@ -95,12 +95,13 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
         rows = []
     nfull = sum(n for _, n in runs)
     size = -(-nfull // per_node)
-
-    def lengths(i: int) -> int:  # local rank i's result: its rows, then its full-precision slice
-        quantized = sum((b - a) * rows[k][0].numel() for k, a, b in _pieces(rows, per_node, i))
-        return quantized + max(0, min(nfull, (i + 1) * size) - min(nfull, i * size))
-
-    mine = _pieces(rows, per_node, j)
+    # every local rank's rows and full-precision slice: its result's layout in the gather
+    pieces = [_pieces(rows, per_node, i) for i in range(per_node)]
+    slices = [(min(nfull, i * size), min(nfull, (i + 1) * size)) for i in range(per_node)]
+    lengths = [
+        sum((b - a) * rows[k][0].numel() for k, a, b in pieces[i]) + hi - lo for i, (lo, hi) in enumerate(slices)
+    ]
+    mine = pieces[j]
     parts: list[torch.Tensor] = []
     f_q = residuals = None
     if mine:
@@ -116,7 +117,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
         else:
             words, scl = pack_payload(codes, scales, layout)
             f_q = gathered_mean_async(words, scl, layout, inter, reduction=state.reduction, **kw)
-    lo, hi = min(nfull, j * size), min(nfull, (j + 1) * size)
+    lo, hi = slices[j]
     fp = None
     if hi > lo:
         fp = torch.cat(_full_runs(buf, runs))[lo:hi].mul_(1.0 / g.world_size(inter))
@@ -131,7 +132,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     if fp is not None:
         f_full.wait()
         parts.append(fp.to(buf.dtype))
-    longest = max(lengths(i) for i in range(per_node))
+    longest = max(lengths)
     block = buf.new_zeros(longest)
     if parts:
         mine_flat = torch.cat(parts)
@@ -142,13 +143,12 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     def assemble(f: torch.futures.Future) -> torch.Tensor:
         gathered = f.value().view(per_node, longest)
         full_views = _full_runs(buf, runs)
-        for i in range(per_node):
+        for i, ((lo_i, hi_i), mine_i) in enumerate(zip(slices, pieces)):
             at = 0
-            for k, a, b in _pieces(rows, per_node, i):
+            for k, a, b in mine_i:
                 n = (b - a) * rows[k][0].numel()
                 rows[k][a:b].copy_(gathered[i, at : at + n].view(rows[k][a:b].shape))
                 at += n
-            lo_i, hi_i = min(nfull, i * size), min(nfull, (i + 1) * size)
             _scatter(full_views, lo_i, gathered[i, at : at + hi_i - lo_i])
         return buf
 
