@@ -165,9 +165,14 @@ class CompensatedAllreduce(g.TwoPhase):
     them).
     """
 
-    def __init__(self, x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block=None):
+    def __init__(
+        self, x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block=None, keep=False
+    ):
         self._shape, self._n, self._dtype, self._block = x.shape, x.numel(), x.dtype, block
-        self._server_error, self._out, self._group = server_error, out, group
+        self._out, self._group, self._keep = out, group, keep
+        #: the server error buffer: the one passed, updated in place; with
+        #: ``keep_server_error=True`` a new buffer after :meth:`gather` (the one passed is left as it was)
+        self.server_error = server_error
         self._p, self._rank, self._c = p, rank, c
         self._received, self._scales, self._futures, self._traffic = received, scales, futures, traffic
         self.worker_scales: torch.Tensor | None = None
@@ -186,14 +191,21 @@ class CompensatedAllreduce(g.TwoPhase):
         # server (Algorithm 1, line 10): mean of the P decoded chunks, + error, compress again
         mean = scaled_sign_mean(self._received.view(p, c), self._scales, block)
         real = max(0, min(8 * c, n - 8 * c * rank))  # elements of this chunk that are not padding
+        old = self.server_error.view(-1)
+        if self._keep:  # mean + error = error + mean: the new error is computed into `mean`
+            vector, error = old[:real], mean[:real]
+            mean[real:].zero_()  # padding's error entries stay 0
+            self.server_error = mean
+        else:
+            vector, error = mean[:real], old[:real]
         bits, scale = scaled_sign_compress(
-            mean[:real],
-            self._server_error.view(-1)[:real],
+            vector,
+            error,
             nbytes=c,
             block=block,
             chunk=None if block is None else 8 * c,  # (1, nb): padding blocks get 0
         )
-        del mean
+        del mean, vector, error
         every_bits = torch.empty(p * c, dtype=torch.uint8, device=bits.device)
         every_scales = torch.empty(p, scale.numel(), dtype=torch.float32, device=bits.device)
         f_bits = g.all_gather_async(every_bits, bits, self._group, "compensated.server_signs", self._traffic)
@@ -251,6 +263,7 @@ def compensated_allreduce_start(
     check: bool = False,
     traffic=None,
     block: int | None = None,
+    keep_server_error: bool = False,
 ) -> CompensatedAllreduce:
     """Start :func:`compensated_allreduce`: compress this rank's ``x`` (``worker_error`` is
     updated before this returns, ``x`` is no longer needed) and launch the all-to-all of
@@ -260,6 +273,12 @@ def compensated_allreduce_start(
     :meth:`CompensatedAllreduce.gather` (or ``.wait()``); ``out`` is written by the wait.
     Arguments as in :func:`compensated_allreduce`. Every rank must start (and gather) its
     allreduces in the same order.
+
+    ``keep_server_error=True``: ``server_error`` is only read; the updated one is a new
+    buffer, :attr:`CompensatedAllreduce.server_error` after the gather (the same floats).
+    For a caller that must keep the old one until it knows the step is applied; for the
+    worker the same is had by passing the committed error as ``x`` and a buffer holding
+    ``x`` as ``worker_error`` (``x + e = e + x``, float32 to float32).
     """
     p = g.world_size(group)
     g.validated(lambda: _validate(x, worker_error, server_error, out, p, block), x, group, _WHAT, check, traffic)
@@ -278,4 +297,6 @@ def compensated_allreduce_start(
         scales = torch.empty_like(scale)
         f_scales = g.all_to_all_async(scales.view(-1), scale.view(-1), group, "compensated.scales", traffic)
     futures = (f_signs, f_scales)
-    return CompensatedAllreduce(x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block)
+    return CompensatedAllreduce(
+        x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block, keep_server_error
+    )

@@ -64,9 +64,26 @@ class OneBitCommunicator(BucketCommunicator):
         if saved is None:
             worker, server = compensated_error_buffers(flat, self.group)
         else:
-            # work on copies: the step may still be skipped, and then the errors must not move
-            worker, server = saved[0].clone(), saved[1].clone()
+            worker, server = saved
+        # v = x + e is symmetric: the committed worker error goes in as the vector and the
+        # buffer holding this step's momenta as the error buffer, which becomes the new error
+        # (the same floats: fl(x + e) = fl(e + x)); the server's new error is a new buffer too.
+        # Nothing committed is written, so a skipped step keeps it without a copy.
         handle = compensated_allreduce_start(
-            flat, worker, server, self.group, out=flat, check=self.debug, traffic=self.traffic, block=self.block
+            worker,
+            flat,
+            server,
+            self.group,
+            out=self._result_buffer(key, flat),
+            check=self.debug,
+            traffic=self.traffic,
+            block=self.block,
+            keep_server_error=True,
         )
-        return (worker, server), handle
+        return (flat, server), handle
+
+    def _scratch(self, state):
+        return state[0]
+
+    def _settled(self, state, handle):
+        return (state[0], handle.server_error)

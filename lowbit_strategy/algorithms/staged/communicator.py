@@ -34,6 +34,24 @@ class Job:
     sent: int = 0  # those this rank's collective carries (its shard across nodes; all when flat)
 
 
+def _flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> None:
+    """Elements ``[lo, hi)`` of ``tensors`` laid end to end, written into ``out`` (float32,
+    ``hi - lo`` elements): one read of the part sent, no temporary."""
+    pieces, start = [], 0
+    for t in tensors:
+        a, b = max(lo, start), min(hi, start + t.numel())
+        if a < b:
+            pieces.append(t.reshape(-1)[a - start : b - start])
+        start += t.numel()
+    if all(t.dtype == out.dtype for t in pieces):
+        torch.cat(pieces, out=out)
+        return
+    at = 0
+    for t in pieces:  # 16-bit momenta: converted exactly on the way in
+        out[at : at + t.numel()].copy_(t)
+        at += t.numel()
+
+
 class BucketCommunicator:
     """Process group + per-bucket rank-local state: the mean over ranks of each bucket's
     momenta through a compressed collective (subclasses: :meth:`_start_bucket`,
@@ -53,6 +71,15 @@ class BucketCommunicator:
     sends only its shard of a bucket over its cross-node group, with that shard's state, and
     the node all-gathers the shards' means and their non-finite verdicts. ``group`` and
     ``world_size`` are then the cross-node group and N.
+
+    Buffers persist across steps (a full-size allocation per step costs page faults and
+    allocator churn that dwarf the codec's passes on CPU): each bucket's momenta are
+    written into a float32 buffer the communicator keeps for that bucket, the subclass may
+    make it the bucket's new state (the error feedback ``e' = (x + e) − C[x + e]`` can be
+    computed into the buffer holding ``x``, reading the committed ``e`` without writing
+    it), and the buffer that state replaces becomes the next step's. So a step's new state
+    never overwrites the committed one: :meth:`commit` swaps, :meth:`discard` (a skipped
+    step) only drops the new one, and neither copies anything.
     """
 
     #: name used in log messages
@@ -74,23 +101,55 @@ class BucketCommunicator:
         self._inflight: dict[Key, Job] = {}
         self._side = SideStream()
         self._finished: list[Job] = []
+        #: per bucket: a free float32 buffer of the length this rank sends (the momenta go there)
+        self._spare: dict[Key, torch.Tensor] = {}
+        #: per bucket: the buffer its results are written to (views of it are returned; read
+        #: before the bucket's next collective starts, as ``step()`` does)
+        self._results: dict[Key, torch.Tensor] = {}
 
     # ---- subclass hooks ----------------------------------------------------------------
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Flagging]:
-        """Start the collective of one bucket's flat float32 momenta (``flat`` may be used as
-        the output buffer). ``saved``: the bucket's committed state, or None (a new bucket):
-        returns ``(this step's state, handle)``; never modify ``saved`` in place."""
+        """Start the collective of one bucket's flat float32 momenta. ``flat`` is the
+        communicator's buffer: the subclass may overwrite it and keep it in the state it
+        returns (:meth:`_scratch` names it). ``saved``: the bucket's committed state, or None
+        (a new bucket): returns ``(this step's state, handle)``; never modify ``saved`` in
+        place (a skipped step keeps it)."""
         raise NotImplementedError
+
+    def _scratch(self, state: tuple) -> torch.Tensor | None:
+        """The tensor of ``state`` that was a ``flat`` buffer (the same length), to reuse
+        once ``state`` is superseded; None: none is."""
+        return None
+
+    def _settled(self, state: tuple, handle: g.Flagging) -> tuple:
+        """This step's state once its collective has finished (some of it is only known then)."""
+        return state
+
+    def _result_buffer(self, key: Key, like: torch.Tensor) -> torch.Tensor:
+        """The bucket's persistent float32 result buffer, ``like``'s length and device."""
+        out = self._results.get(key)
+        if out is None or out.numel() != like.numel() or out.device != like.device:
+            out = self._results[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        return out
+
+    def _recycle(self, key: Key, state: tuple | None) -> None:
+        buf = None if state is None else self._scratch(state)
+        if buf is not None:
+            self._spare[key] = buf
 
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
-        flat = buckets.flatten([m.float() for m in momenta])
-        n = sent = flat.numel()
-        if self.topology is not None:
-            lo, hi = self.topology.shard(n, self.shard_align)
-            sent = hi - lo
-            # an empty shard still takes part (one zero element, dropped after)
-            flat = flat[lo:hi] if sent else flat.new_zeros(1)
+        n = sum(m.numel() for m in momenta)
+        lo, hi = (0, n) if self.topology is None else self.topology.shard(n, self.shard_align)
+        sent = hi - lo
+        device = momenta[0].device
+        flat = self._spare.pop(key, None)
+        if flat is None or flat.numel() != max(sent, 1) or flat.device != device:
+            flat = torch.empty(max(sent, 1), dtype=torch.float32, device=device)
+        if sent:
+            _flatten_into(flat, momenta, lo, hi)
+        else:  # an empty shard still takes part (one zero element, dropped after)
+            flat.zero_()
         saved = self.errors.get(key)
         if saved is not None and (saved[0].numel() != flat.numel() or saved[0].device != flat.device):
             saved = None
@@ -117,6 +176,7 @@ class BucketCommunicator:
                 bad = bad if node_bad is None else node_bad
             verdicts.append(bad)
             results.append(buckets.unflatten(flat.view(-1), job.like))
+            job.state = self._settled(job.state, job.handle)
         self._finished.extend(jobs)
         return results, (torch.stack(verdicts).any() if verdicts else None)
 
@@ -127,6 +187,7 @@ class BucketCommunicator:
         if stale is not None:  # a second backward before step(): its result is superseded
             self._finish([stale])
             self._finished.remove(stale)
+            self._recycle(key, stale.state)
         # Defer-one rule: start the second phase of the buckets launched before this one, in
         # launch order (the same on every rank), so it overlaps the rest of backward; on CUDA
         # on a side stream, so its wait for the first phase does not stall backward's kernels.
@@ -157,11 +218,15 @@ class BucketCommunicator:
     def commit(self) -> None:
         """The step was applied: this step's per-bucket state becomes the state."""
         for job in self._finished:
+            old = self.errors.get(job.key)
             self.errors[job.key] = job.state
+            self._recycle(job.key, old)
         self._finished = []
 
     def discard(self) -> None:
-        """The step was skipped: keep the previous state."""
+        """The step was skipped: keep the previous state (nothing to undo: it was never written)."""
+        for job in self._finished:
+            self._recycle(job.key, job.state)
         self._finished = []
 
     # ---- rank-local state --------------------------------------------------------------

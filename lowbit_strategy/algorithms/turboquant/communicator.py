@@ -117,34 +117,41 @@ class TurboQuantCommunicator(BucketCommunicator):
             worker = torch.zeros_like(flat)
             server = turboquant_server_error(flat, self.codec, self.group) if two_stage else flat.new_zeros(0)
             scale = None
-        else:  # copies: the step may still be skipped, and then the state must not move
-            worker, server, scale = (t.clone() for t in saved)
+        else:  # the step may still be skipped, and then the state must not move: the worker
+            # error is only read (below), the server's and the scale EMA are copied (1/P, tiny)
+            worker, server, scale = saved[0], saved[1].clone(), saved[2].clone()
         if self.scale_decay == 0:
             # each step's own RMS: the codec computes it from the rotated vector it encodes
             # anyway, so no extra pass here; nothing to keep for the next step
             scale, kept = None, flat.new_zeros(0)
         else:
             padded, size = turboquant_scale_groups(n, self.world_size, self.codec.block, two_stage)
-            rms = group_rms(flat + worker, padded, size)
+            rms = group_rms(worker + flat, padded, size)
             if scale is None or scale.numel() != rms.numel():
                 scale = rms
             else:
                 scale = scale.mul_(self.scale_decay).add_(rms, alpha=1 - self.scale_decay)
             kept = scale
+        # u = x + e is symmetric: the committed worker error goes in as the vector and the
+        # buffer holding this step's momenta as the error buffer, which the collective
+        # overwrites with the new error (the same floats); nothing committed is written
         handle: TurboQuantTwoStage | TurboQuantAllgather
         if two_stage:
             handle = turboquant_two_stage_mean_start(
-                flat,
+                worker,
                 self.codec,
                 server,
                 self.group,
                 scale=scale,
-                worker_error=worker,
+                worker_error=flat,
                 check=self.debug,
                 traffic=self.traffic,
             )
         else:
             handle = turboquant_allgather_mean_start(
-                flat, self.codec, self.group, scale=scale, worker_error=worker, check=self.debug, traffic=self.traffic
+                worker, self.codec, self.group, scale=scale, worker_error=flat, check=self.debug, traffic=self.traffic
             )
-        return (worker, server, kept), handle
+        return (flat, server, kept), handle
+
+    def _scratch(self, state):
+        return state[0]

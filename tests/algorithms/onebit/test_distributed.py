@@ -86,10 +86,11 @@ def _check_adam(rank, world_size):
     for overlap in (False, True):
         cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005, onebit_adam_overlap=overlap,
                            onebit_adam_scale_block=16)
-        sent, switch = [], []
+        sent, switch, buffers = [], [], []
 
         def count(step, model, o):
             _same_on_every_rank(model)
+            buffers.append({k: w.data_ptr() for k, (w, _) in o.communicator.errors.items()})
             if step == FREEZE:
                 switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
             sent.append(sum(b for op, b in o.communicator.traffic.by_op().items() if op.startswith("compensated.")))
@@ -112,6 +113,11 @@ def _check_adam(rank, world_size):
         expect = sum(2 * (world_size - 1) * (c // 8 + 4 * -(-c // 16)) for c in chunks)
         assert per_step == expect, (per_step, expect, sent, layout)
         assert sent[FREEZE - 1] == 0  # warm-up: gradients averaged by the hook, no momentum sent
+        # persistent buffers: a step's new worker error is written into the buffer the error
+        # before the committed one held (two alternate per bucket), never a fresh allocation
+        assert len(buffers) - FREEZE >= 4
+        for a, b, c in zip(buffers[FREEZE + 1 :], buffers[FREEZE + 2 :], buffers[FREEZE + 3 :]):
+            assert a == c and all(a[k] != b[k] for k in a), (a, b, c)
     # the optimizer's own fixed layout: started during backward or in step(), the same bits
     assert all(torch.equal(a, b) for a, b in zip(*finals))
 
