@@ -20,6 +20,7 @@ import torch
 
 from lowbit_strategy.codecs.lp import all_finite
 from lowbit_strategy.codecs.signs import compare_bytes
+from lowbit_strategy.codecs.streaming import SLICE, row_slices, sliced
 
 THRESHOLD_FACTOR = 0.75
 
@@ -50,33 +51,81 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     if bits not in (1, 2):
         raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
     rows = _as_rows(g, validate)
-    mag = rows.abs()
-    mean_abs = mag.mean(dim=1)
+    if not sliced(rows):
+        mag = rows.abs()
+        mean_abs = mag.mean(dim=1)
+        if bits == 1:
+            return compare_bytes(torch.ge, rows, 0).reshape(-1), mean_abs
+        codes = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+        kept_count, kept_sum = _ternary(rows, mag, mean_abs, codes)
+        return codes.reshape(-1), _scales(kept_count, kept_sum)
     if bits == 1:
-        return compare_bytes(torch.ge, rows, 0).reshape(-1), mean_abs
-    return _ternary(rows, mag, mean_abs)
+        return compare_bytes(torch.ge, rows, 0).reshape(-1), _mean_abs_sliced(rows)
+    return _ternary_sliced(rows)
 
 
-def _ternary(rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-bit codes and scales of Eq. 7 and Eq. 4, given ``mag = |rows|`` (consumed here).
+def _ternary(
+    rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor, codes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-bit codes of Eq. 7 written into ``codes`` (uint8, ``rows``' shape), and per row the
+    count and the sum of the kept magnitudes (Eq. 4's numerator and denominator), given
+    ``mag = |rows|`` (consumed here) and its row means.
 
     Same values as the textbook bool masks, ``kept.sum(dim=1)`` and
     ``(mag * kept).sum(dim=1)``, but on CPU bool is the slow dtype: the masks are made as
     0/1 bytes (:func:`~lowbit_strategy.codecs.signs.compare_bytes`), the count sums them
     into int32 (a bool -> int64 reduction takes a casting path ~40x slower), and the kept
     magnitudes overwrite ``mag`` (multiplied by 0/1 bytes) instead of filling a new buffer.
+    ``plus`` and ``minus`` are disjoint (α >= 0), so ``plus + 2·minus`` is the code and
+    ``plus | minus`` the kept mask.
     """
     alpha = (THRESHOLD_FACTOR * mean_abs).unsqueeze(1)
     plus = compare_bytes(torch.ge, rows, alpha)
     minus = compare_bytes(torch.lt, rows, -alpha)
-    kept = plus | minus
+    torch.add(plus, minus, out=codes).add_(minus)  # TERNARY_PLUS = 1, TERNARY_MINUS = 2 (alpha= is ~20x slower)
+    kept = plus.bitwise_or_(minus)
     count_dtype = torch.int32 if rows.shape[1] < 2**31 else torch.int64
-    kept_count = kept.sum(dim=1, dtype=count_dtype).long()
-    kept_sum = mag.mul_(kept).sum(dim=1)
-    scales = torch.where(kept_count > 0, kept_sum / kept_count.clamp(min=1), torch.zeros_like(kept_sum))
-    codes = plus * TERNARY_PLUS
-    codes.add_(minus, alpha=TERNARY_MINUS)
-    return codes.reshape(-1), scales
+    return kept.sum(dim=1, dtype=count_dtype), mag.mul_(kept).sum(dim=1)
+
+
+def _scales(kept_count: torch.Tensor, kept_sum: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: the mean kept magnitude of every row, 0 for a row with nothing kept."""
+    kept_count = kept_count.long()
+    return torch.where(kept_count > 0, kept_sum / kept_count.clamp(min=1), torch.zeros_like(kept_sum))
+
+
+def _row_buffer(rows: torch.Tensor) -> torch.Tensor:
+    """A float32 buffer for the largest slice of :func:`.streaming.row_slices` of ``rows``."""
+    r, c = rows.shape
+    return torch.empty(min(r * c, max(SLICE, 3 * c)), dtype=torch.float32, device=rows.device)
+
+
+def _mean_abs_sliced(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.abs().mean(dim=1)`` on slices of whole rows (:func:`.streaming.row_slices`)
+    through one reused buffer: the same per-row sums, no full-size ``|rows|``."""
+    r, c = rows.shape
+    mean_abs = torch.empty(r, dtype=torch.float32, device=rows.device)
+    buf = _row_buffer(rows)
+    for lo, hi in row_slices(r, c):
+        mag = torch.abs(rows[lo:hi], out=buf[: (hi - lo) * c].view(hi - lo, c))
+        torch.mean(mag, dim=1, out=mean_abs[lo:hi])
+    return mean_abs
+
+
+def _ternary_sliced(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-bit encoder on slices of whole rows (:func:`.streaming.row_slices`): every row
+    goes through the same operations (its reductions along whole rows, in calls of two rows
+    or more), so the same codes and scales, with the temporaries in the cache."""
+    r, c = rows.shape
+    codes = torch.empty(r, c, dtype=torch.uint8, device=rows.device)
+    kept_count = torch.empty(r, dtype=torch.int32 if c < 2**31 else torch.int64, device=rows.device)
+    kept_sum = torch.empty(r, dtype=torch.float32, device=rows.device)
+    buf = _row_buffer(rows)
+    for lo, hi in row_slices(r, c):
+        part = rows[lo:hi]
+        mag = torch.abs(part, out=buf[: (hi - lo) * c].view(hi - lo, c))
+        kept_count[lo:hi], kept_sum[lo:hi] = _ternary(part, mag, mag.mean(dim=1), codes[lo:hi])
+    return codes.reshape(-1), _scales(kept_count, kept_sum)
 
 
 def channel_decode(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

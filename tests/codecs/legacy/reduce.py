@@ -1,0 +1,34 @@
+"""The sum over ranks: one fixed order, a few kernels whatever the number of ranks.
+
+Every collective that decodes the P ranks' payloads and averages them on every rank needs
+the same float32 result on every rank, so the order of the additions is part of its
+definition. Summing rank after rank (``((x_0 + x_1) + x_2) + …``) takes P − 1 kernel
+launches per bucket, tens of thousands per step on a GPU at P = 64; no torch reduction
+reproduces that order (``torch.sum`` over a dimension uses several accumulators, and a
+different scheme on CUDA). :func:`rank_sum` adds in a fixed pairwise tree instead:
+
+    level 1: (x_0 + x_1), (x_2 + x_3), …   an odd last row is carried up unchanged
+    level 2: the same on the level-1 sums, and so on until one row is left
+
+``ceil(log2 P)`` additions (plus a concatenation at levels with an odd count), each one
+elementwise over all the pairs at once, so every backend (torch on CPU or CUDA, a Triton
+kernel) computes the same bits. For P ≤ 3 it is exactly rank order: ``x_0 + x_1`` and
+``(x_0 + x_1) + x_2``. Pure: no process group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rank_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over its first dimension (one row per rank, in rank order) in the
+    pairwise order of the module docstring; ``x`` is not modified (a new tensor, or a view
+    of ``x[0]`` when there is one row)."""
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"rank_sum needs at least one row, got shape {tuple(x.shape)}")
+    while x.shape[0] > 1:
+        pairs = x.shape[0] // 2
+        level = x[0 : 2 * pairs : 2] + x[1 : 2 * pairs : 2]
+        x = torch.cat([level, x[-1:]]) if x.shape[0] % 2 else level
+    return x[0]

@@ -1,0 +1,369 @@
+"""Error-compensated 1-bit codes with one scale (or one per block): the compressor of 1-bit Adam / 1-bit LAMB.
+
+"1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with LAMB's
+Convergence Speed" (Li et al., arXiv:2104.06069), Algorithm 1, lines 7 and 10, compresses
+a vector ``v`` (the local momentum plus the previous compression error) into its signs and
+one scale, and keeps what the code could not say as the next step's error:
+
+    C[v]   = s · sign(v),        s = ‖v‖₂ / √n   (n = number of real elements)
+    error' = v − C[v]
+
+``s = ‖v‖₂/√n`` makes ``‖C[v]‖₂ = ‖v‖₂``. The same compressor runs twice in the compressed
+allreduce (:mod:`lowbit_strategy.collectives.compensated`): on every worker over its whole
+vector, and on every server over the chunk it owns. These functions are the pure parts:
+no process group, no host synchronization (the scale stays a device tensor).
+
+**Block scales** (``block=``): the same compressor on every block of ``block`` consecutive
+elements, each with its own ``s_b = ‖v_b‖₂/√n_b`` (``n_b`` = the real elements of the
+block; the last block may be partial). One scale for a whole vector is dominated by its
+largest entries: a layer whose momenta are 1000x smaller than its neighbour's is sent as
+``±s`` of the neighbour's size, and its error buffer has to carry almost all of it. The
+1-bit LAMB paper (arXiv:2104.06069, Sec. 4.3) makes the same observation about layers of
+different magnitudes sharing one scale; per-block scales make the scale granularity a
+setting of the codec rather than a side effect of how many vectors are sent. ``block``
+is a positive multiple of 8, so every byte of sign bits belongs to one block. With
+``chunk=``, blocks restart at every ``chunk`` elements (the collective's layout: no block
+straddles two ranks' chunks). ``block=None`` is the one-scale code, unchanged.
+
+Rules:
+
+* **Zeros.** ``sign(v) = +1`` for ``v >= 0``, both ``+0.0`` and ``-0.0`` (DeepSpeed's
+  compressed allreduce maps 0 to +1 too). The fixed choice is harmless here, unlike in a
+  plain sign vote (:mod:`.signs`): a zero sent as ``+s`` leaves ``-s`` in the error, which
+  the next step adds back, so the bias does not accumulate. An all-zero ``v`` gets
+  ``s = 0`` and keeps a zero error.
+* **Arithmetic.** Everything is float32 whatever the input's dtype: ``v = float32(x) +
+  error`` (16-bit inputs convert exactly; float64 is rounded to float32 first), the error
+  buffer is float32, ``s`` is ``torch.linalg.vector_norm(v) / math.sqrt(n)`` in float32
+  (per block: the row norms of a view of the blocks, which on CPU is the same kernel, and
+  the same floats, as the norm of each block alone), and ``error' = v − s·sign(v)`` is
+  rounded once per element (``s·sign`` is exact).
+* **Bits.** Bit 1 means +1, 0 means −1, laid out like ``bits.pack(codes, 1)``: element
+  ``i`` at bit ``i % 8`` of byte ``i // 8``. Padding bits (past ``n``) are 0.
+* **Range.** The norm squares in float32 (as DeepSpeed's does), which is fast and exact to
+  float32 rounding while the squares stay in float32's range: elements below ~1e-19 add
+  nothing to it (a vector of only such values gets scale 0, and its error keeps carrying
+  them, never a NaN), and ``‖v‖₂`` above ~1.8e19 overflows to an infinite scale. Momenta
+  and gradients live far inside this range.
+* **Non-finite input** gives a NaN/inf scale, and with it a non-finite error buffer; check
+  the input before compressing (an optimizer skipping an overflowed step must skip this too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.codecs.legacy.bits import pack_bytes_into_lanes
+from tests.codecs.legacy.reduce import rank_sum
+from tests.codecs.legacy.signs import compare_bytes, signs_from_bits
+
+#: dtypes accepted as input; the arithmetic and the error buffers are float32 for all.
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_PM1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _pm1_table(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32: the ±1 of the eight bits of every byte value (bit 1 -> +1)."""
+    table = _PM1_TABLES.get(device)
+    if table is None:
+        byte_values = torch.arange(256, dtype=torch.uint8, device=device)
+        table = _PM1_TABLES.setdefault(device, signs_from_bits(byte_values, 2048).view(256, 8))
+    return table
+
+
+def check_input(x, name: str, what: str) -> None:
+    """``TypeError`` unless ``x`` is a tensor of one of :data:`INPUT_DTYPES`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{what}: {name} must be a floating-point tensor ({', '.join(map(str, INPUT_DTYPES))}), got dtype {x.dtype}"
+        )
+
+
+def check_error_buffer(buf, numel: int, device: torch.device, name: str, what: str, sized_by: str) -> None:
+    """``TypeError``/``ValueError`` naming ``name`` unless ``buf`` is a contiguous float32
+    tensor of ``numel`` elements on ``device`` (``sized_by`` says where ``numel`` comes from)."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32:
+        raise TypeError(
+            f"{what}: {name} must be float32 (the error feedback is kept in float32 whatever "
+            f"the input's dtype), got dtype {buf.dtype}"
+        )
+    if buf.numel() != numel:
+        raise ValueError(
+            f"{what}: {name} must hold {sized_by} = {numel} elements, got {buf.numel()} (shape {tuple(buf.shape)})"
+        )
+    if buf.device != device:
+        raise ValueError(f"{what}: {name} is on {buf.device}, the input on {device}; keep them on one device")
+    if not buf.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous (it is updated in place)")
+
+
+def check_block(block, what: str) -> None:
+    """``ValueError`` naming ``block`` unless it is None or a positive multiple of 8."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8):
+        raise ValueError(
+            f"{what}: block must be None or a positive multiple of 8 (elements per scale; a byte of "
+            f"sign bits must not straddle two blocks), got {block!r}"
+        )
+
+
+def _block_pieces(n: int, length: int, block: int):
+    """The real elements of ``rows`` rows of ``length`` elements, cut into blocks that
+    restart at every row, as at most four strided ``(rows, blocks, block length)`` pieces:
+    ``(offset, size, stride, rows slice, blocks slice)``. Full rows' whole blocks, full
+    rows' partial last block, the partial row's whole blocks, its partial last block. A
+    constant number of pieces whatever the number of blocks: no Python loop over blocks."""
+    full_rows, rest = divmod(n, length)
+    whole, tail = divmod(length, block)
+    rest_whole, rest_tail = divmod(rest, block)
+    pieces = [
+        (0, (full_rows, whole, block), (length, block, 1), slice(0, full_rows), slice(0, whole)),
+        (whole * block, (full_rows, 1, tail), (length, tail, 1), slice(0, full_rows), slice(whole, whole + 1)),
+        (
+            full_rows * length,
+            (1, rest_whole, block),
+            (length, block, 1),
+            slice(full_rows, full_rows + 1),
+            slice(0, rest_whole),
+        ),
+        (
+            full_rows * length + rest_whole * block,
+            (1, 1, rest_tail),
+            (length, rest_tail, 1),
+            slice(full_rows, full_rows + 1),
+            slice(rest_whole, rest_whole + 1),
+        ),
+    ]
+    return [piece for piece in pieces if math.prod(piece[1])]
+
+
+def _piece(t: torch.Tensor, offset: int, size, stride) -> torch.Tensor:
+    """A strided view of 1-D contiguous ``t`` starting ``offset`` elements into it."""
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+@torch.no_grad()
+def scaled_sign_compress(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    *,
+    nbytes: int | None = None,
+    block: int | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress ``v = x + error`` to sign bits and scales; ``error`` becomes ``v − C[v]``.
+
+    1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 7 (worker) and line 10 (server), with
+    ``C[v] = ‖v‖₂/√n · sign(v)`` as in the module docstring (zeros count as +1).
+
+    ``x``: any shape, one of :data:`INPUT_DTYPES`, not modified. ``error``: float32,
+    contiguous, ``x.numel()`` elements, updated in place (it holds ``v`` on the way, so no
+    float32 copy of the input is made). ``nbytes``: length of the returned bit buffer, at
+    least ``ceil(n / 8)`` (the default); the bits past ``n`` are 0 — the collective uses it
+    to pad to whole chunks.
+
+    ``block`` (a positive multiple of 8, or None): elements per scale. None: one scale for
+    the whole vector. Otherwise block ``b`` covers elements ``[b·block, min((b+1)·block,
+    n))`` and gets ``s_b = ‖v_b‖₂/√(its real elements)``. ``chunk`` (only with ``block``; a
+    positive multiple of 8 dividing ``8·nbytes``): blocks restart at every ``chunk``
+    elements — block ``b`` of chunk ``r`` covers ``[chunk·r + b·block, min(chunk·r +
+    (b+1)·block, chunk·(r+1), n))`` — and every chunk of the ``8·nbytes`` padded elements
+    has ``ceil(chunk/block)`` scales, 0 for blocks of padding only.
+
+    Returns ``(bits, scales)``: ``nbytes`` uint8 bytes and float32 scales on ``x``'s
+    device: a 0-d tensor (``block=None``), ``ceil(n/block)`` values (``block``), or
+    ``(8·nbytes/chunk, ceil(chunk/block))`` (``block`` and ``chunk``). ``n = 0`` is allowed
+    (a server chunk of padding only): scales 0, all bits 0.
+    """
+    nbytes = _check_compress(x, error, nbytes, block, chunk)
+    n = x.numel()
+    v = error.view(-1)
+    v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
+    scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
+    codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
+    codes[n:] = 0
+    compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
+    sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
+    if block is None:
+        v.addcmul_(sign, scale, value=-1)  # error = v − s·sign(v): s·sign is exact, one rounding
+    else:
+        for offset, size, stride, rs, bs in pieces:  # the same, each block with its own scale
+            _piece(v, offset, size, stride).addcmul_(_piece(sign, offset, size, stride), grid[rs, bs, None], value=-1)
+    del sign
+    return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
+
+
+def _check_compress(x, error, nbytes: int | None, block: int | None, chunk: int | None) -> int:
+    """The arguments of :func:`scaled_sign_compress`, checked; returns ``nbytes`` (its default filled in)."""
+    what = "scaled_sign_compress"
+    check_input(x, "x", what)
+    n = x.numel()
+    check_error_buffer(error, n, x.device, "error", what, "x.numel()")
+    need = -(-n // 8)
+    if nbytes is None:
+        nbytes = need
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < need:
+        raise ValueError(f"{what}: nbytes must be an int of at least ceil(n / 8) = {need}, got {nbytes!r}")
+    check_block(block, what)
+    if chunk is not None:
+        if block is None:
+            raise ValueError(f"{what}: chunk needs block (blocks restart at every chunk)")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8 or (8 * nbytes) % chunk:
+            raise ValueError(
+                f"{what}: chunk must be a positive multiple of 8 dividing 8 * nbytes = {8 * nbytes}, got {chunk!r}"
+            )
+    return nbytes
+
+
+def _compress_scales(v: torch.Tensor, n: int, nbytes: int, block: int | None, chunk: int | None):
+    """``(scales, grid, pieces)`` of :func:`scaled_sign_compress` for ``v`` (its ``n`` real
+    elements): the scales as returned; with ``block``, the same scales as a ``(rows,
+    blocks per row)`` grid and the block pieces (:func:`_block_pieces`) whose scale is
+    ``grid[rs, bs]``."""
+    if block is None:
+        if n:
+            scale = torch.linalg.vector_norm(v) / math.sqrt(n)
+        else:
+            scale = torch.zeros((), dtype=torch.float32, device=v.device)
+        return scale, scale, []
+    length = chunk if chunk is not None else max(n, 1)
+    rows = 8 * nbytes // chunk if chunk is not None else 1
+    per_row = -(-length // block) if n or chunk is not None else 0
+    grid = torch.zeros(rows, per_row, dtype=torch.float32, device=v.device)  # blocks of padding: 0
+    pieces = _block_pieces(n, length, block) if n else []
+    for offset, size, stride, rs, bs in pieces:
+        grid[rs, bs] = torch.linalg.vector_norm(_piece(v, offset, size, stride), dim=-1) / math.sqrt(size[2])
+    return (grid if chunk is not None else grid.view(-1)), grid, pieces
+
+
+def _check_rows(
+    bits: torch.Tensor, scales: torch.Tensor, what: str, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits`` as (k, c) uint8 rows and ``scales`` as (k,) float32, or as (k, nb) with
+    ``nb = ceil(8c / block)`` block scales per row."""
+    check_block(block, what)
+    if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or bits.dim() not in (1, 2):
+        raise TypeError(f"{what}: bits must be a 1-D or (k, c) uint8 tensor, got {getattr(bits, 'dtype', bits)!r}")
+    rows = bits.view(1, -1) if bits.dim() == 1 else bits
+    if not isinstance(scales, torch.Tensor) or not scales.dtype.is_floating_point:
+        raise TypeError(f"{what}: scales must be a floating-point tensor")
+    k, c = rows.shape
+    if block is None:
+        if scales.numel() != k:
+            raise ValueError(f"{what}: {k} rows of bits need as many scales, got {scales.numel()}")
+    else:
+        nb = -(-8 * c // block)
+        if scales.numel() != k * nb:
+            raise ValueError(
+                f"{what}: {k} rows of {c} bytes need {k} x ceil({8 * c}/block={block}) = {k * nb} block scales, "
+                f"got {scales.numel()}"
+            )
+    if scales.device != bits.device:
+        raise ValueError(f"{what}: scales are on {scales.device}, bits on {bits.device}")
+    scales = scales.reshape(-1).float()
+    return rows, scales if block is None else scales.view(k, -1)
+
+
+def _byte_blocks(c: int, block: int, device: torch.device) -> torch.Tensor:
+    """(c,) int64: the block of every byte of a row (``8j // block`` for byte ``j``)."""
+    return torch.arange(0, 8 * c, 8, device=device).div_(block, rounding_mode="floor")
+
+
+def _block_tables(c: int, nb: int) -> bool:
+    """Whether a ``(256, 8)`` table per block (2048 floats) is cheap next to the ``8c``
+    floats of a row: at most an eighth of them (blocks of >= 16384 elements). Then one gather
+    per byte from the tables; otherwise a gather of ±1 times each byte's scale. Same floats."""
+    return 0 < 2048 * nb <= c
+
+
+@torch.no_grad()
+def scaled_sign_decode(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    dtype: torch.dtype = torch.float32,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``C[v]`` back from its code: row ``r`` of ``bits`` decodes to ``scales[r] · (±1)``.
+
+    ``bits``: ``(k, c)`` uint8, ``k`` chunks of ``c`` bytes laid out one after another (or
+    1-D: one chunk), ``scales``: ``k`` values. Returns the first ``n`` of the ``8·k·c``
+    decoded values, 1-D, as ``dtype``: the float32 value ``±scales[r]`` rounded to
+    ``dtype``. One gather per byte from a ``(k·256, 8)`` table of the scaled signs of every
+    byte value, so no per-bit unpacking and no separate scaling pass.
+
+    ``block`` (a positive multiple of 8): per-block scales, ``(k, nb)`` or ``k·nb`` values
+    with ``nb = ceil(8c/block)``; block ``b`` of row ``r`` (elements ``[b·block,
+    (b+1)·block)`` of the row, the last one partial) decodes to ``scales[r, b] · (±1)``,
+    rounded to ``dtype`` the same way. For blocks of 16384+ elements one gather per byte
+    from a table per (row, block), as without blocks; for smaller ones (where such tables
+    would outweigh the output) a gather of ±1 per byte times each byte's block scale.
+    """
+    what = "scaled_sign_decode"
+    rows, scales = _check_rows(bits, scales, what, block)
+    k, c = rows.shape
+    if not 0 <= n <= 8 * k * c:
+        raise ValueError(f"{what}: cannot decode n={n} values from {k} x {c} bytes")
+    if block is not None:
+        nb = scales.shape[1]
+        byte_blocks = _byte_blocks(c, block, bits.device)
+        if not _block_tables(c, nb):
+            per_byte = scales[:, byte_blocks].to(dtype)  # (k, c); ±1 · round(s) = round(±s)
+            pm1 = _pm1_table(bits.device).to(dtype)
+            out = pm1.index_select(0, rows.reshape(-1).to(torch.int32)).view(k * c, 8)
+            return out.mul_(per_byte.view(k * c, 1)).view(-1)[:n]
+        # one table per (row, block): index = (row·nb + block of the byte)·256 + byte
+        table = (scales.view(k * nb, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * nb * 256, 8)
+        index = torch.arange(0, k * nb, nb, dtype=torch.int32, device=bits.device).view(k, 1) + byte_blocks.int()
+        index = index.mul_(256).add_(rows)
+        return table.index_select(0, index.view(-1)).view(-1)[:n]
+    table = (scales.view(k, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * 256, 8)
+    index = torch.arange(0, 256 * k, 256, dtype=torch.int32, device=bits.device).view(k, 1) + rows
+    return table.index_select(0, index.view(-1)).view(-1)[:n]
+
+
+@torch.no_grad()
+def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """The mean of ``k`` decoded codes: ``Σ_r (scales[r] / k) · (±1)_r`` for all ``8c`` bits.
+
+    1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 10: the server's average of the
+    ``m̂_t^(i)`` it receives. ``bits``: ``(k, c)`` uint8, one row per sender; ``scales``:
+    ``k`` values. Returns ``8c`` float32 values (padding bits included: the caller slices).
+
+    The order is fixed, so every run gives the same floats: weights ``w_r = scales[r] / k``
+    in float32, each ``w_r·±1`` exact, summed over rows by
+    :func:`~lowbit_strategy.codecs.reduce.rank_sum` (a fixed pairwise tree; row order for
+    ``k ≤ 3``), one rounding per addition. All rows at once, through per-row ``(256, 8)``
+    tables of ``±w_r``: a handful of kernels whatever ``k``, and ``k`` chunks of floats of
+    extra memory (the size of the bucket the chunks came from).
+
+    ``block`` (a positive multiple of 8): per-block scales, ``(k, nb)`` or ``k·nb`` values
+    with ``nb = ceil(8c/block)``: row ``r``'s block ``b`` weighs ``w_rb = scales[r, b] / k``.
+    Same order and roundings (``w_rb·±1`` is exact), through a table of ``±w_rb`` per
+    block (blocks of 16384+ elements) or a ±1 gather per byte times each byte's weight.
+    """
+    rows, scales = _check_rows(bits, scales, "scaled_sign_mean", block)
+    k, c = rows.shape
+    device = bits.device
+    index = rows.to(torch.int32)
+    if block is not None and not _block_tables(c, scales.shape[1]):
+        weights = (scales / k)[:, _byte_blocks(c, block, device)].unsqueeze(-1)  # (k, c, 1)
+        terms = _pm1_table(device).index_select(0, index.view(-1)).view(k, c, 8).mul_(weights)  # exact products
+        return rank_sum(terms).reshape(-1)
+    if block is not None:  # a (256, 8) table of ±w per (row, block), as below with one per row
+        nb = scales.shape[1]
+        tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(device)).view(k * nb * 256, 8)
+        offsets = _byte_blocks(c, block, device).to(torch.int32).mul_(256)
+        first = torch.arange(0, k * nb * 256, nb * 256, dtype=torch.int32, device=device).view(k, 1)
+    else:
+        tables = ((scales / k).view(k, 1, 1) * _pm1_table(device)).view(k * 256, 8)  # (k·256, 8): ±w_r
+        offsets = torch.zeros((), dtype=torch.int32, device=device)
+        first = torch.arange(0, k * 256, 256, dtype=torch.int32, device=device).view(k, 1)
+    terms = tables.index_select(0, (first + offsets + index).view(-1)).view(k, c, 8)
+    return rank_sum(terms).reshape(-1)

@@ -1,0 +1,159 @@
+"""The faster codecs give the same bits as the codecs before issue 23's pass-count work.
+
+The oracle is a frozen copy of the old code (``tests/codecs/legacy``). Inputs cover the
+sliced paths (lengths past :data:`~lowbit_strategy.codecs.streaming.SLICE`, not multiples
+of it nor of 8), ties (exact zeros of both signs, values on the 2-bit threshold), all-zero
+input, heavy tails, 16-bit and float64 inputs, and both torch thread counts the suite runs
+with (a reduction's order depends on it: the new code must follow the old one there too).
+"""
+
+import math
+
+import pytest
+import torch
+
+from lowbit_strategy.codecs import channel, lp, scaled_signs, signs
+from lowbit_strategy.codecs.streaming import SLICE, row_slices
+from tests.codecs.legacy import channel as old_channel
+from tests.codecs.legacy import lp as old_lp
+from tests.codecs.legacy import scaled_signs as old_scaled_signs
+from tests.codecs.legacy import signs as old_signs
+
+LENGTHS = (1, 7, 8, 1000, SLICE - 1, SLICE, SLICE + 1, 2 * SLICE + 13, 3 * SLICE + 8)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _vector(n: int, kind: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + n)
+    x = torch.randn(n, generator=g)
+    if kind == "zeros":  # ties: +0 and -0 scattered, a run of them
+        x[torch.rand(n, generator=g) < 0.1] = 0.0
+        x[torch.rand(n, generator=g) < 0.05] = -0.0
+        x[: min(n, 40)] = 0.0
+    elif kind == "heavy":  # Lion-like: tiny values, a few huge ones
+        x = x * torch.rand(n, generator=g).pow(8) * 1e-6
+        x[:: max(1, n // 7)] *= 1e9
+    elif kind == "allzero":
+        x.zero_()
+    elif kind == "halves":  # many values on rounding ties after scaling
+        x = torch.randint(-40, 40, (n,), generator=g).float() / 4
+    return x
+
+
+KINDS = ("randn", "zeros", "heavy", "allzero", "halves")
+
+
+def _same(a, b):
+    if isinstance(a, tuple):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            _same(u, v)
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype.is_floating_point:  # bit for bit: -0.0 against +0.0 and NaN payloads count
+        a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_lp_quantize(threads, n, kind):
+    x = _vector(n, kind)
+    # p = 0 and 2 share the sliced quantizer; their means (float64) did not change
+    for p in (1.0, math.inf) if n > SLICE + 1 else (0.0, 1.0, 2.0, math.inf):
+        for levels in (1, 127, 300):
+            _same(lp.lp_quantize_levels(x, levels, p), old_lp.lp_quantize_levels(x, levels, p))
+        _same(lp.lp_norm_mean(x, p), old_lp.lp_norm_mean(x, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_lp_quantize_other_dtypes(dtype):
+    x = _vector(2 * SLICE + 5, "heavy").to(dtype) if dtype == torch.float64 else _vector(2 * SLICE + 5, "randn").to(dtype)
+    for p in (1.0, math.inf):
+        _same(lp.lp_quantize_levels(x, 127, p), old_lp.lp_quantize_levels(x, 127, p))
+
+
+def test_all_finite_agrees_with_the_exact_test():
+    x = _vector(SLICE + 3, "randn")
+    assert lp.all_finite(x)
+    big = torch.full((10,), 3e38)  # finite values whose sum overflows: the exact test decides
+    assert lp.all_finite(big) and not bool(torch.isfinite(big.sum()))
+    for bad in (math.inf, -math.inf, math.nan):
+        y = x.clone()
+        y[SLICE] = bad
+        assert not lp.all_finite(y)
+    y = x.clone()
+    y[0], y[1] = math.inf, -math.inf  # a NaN sum from two infinities
+    assert not lp.all_finite(y)
+
+
+SHAPES = ((1, 5), (3, 7), (2, SLICE + 1), (5, SLICE // 2 + 3), (600, 1000), (1000, 257), (3, 2 * SLICE), (SLICE + 5, 2))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", ("randn", "zeros", "heavy", "allzero", "halves"))
+def test_channel_encode(threads, shape, kind):
+    rows = _vector(shape[0] * shape[1], kind).view(shape)
+    if kind == "randn":  # some rows all zero, some values exactly on ±alpha
+        rows[1:2] = 0.0
+        alpha = 0.75 * rows[-1].abs().mean()
+        rows[-1, :2] = torch.stack([alpha, -alpha])
+    for bits in (1, 2):
+        _same(channel.channel_encode(rows, bits), old_channel.channel_encode(rows, bits))
+    _same(channel.channel_encode(rows.reshape(-1), 2), old_channel.channel_encode(rows.reshape(-1), 2))
+
+
+def test_row_slices_cover_every_row_with_two_or_more():
+    for rows, cols in ((1, 10), (2, 10**7), (3, 10**7), (10, 3), (1000, 257), (SLICE + 5, 2)):
+        got = list(row_slices(rows, cols))
+        assert got[0][0] == 0 and got[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(hi - lo >= 2 for lo, hi in got) or rows == 1
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ("randn", "zeros", "allzero"))
+def test_sign_codes(threads, n, kind):
+    x = _vector(n, kind)
+    for step in (1, 2):
+        _same(signs.sign_bits(x, step), old_signs.sign_bits(x, step))
+        _same(signs.sign_bits_packed(x, step), old_signs.sign_bits_packed(x, step))
+        _same(signs.sign_bits_packed(x.view(1, -1), step), old_signs.sign_bits_packed(x.view(1, -1), step))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ("randn", "zeros", "heavy", "allzero"))
+def test_scaled_sign_compress(threads, n, kind):
+    x = _vector(n, kind)
+    error = _vector(n, "randn", seed=1) * 0.1
+    for extra in (0, 3):
+        nbytes = -(-n // 8) + extra
+        e_new, e_old = error.clone(), error.clone()
+        _same(
+            scaled_signs.scaled_sign_compress(x, e_new, nbytes=nbytes),
+            old_scaled_signs.scaled_sign_compress(x, e_old, nbytes=nbytes),
+        )
+        _same(e_new, e_old)
+    for block in (8, 1024):
+        e_new, e_old = error.clone(), error.clone()
+        _same(
+            scaled_signs.scaled_sign_compress(x, e_new, block=block),
+            old_scaled_signs.scaled_sign_compress(x, e_old, block=block),
+        )
+        _same(e_new, e_old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_scaled_sign_compress_other_dtypes(dtype):
+    n = 2 * SLICE + 9
+    x = _vector(n, "zeros").to(dtype)
+    e_new, e_old = torch.zeros(n), torch.zeros(n)
+    _same(scaled_signs.scaled_sign_compress(x, e_new), old_scaled_signs.scaled_sign_compress(x, e_old))
+    _same(e_new, e_old)
