@@ -10,6 +10,12 @@ for validation. Model: a GPT of a few million parameters with tied embeddings.
     python examples/gpt_lion.py --strategy lowbit_turboquant --optimizer turboquant --max-steps 300
     python examples/gpt_lion.py --compress-activations    # linear inputs kept as 4-bit codes
 
+Two nodes of two ranks (on one machine or two): start it once per node, ``--devices`` being
+the ranks of one node; Lightning forms ranks node by node and the lowbit strategies their
+node-aware topology from it (``--lowbit topology=flat`` to keep one flat group)::
+
+    NODE_RANK=K MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/gpt_lion.py --devices 2 --num-nodes 2
+
 At the end the global-zero process prints the validation loss, steps/s, and the bytes it
 sent per step next to what DDP's fp32 allreduce would have sent.
 """
@@ -133,7 +139,10 @@ class Throughput(pl.Callback):
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="lowbit_lion")
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="processes per node")
+    p.add_argument("--num-nodes", type=int, default=1,
+                   help="Trainer(num_nodes=...): start the script on every node with NODE_RANK=K and the same "
+                        "MASTER_ADDR/MASTER_PORT")
     p.add_argument("--optimizer", default="lion", choices=["lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
                    help="onebit_* need strategy lowbit_adam / lowbit_lamb, turboquant lowbit_turboquant")
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
@@ -179,11 +188,13 @@ def main(argv=None) -> dict:
                 freeze_step=args.freeze_step, variance=args.variance,
                 scale_decay=args.scale_decay)
     stats, clock, drift = CommStats(), Throughput(), ReplicaDrift()
-    cbs = [stats, clock, drift] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
+    ranks = RankTraffic(stats)
+    cbs = [stats, clock, drift, ranks] + ([MomentumSync(every=args.momentum_sync)] if args.momentum_sync else [])
     activations = ActivationCompression() if args.compress_activations else None
     cbs += [activations] if activations else []
     trainer = pl.Trainer(
-        strategy=build_strategy(args.strategy, args.lowbit), accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+        strategy=build_strategy(args.strategy, args.lowbit), accelerator="cpu", devices=args.devices,
+        num_nodes=args.num_nodes, max_steps=args.max_steps,
         max_time={"minutes": args.max_minutes} if args.max_minutes else None,
         val_check_interval=args.val_every, limit_val_batches=args.val_batches, check_val_every_n_epoch=None,
         callbacks=cbs, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -203,6 +214,9 @@ def main(argv=None) -> dict:
         # None on CUDA, where the host cannot time collectives (CommStats)
         "comm_s_per_step": None if stats.total_seconds is None else stats.total_seconds / max(1, stats.steps),
         "replica_drift": drift.max_abs, "replica_drift_relative": drift.relative,
+        "topology": ranks.topology, "num_nodes": args.num_nodes,
+        # every rank's bytes per step: [over the network, inside its node] (rank order)
+        "rank_bytes_per_step": ranks.per_rank,
     }
     if activations is not None and activations.report is not None:  # first batch, this rank
         summary["saved_tensor_bytes"] = activations.report.total_bytes
@@ -236,6 +250,39 @@ class ReplicaDrift(pl.Callback):
         dist.all_gather(every, flat)
         self.max_abs = max(float((e - every[0]).abs().max()) for e in every[1:])
         self.relative = self.max_abs / max(float(every[0].abs().max()), 1e-30)
+
+
+class RankTraffic(pl.Callback):
+    """At the end of training: every rank's bytes per step over the network (``CommStats``'
+    count) and inside its node (the hierarchical form's reduction and all-gather), in rank
+    order, and the strategy's topology ("flat: ..." / "hierarchical: 2 node(s) x 2 rank(s)")."""
+
+    def __init__(self, stats: CommStats):
+        self.stats, self.topology = stats, "–"
+        self.per_rank: list[list[float]] = []
+        self._node_start = 0
+
+    @staticmethod
+    def _node_bytes(trainer) -> int:
+        getter = getattr(trainer.strategy, "traffic_logs", None)
+        return sum(log.node_bytes_sent for log in getter()) if getter is not None else 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._node_start = self._node_bytes(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        topology = getattr(getattr(trainer.strategy, "sync", None), "topology", None)
+        self.topology = topology.describe() if topology is not None else "–"
+        steps = max(1, self.stats.steps)
+        mine = [self.stats.bytes_per_step, (self._node_bytes(trainer) - self._node_start) / steps]
+        if trainer.world_size < 2:
+            self.per_rank = [mine]
+            return
+        import torch.distributed as dist
+
+        every: list = [None] * trainer.world_size
+        dist.all_gather_object(every, mine)
+        self.per_rank = every
 
 
 def build_strategy(name: str, overrides: list[str]):
