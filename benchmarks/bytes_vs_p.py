@@ -214,6 +214,34 @@ def projection_table(model: str, n_nodes: int, per_node: int, links: tuple[float
     return "\n".join(rows)
 
 
+def summary_table(n_nodes: int, per_node: int, links: tuple[float, ...]) -> str:
+    """Every model side by side: MB on each node's link per step, and step ms (× DDP's) per link."""
+    head, rule = "| algorithm | topology |", "|---|---|"
+    for model in MODELS:
+        short = model.split(" (")[0]
+        head += f" {short}: MB/node |" + "".join(f" {g:g} Gbit/s ms |" for g in links)
+        rule += "---:|" * (1 + len(links))
+    rows = [head, rule]
+    costs = {
+        (algo[0], hier, model, g): step_cost(algo, MODELS[model], _cluster(n_nodes, per_node, g), hier)
+        for algo, hier in _rows()
+        for model in MODELS
+        for g in links
+    }
+    for algo, hier in _rows():
+        cells = []
+        for model in MODELS:
+            compute = compute_seconds(MODELS[model])
+            cells.append(f"{costs[(algo[0], hier, model, links[0])][0] / 1e6:,.0f}")
+            for g in links:
+                step = compute + costs[(algo[0], hier, model, g)][1]
+                ddp = compute + costs[(DDP[0], False, model, g)][1]
+                cells.append(f"{1e3 * step:,.0f} ({ddp / step:.1f}×)")
+        topology = "hierarchical" if hier else ("–" if algo is DDP else "flat")
+        rows.append(f"| {algo[0]} | {topology} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def _per_node_bytes(algo, model: str, per_node: int, worlds: list[int], hierarchical: bool) -> list[float | None]:
     out: list[float | None] = []
     for p in worlds:
@@ -273,6 +301,12 @@ def clusters(out_dir: str) -> str:
         "`python -m benchmarks.bytes_vs_p --clusters` (cost model: "
         "`lowbit_strategy/collectives/cost_model_nodes.py`; assumptions in the module docstring of "
         "`benchmarks/bytes_vs_p.py`).",
+    ]
+    parts += [
+        "",
+        "## 8 nodes × 8 GPUs: MB per step on each node's link; step ms (DDP's step time ÷ this)",
+        "",
+        summary_table(8, 8, (25.0, 100.0)),
     ]
     for model in MODELS:
         compute = compute_seconds(MODELS[model])
