@@ -41,6 +41,9 @@ every chunk to the largest (:mod:`.gathered_two_stage`). Bytes per rank, ``W`` c
 "paper" reduction allreduces the scales instead: ``(P-1)·W`` + a ring of ``4(R+f)``),
 latency ``log2(P)·α``; two-stage ``2(P-1)·(W_max + 4(R_max+f))`` ≈ ``2(P-1)/P·(W + 4R)``,
 latency ``(P-1+log2(P))·α``.
+
+Across nodes (the hierarchical form, what crosses each node's link, a bucket's time on a cluster
+of nodes), with exact per-bucket bytes for every algorithm: :mod:`.cost_model_nodes`.
 """
 
 from __future__ import annotations
