@@ -121,19 +121,23 @@ def _gather_multiplier(lane_bits: int) -> int:
     return sum(1 << (8 * (k - 1) - (8 - lane_bits) * i) for i in range(k))  # < 2**(8k-1)
 
 
-def pack_bytes_into_lanes(codes: torch.Tensor, lane_bits: int, *, owned: bool = False) -> torch.Tensor:
+def pack_bytes_into_lanes(
+    codes: torch.Tensor, lane_bits: int, *, owned: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pack uint8 ``codes`` (one code of ``lane_bits`` < 8 bits per byte) into bytes.
 
     ``codes`` must be contiguous with ``numel`` a multiple of ``k = 8 // lane_bits`` and
     a storage offset a multiple of ``k``. With ``owned`` the caller gives up ``codes``
     and it is overwritten (saves a temporary as large as the input). Codes above the
     lane's capacity give unspecified bytes. Little-endian hosts (every torch platform).
+    ``out``: uint8 of ``numel / k`` bytes to write the packed bytes into (returned).
     """
     k = 8 // lane_bits
     groups = codes.view(_GROUP_DTYPE[k])
     m = _gather_multiplier(lane_bits)
     groups = groups.mul_(m) if owned else groups * m
-    return groups.view(torch.uint8)[k - 1 :: k].contiguous()
+    top = groups.view(torch.uint8)[k - 1 :: k]
+    return top.contiguous() if out is None else out.copy_(top)
 
 
 def _bytes_padded(codes: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:

@@ -58,6 +58,7 @@ import torch
 from lowbit_strategy.codecs.bits import pack_bytes_into_lanes
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.signs import compare_bytes, signs_from_bits
+from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 
 #: dtypes accepted as input; the arithmetic and the error buffers are float32 for all.
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -188,6 +189,9 @@ def scaled_sign_compress(
     scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
     codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
     codes[n:] = 0
+    if block is None and sliced(v):
+        _signs_and_error_sliced(v, codes[:n], scale)
+        return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
     compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
     sign = torch.mul(codes[:n], 2).sub_(1)  # ±1 as int8: a quarter of a float32 sign vector
     if block is None:
@@ -197,6 +201,18 @@ def scaled_sign_compress(
             _piece(v, offset, size, stride).addcmul_(_piece(sign, offset, size, stride), grid[rs, bs, None], value=-1)
     del sign
     return pack_bytes_into_lanes(codes.view(torch.uint8), 1, owned=True), scale
+
+
+def _signs_and_error_sliced(v: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """The sign codes of ``v`` into ``codes`` (int8 0/1) and ``v`` ← ``v − s·sign(v)``, slice
+    by slice (:mod:`.streaming`): the operations of the whole-vector form on each slice,
+    with the ±1 signs in a reused buffer instead of an n-byte tensor."""
+    buf = torch.empty(min(SLICE, v.numel()), dtype=torch.int8, device=v.device)
+    for start, stop in slices(v.numel()):
+        part, bits = v[start:stop], codes[start:stop]
+        compare_bytes(torch.ge, part, 0, out=bits)
+        sign = torch.mul(bits, 2, out=buf[: stop - start]).sub_(1)
+        part.addcmul_(sign, scale, value=-1)
 
 
 def _check_compress(x, error, nbytes: int | None, block: int | None, chunk: int | None) -> int:

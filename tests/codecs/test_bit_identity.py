@@ -19,10 +19,12 @@ from tests.codecs.legacy import lp as old_lp
 from tests.codecs.legacy import scaled_signs as old_scaled_signs
 from tests.codecs.legacy import signs as old_signs
 
-LENGTHS = (1, 7, 8, 1000, SLICE - 1, SLICE, SLICE + 1, 2 * SLICE + 13, 3 * SLICE + 8)
+SLOW = pytest.mark.slow
+#: lengths around the slice boundaries; the fast tier keeps one that spans two slices
+LENGTHS = (1, 7, 1000, pytest.param(SLICE - 1, marks=SLOW), SLICE + 1, pytest.param(2 * SLICE + 13, marks=SLOW))
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+@pytest.fixture(params=[1, pytest.param(2, marks=SLOW)], ids=["1thread", "2threads"])
 def threads(request):
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
@@ -67,8 +69,8 @@ def _same(a, b):
 def test_lp_quantize(threads, n, kind):
     x = _vector(n, kind)
     # p = 0 and 2 share the sliced quantizer; their means (float64) did not change
-    for p in (1.0, math.inf) if n > SLICE + 1 else (0.0, 1.0, 2.0, math.inf):
-        for levels in (1, 127, 300):
+    for p in (1.0, math.inf) if n > 1000 else (0.0, 1.0, 2.0, math.inf):
+        for levels in (1, 127, 300) if n <= 1000 else (127,):
             _same(lp.lp_quantize_levels(x, levels, p), old_lp.lp_quantize_levels(x, levels, p))
         _same(lp.lp_norm_mean(x, p), old_lp.lp_norm_mean(x, p))
 
@@ -94,10 +96,19 @@ def test_all_finite_agrees_with_the_exact_test():
     assert not lp.all_finite(y)
 
 
-SHAPES = ((1, 5), (3, 7), (2, SLICE + 1), (5, SLICE // 2 + 3), (600, 1000), (1000, 257), (3, 2 * SLICE), (SLICE + 5, 2))
+SHAPES = (
+    (1, 5),
+    (3, 7),
+    (2, SLICE + 1),
+    pytest.param((5, SLICE // 2 + 3), marks=SLOW),
+    (600, 1000),
+    pytest.param((1000, 257), marks=SLOW),
+    pytest.param((3, 2 * SLICE), marks=SLOW),
+    pytest.param((SLICE + 5, 2), marks=SLOW),
+)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}" if isinstance(s, tuple) else None)
 @pytest.mark.parametrize("kind", ("randn", "zeros", "heavy", "allzero", "halves"))
 def test_channel_encode(threads, shape, kind):
     rows = _vector(shape[0] * shape[1], kind).view(shape)
@@ -141,7 +152,7 @@ def test_scaled_sign_compress(threads, n, kind):
             old_scaled_signs.scaled_sign_compress(x, e_old, nbytes=nbytes),
         )
         _same(e_new, e_old)
-    for block in (8, 1024):
+    for block in (8, 1024) if n <= 1000 else (1024,):
         e_new, e_old = error.clone(), error.clone()
         _same(
             scaled_signs.scaled_sign_compress(x, e_new, block=block),
