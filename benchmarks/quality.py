@@ -95,12 +95,14 @@ SUITES = {
     # time measured at setup against a 1 Gbit/s link: on a busy CPU they may send fp32 (DDP),
     # which says nothing about compression, so their compressed forms are named: Lion Cub
     # 1-bit, TurboQuant's all-gather (the paper's Algorithm 1)
+    # After each pair, what the hierarchical form should equal: the flat algorithm with N = 2
+    # workers that each see the mean gradient of 32 sequences (1 node x 2 ranks, batch 32: the
+    # same 64 sequences per step, split in two other halves than the nodes').
+    # (--lowbit last in extra: one --lowbit takes every override, a second would replace it)
     "nodes": [
         ("DDP + Lion", "ddp", []),
         ("DDP + AdamW", "ddp", ["--optimizer", "adamw"]),
-        # (--lowbit last in extra: one --lowbit takes every override, a second would replace it)
-        *[(f"{name}, {form}", strategy, [*extra, *([] if "--lowbit" in extra else ["--lowbit"]), f"topology={form}"])
-          for name, strategy, extra in [
+        *[row for name, strategy, extra in [
               ("Lion Cub 1-bit", "lowbit_lion_1bit", []),
               ("BitDP FG-2bit + AdamW", "lowbit_bitdp", ["--optimizer", "adamw"]),
               ("1-bit Adam", "lowbit_adam", ["--optimizer", "onebit_adam"]),
@@ -108,15 +110,26 @@ SUITES = {
               ("TurboQuant-Adam all-gather", "lowbit_turboquant",
                ["--optimizer", "turboquant", "--lowbit", "turboquant_form=allgather"]),
           ]
-          for form in ("flat", "hierarchical")],
+          for row in [*[(f"{name}, {form}", strategy,
+                         [*extra, *([] if "--lowbit" in extra else ["--lowbit"]), f"topology={form}"])
+                        for form in ("flat", "hierarchical")],
+                      (f"{name} at N = 2 (1 x 2 ranks, batch 32)", strategy, [*extra, "--batch-size", "32"])]],
     ],
 }
 #: suite -> (nodes, processes per node); the others run one node of ``--devices`` processes
 LAYOUT = {"nodes": (2, 2)}
+#: rows run on another layout than their suite's: label suffix -> (nodes, processes per node);
+#: each process of such a row stands for one node of the suite's (its bytes are a node's)
+ROW_LAYOUT = {" at N = 2 (1 x 2 ranks, batch 32)": (1, 2)}
 #: suite -> its seeds when ``--seeds`` is not given (one seed: the file names carry no seed)
 SEEDS = {"nodes": (0, 1, 2)}
 #: the DDP row each configuration's loss is compared with (nodes suite)
 BASELINE = {"lowbit_lion": "DDP + Lion", "lowbit_lion_1bit": "DDP + Lion"}
+
+
+def _layout(suite: str, label: str, devices: int) -> tuple[int, int]:
+    """(nodes, processes per node) a configuration runs on."""
+    return next((layout for end, layout in ROW_LAYOUT.items() if label.endswith(end)), LAYOUT.get(suite, (1, devices)))
 
 
 def _file(suite: str, label: str, tag: str = "", seed: int | None = None) -> Path:
@@ -167,22 +180,22 @@ def run(suite: str, steps: int, devices: int, only: str = "", tag: str = "", lr:
     """Every configuration once per seed, seed by seed (an interrupted study has every
     configuration at its first seeds rather than some configurations at every seed)."""
     configs = _configs(suite, only)
-    nodes, devices = LAYOUT.get(suite, (1, devices))
     runs = [(seed, c) for seed in (seeds or (None,)) for c in configs]
     for i, (seed, (label, strategy, extra)) in enumerate(runs, 1):
         out = _file(suite, label, tag, seed)
+        nodes, per_node = _layout(suite, label, devices)
         if skip_existing and out.exists():
             continue
         out.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
         print(f"[{i}/{len(runs)}] {label} ({strategy})" + ("" if seed is None else f", seed {seed}") + " ...",
               flush=True)
-        val_every = steps if nodes > 1 else max(1, steps // 2)  # (P = 4 on two cores: no mid-run validation)
+        val_every = steps if suite in LAYOUT else max(1, steps // 2)  # (P = 4 on two cores: no mid-run validation)
         command = [sys.executable, str(ROOT / "examples" / "gpt_lion.py"), "--strategy", strategy,
-                   "--devices", str(devices), "--max-steps", str(steps), "--val-every", str(val_every),
+                   "--devices", str(per_node), "--max-steps", str(steps), "--val-every", str(val_every),
                    "--val-batches", "20", "--out", str(out), *extra, *(["--lr", str(lr)] if lr else []),
                    *([] if seed is None else ["--seed", str(seed)])]
-        if nodes == 1:
+        if suite not in LAYOUT:
             subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=timeout)
         elif not _launch([*command, "--num-nodes", str(nodes)], nodes, timeout):
@@ -276,15 +289,18 @@ def report_nodes(suite: str, tag: str, seeds: tuple[int, ...], lr: float | None 
         if not runs:
             continue
         base = "DDP + AdamW" if "--optimizer" in extra else BASELINE.get(strategy, "DDP + Lion")
-        flat = label.replace(", hierarchical", ", flat") if label.endswith(", hierarchical") else None
+        flat = next((label[: -len(end)] + ", flat" for end in (", hierarchical", *ROW_LAYOUT) if label.endswith(end)),
+                    None)
         vs_ddp = [d["val_loss"] - found[base][s]["val_loss"] for s, d in runs.items()
                   if strategy != "ddp" and s in found.get(base, {})]
         vs_flat = [d["val_loss"] - found[flat][s]["val_loss"] for s, d in runs.items()
                    if flat and s in found.get(flat, {})]
-        net, intra = (sum(x) / len(runs) for x in zip(*(node_bytes(d, per_node) for d in runs.values())))
+        # a row on another layout: each of its processes stands for a node
+        ranks = per_node if _layout(suite, label, per_node) == LAYOUT[suite] else 1
+        net, intra = (sum(x) / len(runs) for x in zip(*(node_bytes(d, ranks) for d in runs.values())))
         ddp_bytes = net if strategy == "ddp" else ddp_bytes
         # the last step (after any warm-up): rank 0's, times the ranks of a node
-        lasts = [per_node * d["last_bytes_per_step"] for d in runs.values()
+        lasts = [ranks * d["last_bytes_per_step"] for d in runs.values()
                  if strategy != "ddp" and math.isfinite(d.get("last_bytes_per_step", math.nan))]
         last = f"{sum(lasts) / len(lasts) / 1024:.1f}" if lasts else "–"
         topologies = sorted({d.get("topology", "–") for d in runs.values()})
@@ -308,7 +324,9 @@ def report_nodes(suite: str, tag: str, seeds: tuple[int, ...], lr: float | None 
         + ". **Cross-node bytes per node**: the bytes its ranks recorded as network traffic, summed "
         "(a flat run counts every rank's payload; DDP: its fp32 ring allreduce at P = 4, modeled, the same "
         "way), averaged over the run, warm-up included; **last step**: rank 0's last step times the 2 ranks of "
-        "a node (after the warm-up); **intra-node**: the hierarchical form's node reduction and all-gather.\n\n"
+        "a node (after the warm-up); **intra-node**: the hierarchical form's node reduction and all-gather. "
+        "Rows *at N = 2*: the flat algorithm on 1 node x 2 processes of 32 sequences each (the same 64 per "
+        "step), each process standing for a node: what the hierarchical form should equal.\n\n"
         + table + "\n")
     return table
 

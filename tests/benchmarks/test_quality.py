@@ -13,19 +13,22 @@ from benchmarks import quality
 from lowbit_strategy.algorithms import REGISTRY
 
 
-def test_nodes_suite_pairs_every_algorithm_flat_and_hierarchical():
+def test_nodes_suite_pairs_every_algorithm_flat_hierarchical_and_n2():
     rows = quality.SUITES["nodes"]
     compressed = [(label, strategy, extra) for label, strategy, extra in rows if strategy != "ddp"]
     assert {label for label, strategy, _ in rows if strategy == "ddp"} == set(quality.BASELINE.values()) | {
         "DDP + AdamW"
     }
-    for label, _, extra in compressed:
-        assert extra.count("--lowbit") == 1, label  # a second --lowbit would replace the first's overrides
-        assert extra[-1] == f"topology={label.rsplit(', ', 1)[1]}", label
-    forms = {}
-    for label, strategy, _ in compressed:
-        forms.setdefault((label.rsplit(", ", 1)[0], strategy), set()).add(label.rsplit(", ", 1)[1])
-    assert all(f == {"flat", "hierarchical"} for f in forms.values()), forms
+    forms: dict[tuple[str, str], set[str]] = {}
+    for label, strategy, extra in compressed:
+        assert extra.count("--lowbit") <= 1, label  # a second --lowbit would replace the first's overrides
+        (end,) = [e for e in (", flat", ", hierarchical", *quality.ROW_LAYOUT) if label.endswith(e)]
+        if end in (", flat", ", hierarchical"):
+            assert extra[-1] == f"topology={end[2:]}" and quality._layout("nodes", label, 2) == (2, 2), label
+        else:
+            assert quality._layout("nodes", label, 2) == (1, 2) and extra[-2:] == ["--batch-size", "32"], label
+        forms.setdefault((label[: -len(end)], strategy), set()).add(end)
+    assert all(f == {", flat", ", hierarchical", *quality.ROW_LAYOUT} for f in forms.values()), forms
     strategies = {strategy for _, strategy in forms}
     assert all(strategies & set(algo.strategy_names) for algo in REGISTRY.values()), strategies
 
