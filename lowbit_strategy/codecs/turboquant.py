@@ -35,10 +35,23 @@ Choices (the paper's formulas for these steps did not survive; documented here):
 
 * **RMS order.** A reduction's rounding depends on its order, which differs between torch
   on CPU, torch on CUDA and a Triton kernel. So the RMS of a full group is defined by an
-  explicit order every backend reproduces bit for bit: square, sum adjacent pairs
-  (``s[i] = s[2i] + s[2i + 1]``) ``log2(block)`` times, then ``sqrt(sum · (1/block))``
-  correctly rounded to float32 (computed in float64 and rounded once: torch's float32
-  ``sqrt`` on CPU can be one ulp off).
+  explicit order every backend reproduces bit for bit:
+
+  1. ``s = y · y`` per element, rounded to float32 (no fused multiply-add anywhere);
+  2. fold in halves ``log2(block)`` times: with ``W`` the current width (``block`` first),
+     ``s[i] = s[i] + s[i + W/2]`` for ``i < W/2`` (float32, one rounding per addition;
+     ``a + b = b + a`` exactly, so which half is written does not matter);
+  3. ``rms = sqrt(s[0] · (1/block))``: the multiply is exact (a power of two, unless the
+     product is subnormal: the same float32 multiply on every backend), the square root
+     correctly rounded to float32 (torch: in float64 and rounded once, since torch's float32
+     ``sqrt`` on CPU can be one ulp off; Triton: ``sqrt_rn``).
+
+  Ties and NaN need no rule of their own: every step is one IEEE operation on defined
+  operands (squares are >= 0, so no -0.0 reaches the sum; a NaN or Inf input gives a NaN or
+  Inf scale on both backends). Why halves: in torch each level is one add of two contiguous
+  halves, in place (vectorized, no new tensor); the adjacent-pair tree this replaced (``s[i]
+  = s[2i] + s[2i + 1]``) read stride-2 views into a fresh tensor per level. Scales computed
+  by the two rules differ in the last bits (both are float32 sums of the same squares).
   The partial last group uses ``vector_norm(y) / sqrt(len)`` (torch on every backend).
 
 ``backend``:

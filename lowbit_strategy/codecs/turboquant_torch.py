@@ -37,19 +37,28 @@ def apply_scales(
 
 def group_rms(y: torch.Tensor, block: int) -> torch.Tensor:
     """Per-group RMS of flat float32 ``y`` ("RMS order" in :mod:`.turboquant`): full groups
-    by the adjacent-pair tree that the Triton kernel reproduces exactly."""
+    by the fold-in-halves tree that the Triton kernel reproduces exactly.
+
+    In torch: one multiply writes the squares, then ``log2(block)`` in-place adds, each on
+    two contiguous halves of what is left (``s[:, :h] += s[:, h:2h]``): about 2.5 passes
+    over the groups' memory, against ~10 strided passes and as many fresh tensors for the
+    adjacent-pair tree it replaces (3.5 -> 2.6 ms on 4 Mi elements, one thread; a single
+    ``vector_norm`` reads once, 0.65 ms, but in an order only torch on that CPU knows)."""
     n, b = y.numel(), block
     q = n // b
     parts = []
     if q:
-        sq = y[: q * b].view(q, b) * y[: q * b].view(q, b)
-        while sq.shape[1] > 1:
-            pairs = sq.view(q, -1, 2)
-            sq = pairs[:, :, 0] + pairs[:, :, 1]
+        rows = y[: q * b].view(q, b)
+        sq = rows * rows
+        width = b
+        while width > 1:
+            half = width // 2
+            sq[:, :half].add_(sq[:, half:width])
+            width = half
         # the square root in float64, rounded once to float32: the correctly rounded
         # float32 square root (torch's float32 sqrt on CPU is not always), which is what
         # the kernel's IEEE sqrt gives
-        parts.append(sq.view(q).mul_(1.0 / b).double().sqrt_().float())
+        parts.append(sq[:, 0].mul(1.0 / b).double().sqrt_().float())
     if n > q * b:
         parts.append((torch.linalg.vector_norm(y[q * b :]) / math.sqrt(n - q * b)).view(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -24,7 +24,7 @@ operation happens in the same order and with the same rounding as in the torch c
 * the division by the scale is IEEE round-to-nearest (``tl.math.div_rn``: Triton's ``/``
   may compile to an approximate division), the square root likewise (``sqrt_rn``), and
   floating-point contraction (mul + add → FMA) is turned off at launch
-  (``enable_fp_fusion=False``): otherwise the RMS tree's ``x0·x0 + x1·x1`` compiles to an
+  (``enable_fp_fusion=False``): otherwise the RMS tree's first fold ``a·a + b·b`` compiles to an
   FMA (and ``level · scale`` followed by a butterfly add could);
 * the level index is the number of midpoints strictly below ``z``, as in the torch code
   (one comparison per midpoint up to 4 bits, a branch-free binary search over the sorted
@@ -37,10 +37,11 @@ operation happens in the same order and with the same rounding as in the torch c
 **The RMS rule.** A reduction's result depends on its order, and torch's own reductions
 (``vector_norm``, ``sum``) have an order that differs between CPU and CUDA and that Triton
 cannot reproduce. So the codec's RMS of a full block is defined by an explicit order that
-both backends compute: square every element, then a pairwise tree over adjacent elements
-(``s[i] = s[2i] + s[2i + 1]``, ``log2(block)`` levels), then ``sqrt(sum · (1/block))``
-(``1/block`` is a power of two: exact) correctly rounded to float32. The torch backend
-computes the same tree with strided views (:func:`.turboquant_torch.group_rms`) and
+both backends compute: square every element, then fold in halves (``s[i] = s[i] + s[i +
+W/2]`` for ``i < W/2``, ``W = block, block/2, …, 2``: ``log2(block)`` levels), then
+``sqrt(s[0] · (1/block))`` (``1/block`` is a power of two: exact) correctly rounded to
+float32. The torch backend computes the same folds as in-place adds of contiguous halves
+(:func:`.turboquant_torch.group_rms`) and
 takes the square root in float64, rounded once to float32 — torch's float32 ``sqrt`` on CPU
 is sometimes one ulp off, and a float64 square root (even one ulp off) of a float32 value,
 rounded to float32, is the correctly rounded result; the kernel uses ``sqrt_rn``. The
@@ -170,10 +171,11 @@ if AVAILABLE:
         if ROTATE:
             x = _sign_flip(x, sgn_ptr, offs, mask)
             x = _fwht(x, R, B, LOG2B) * inv_sqrt_b
-        if SCALE_MODE == 0:  # RMS: adjacent-pair tree of squares, then sqrt(sum / B)
+        if SCALE_MODE == 0:  # RMS: squares folded in halves, s[i] += s[i + W/2], then sqrt(sum / B)
             sq = x * x
             for _ in tl.static_range(LOG2B):
-                a, b = tl.split(tl.reshape(sq, (R, sq.shape[1] // 2, 2)))
+                # (R, W) -> (R, 2, W/2) -> (R, W/2, 2): a = s[:, i], b = s[:, W/2 + i]
+                a, b = tl.split(tl.permute(tl.reshape(sq, (R, 2, sq.shape[1] // 2)), (0, 2, 1)))
                 sq = a + b
             s = tl.math.sqrt_rn(tl.reshape(sq, (R,)) * inv_b)
             tl.store(scale_out_ptr + rows, s, mask=rmask)

@@ -148,22 +148,21 @@ def test_large_values_and_huge_scales():
 
 
 def test_rms_rule_is_the_documented_tree():
-    """The scale of a full block: squares summed in adjacent pairs, level by level, in
-    float32, then the correctly rounded float32 of sqrt(sum / block)."""
+    """The scale of a full block: squares folded in halves (s[i] += s[i + W/2]), level by
+    level, in float32, then the correctly rounded float32 of sqrt(s[0] / block); both
+    backends, written out element by element here."""
     block = 64
-    _, fused = both(4, block)
+    ref, fused = both(4, block)
     x = sample(3 * block, torch.float32, seed=4)
     got = fused.encode(x).scales
+    assert torch.equal(got, ref.encode(x).scales)
     y = _blocked_fwht(x * fused.signs(x.numel(), x.device), block)
     for b in range(3):
-        level = [v * v for v in y[b * block : (b + 1) * block].tolist()]
-        level = torch.tensor(level, dtype=torch.float32)
-        while level.numel() > 1:
-            level = torch.tensor(
-                [(level[2 * i : 2 * i + 1] + level[2 * i + 1 : 2 * i + 2]).item() for i in range(level.numel() // 2)],
-                dtype=torch.float32,
-            )
-        want = torch.tensor(math.sqrt(level.item() / block), dtype=torch.float32)
+        level = [torch.tensor(v, dtype=torch.float32) ** 2 for v in y[b * block : (b + 1) * block].tolist()]
+        while len(level) > 1:
+            half = len(level) // 2
+            level = [level[i] + level[i + half] for i in range(half)]
+        want = torch.tensor(math.sqrt(level[0].item() / block), dtype=torch.float32)
         assert got[b].item() == want.item()
 
 
@@ -301,7 +300,7 @@ def test_compiled_ptx_rounds_like_torch():
     divide and take square roots with IEEE rounding (div.rn/sqrt.rn, not the approximate
     forms Triton may pick), flush no subnormal to zero, and contract no mul + add into an
     FMA — which they would without enable_fp_fusion=False (the RMS tree's first level,
-    ``x0·x0 + x1·x1``, does: checked below), and which would break bit-exactness against
+    ``a·a + b·b``, does: checked below), and which would break bit-exactness against
     torch."""
     import json
 
