@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
+
 LANE_BITS = (1, 2, 4, 8, 16, 32)
 
 
@@ -216,9 +218,35 @@ def unpack(words: torch.Tensor, lane_bits: int, n: int) -> torch.Tensor:
     if k == 1:
         return words[:n].clone()
     if spec.bits < 8:
-        groups = _unpack_table(spec.bits, words.device).index_select(0, words.int())
+        if spec.bits == 4 and words.device.type == "cpu":
+            return _unpack_nibbles(words)[:n]
+        table = _unpack_table(spec.bits, words.device)
+        if not sliced(words):
+            return table.index_select(0, words.int()).view(torch.uint8)[:n]
+        # slice by slice (:mod:`.streaming`): the int32 indices in a reused buffer, the
+        # gathered groups straight into the output
+        groups = torch.empty(words.numel(), dtype=table.dtype, device=words.device)
+        index = torch.empty(SLICE, dtype=torch.int32, device=words.device)
+        for start, stop in slices(words.numel()):
+            idx = index[: stop - start].copy_(words[start:stop])
+            torch.index_select(table, 0, idx, out=groups[start:stop])
         return groups.view(torch.uint8)[:n]
     shifts = torch.arange(0, k * spec.bits, spec.bits, device=words.device, dtype=words.dtype)
     mask = (1 << spec.bits) - 1
     codes = (words.unsqueeze(1) >> shifts) & mask
     return codes.reshape(-1)[:n]
+
+
+def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """The two 4-bit codes of every byte of ``words`` as two bytes (uint8, ``2·len``), by
+    arithmetic on int16 instead of a table gather (~2x faster on CPU): a byte ``v = 16·hi +
+    lo`` widened to int16, ``(v | v << 4) & 0x0F0F`` holds ``lo`` in its low byte and ``hi``
+    in its high byte, which is the little-endian layout of codes ``2i, 2i + 1``. Slice by
+    slice (:mod:`.streaming`), the shifted copy in a reused buffer."""
+    out = torch.empty(words.numel(), dtype=torch.int16, device=words.device)
+    shifted = torch.empty(min(SLICE, words.numel()), dtype=torch.int16, device=words.device)
+    for start, stop in slices(words.numel()):
+        v = out[start:stop].copy_(words[start:stop])
+        spread = torch.bitwise_left_shift(v, 4, out=shifted[: stop - start])
+        v.bitwise_or_(spread).bitwise_and_(0x0F0F)
+    return out.view(torch.uint8)

@@ -168,3 +168,39 @@ def test_scaled_sign_compress_other_dtypes(dtype):
     e_new, e_old = torch.zeros(n), torch.zeros(n)
     _same(scaled_signs.scaled_sign_compress(x, e_new), old_scaled_signs.scaled_sign_compress(x, e_old))
     _same(e_new, e_old)
+
+
+@pytest.mark.parametrize("n", (1000, 4096, SLICE + 1))
+def test_turboquant_given_scale_unchanged_and_rms_close(n):
+    """TurboQuant's RMS rule is new (fold in halves, issue 23): with a given scale the codes
+    are the old ones bit for bit; the RMS scales stay within a few ulps of the old tree's."""
+    from lowbit_strategy.codecs import TurboQuantCodec
+    from lowbit_strategy.codecs.turboquant_torch import group_rms
+    from tests.codecs.legacy import turboquant_torch as old_tq
+
+    x = _vector(n, "heavy")
+    codec = TurboQuantCodec(4, seed=3, block=256, backend="torch")
+    tables = codec._tables(x.device)[1]
+    for scale in (torch.tensor([0.5]), torch.rand(-(-n // 256)) + 0.1):
+        new = codec.encode(x, scale=scale)
+        old = old_tq.encode(x, codec.signs(n, x.device), scale, block=256, midpoints=tables, bits=4, lane_bits=4)
+        _same((new.codes, new.scales), old)
+    y = torch.randn(n) * torch.logspace(-20, 20, n)
+    new, old = group_rms(y, 256), old_tq.group_rms(y, 256)
+    assert torch.allclose(new, old, rtol=4e-7 * 8, atol=0)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("lane_bits", (1, 2, 4, 8, 16))
+def test_pack_unpack(n, lane_bits):
+    from lowbit_strategy.codecs import bits
+    from tests.codecs.legacy import bits as old_bits
+
+    capacity = bits.lane(lane_bits).capacity
+    g = torch.Generator().manual_seed(n + lane_bits)
+    codes = torch.randint(0, capacity + 1, (n,), generator=g).to(torch.uint8 if lane_bits <= 8 else torch.int32)
+    codes[: min(n, 9)] = capacity  # all ones in the first words
+    words = bits.pack(codes, lane_bits)
+    _same(words, old_bits.pack(codes, lane_bits))
+    for m in {n, max(0, n - 1)}:
+        _same(bits.unpack(words, lane_bits, m), old_bits.unpack(words, lane_bits, m))
