@@ -261,6 +261,18 @@ def _check(rank, world_size):
             torch.distributed.all_reduce(per_node)
             assert per_node[0] <= per_node[1] / PER_NODE, per_node
 
+    # ---- Lion Cub's momentum sync: the mean over the nodes (the workers), each node's ---
+    # ranks holding their node's momenta; its link carries them once (a shard per rank)
+    from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
+
+    comm = LionCommunicator(LowBitConfig(algorithm="lion"), None, hierarchy.resolve(LowBitConfig(), None))
+    base = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    momenta = [base[:600] * (1 + rank // PER_NODE), base[600:].view(20, 20) * (1 + rank // PER_NODE)]
+    comm.average_(momenta)
+    assert torch.equal(torch.cat([m.reshape(-1) for m in momenta]), base * 1.5)  # (1 + 2) / 2, exact
+    lo, hi = comm.topology.shard(1000)
+    assert comm.traffic.bytes_sent == wire.allreduce_bytes(4 * (hi - lo), NODES), comm.traffic.by_op()
+
     # ---- one node: nothing compressed crosses a network; Lion on the node's mean ------
     cfg = LowBitConfig(algorithm="lion", mode="1bit", topology="hierarchical", ranks_per_node=4, bucket_size_mb=0.0005)
     net, sync = _train(rank, cfg)

@@ -313,11 +313,23 @@ class LionCommunicator:
         return agree(has_grad, nonfinite, self.group, "lion.agree", self.traffic, device)
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replace each tensor by its mean over ranks (fp32 on the wire), in place."""
+        """Replace each tensor by its mean over the workers (fp32 on the wire), in place.
+
+        Across nodes the node is the worker and its ranks hold the same momenta: each local
+        rank averages its shard over its cross-node group (N workers) and the node
+        all-gathers the shards, so the result is the mean over nodes — the flat form's at N
+        workers — and a node's link carries the momenta once, not L times."""
         tensors = [t for t in tensors if t.numel()]
         if self.world_size == 1 or not tensors:
             return
         flat = buckets.flatten(tensors).float()
-        mean = full_allreduce(flat, self.group, traffic=self.traffic) / self.world_size
+        if self.topology is None:
+            mean = full_allreduce(flat, self.group, traffic=self.traffic) / self.world_size
+        else:
+            n = flat.numel()
+            lo, hi = self.topology.shard(n)
+            part = flat[lo:hi] if hi > lo else flat.new_zeros(1)  # an empty shard still takes part
+            part = full_allreduce(part, self.sync_group, traffic=self.traffic) / self.world_size
+            mean, _ = self.topology.gather_async(part[: hi - lo], n, self.traffic).wait()
         for t, v in zip(tensors, buckets.unflatten(mean, tensors)):
             t.copy_(v)
