@@ -280,8 +280,13 @@ def main() -> int:
                 warmup=args.warmup_steps, total_steps=args.schedule_steps)
     stats = CommStats(prog_bar=False)
     probe = Probe(args.budget, args.warm, args.log_every, stats)
+    overrides = parse_overrides(args.lowbit)
+    link_bps = float(os.environ.get("LBS_LINK_BPS", "0"))
+    if isinstance(kind, str) and kind.startswith("lowbit") and link_bps:
+        # the planners (Lion Cub's and TurboQuant's auto) are told the link, as a user configures it
+        overrides.setdefault("link_bandwidth_gbps", link_bps / 1e9)
     trainer = pl.Trainer(
-        strategy=make_strategy(kind, parse_overrides(args.lowbit)), accelerator="cpu", devices=per_node,
+        strategy=make_strategy(kind, overrides), accelerator="cpu", devices=per_node,
         num_nodes=p // per_node, max_epochs=-1,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[stats, probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

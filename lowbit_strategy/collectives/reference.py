@@ -65,6 +65,34 @@ def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> tor
     return g.all_reduce_sum_async(buf, group, op, traffic).then(lambda _: buf)
 
 
+class ExactMean:
+    """:func:`mean_allreduce_async` as a :class:`~.group.Flagging` collective: DDP's exact
+    mean of a flat buffer, in place, for a staged optimizer's ``fp32`` form (the fallback
+    when compressing would not pay). ``.gather()`` is itself (one phase); ``.wait()``
+    returns the mean after the allreduce's own wait; ``.nonfinite()`` after it: whether
+    the mean holds a NaN/Inf, the same verdict on every rank (every rank holds the same
+    sum, and a non-finite input on any rank makes it non-finite)."""
+
+    def __init__(self, buf: torch.Tensor, group, op: str, traffic=None):
+        self._buf = buf
+        self._future = mean_allreduce_async(buf, group, op, traffic)
+        self._done = False
+
+    def gather(self) -> ExactMean:
+        return self
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self._future.wait()  # re-raises a failed collective; orders the reads after it
+            self._done = True
+        return self._buf
+
+    def nonfinite(self) -> torch.Tensor:
+        if not self._done:
+            raise RuntimeError("ExactMean.nonfinite() needs the collective's result: call wait() first")
+        return ~torch.isfinite(self._buf).all()
+
+
 def _sign_compress(v: torch.Tensor):
     """``(s·sign(v), s, sign(v), v − s·sign(v))`` with ``s = ‖v‖₂/√n`` and ``sign(0) = +1``."""
     sign = torch.where(v >= 0, 1.0, -1.0)

@@ -151,7 +151,8 @@ def test_resume_on_three_processes_merges_with_a_warning_and_keeps_training(oneb
 def test_sft_trainer_through_the_mixin_with_turboquant(tmp_path, tiny_model):
     run = _launch(tmp_path, "sft", tiny_model, "--trainer", "sft", "--max-steps", "8",
                   "--optim-args", "warmup_steps=2", "--output-dir", str(tmp_path / "out"),
-                  LOWBIT_ALGORITHM="turboquant")
+                  # the codes, pinned: on this CPU at the default 1 Gbit/s, auto falls back to fp32
+                  LOWBIT_ALGORITHM="turboquant", LOWBIT_TURBOQUANT_FORM="allgather")
     _assert_trained(run, 8)
     assert run["trainer"][:3] == ["LowBitSFTTrainer", "LowBitTrainerMixin", "SFTTrainer"]
     assert run["optimizer"] == "lowbit_strategy.algorithms.turboquant.optimizer.TurboQuantAdamW"

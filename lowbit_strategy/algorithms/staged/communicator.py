@@ -32,6 +32,7 @@ class Job:
     handle: g.Flagging  # .gather() -> .wait() -> the flat mean; .nonfinite() after it
     n: int = 0  # the bucket's elements
     sent: int = 0  # those this rank's collective carries (its shard across nodes; all when flat)
+    buf: torch.Tensor | None = None  # the buffer the momenta were written to (the communicator's)
 
 
 def _flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> None:
@@ -118,7 +119,8 @@ class BucketCommunicator:
 
     def _scratch(self, state: tuple) -> torch.Tensor | None:
         """The tensor of ``state`` that was a ``flat`` buffer (the same length), to reuse
-        once ``state`` is superseded; None: none is."""
+        once ``state`` is superseded; None: none is (then ``flat`` is free once the step's
+        results are read)."""
         return None
 
     def _settled(self, state: tuple, handle: g.Flagging) -> tuple:
@@ -132,10 +134,16 @@ class BucketCommunicator:
             out = self._results[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
         return out
 
-    def _recycle(self, key: Key, state: tuple | None) -> None:
-        buf = None if state is None else self._scratch(state)
-        if buf is not None:
-            self._spare[key] = buf
+    def _release(self, job: Job, old: tuple | None = None) -> None:
+        """``job``'s step is over: its state was committed over ``old`` (``()``: the bucket
+        had none) or dropped (``old`` None). The buffer now free becomes the bucket's next
+        ``flat``: ``job``'s own unless its state kept it, else the one ``old`` held."""
+        if self._scratch(job.state) is not job.buf or old is None:
+            free = job.buf
+        else:
+            free = self._scratch(old) if old else None
+        if free is not None:
+            self._spare[job.key] = free
 
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
@@ -160,7 +168,7 @@ class BucketCommunicator:
                 key[:4] + ((...,) if len(key) > 4 else ()),
             )
         state, handle = self._start_bucket(key, flat, saved)
-        return Job(key, list(momenta), state, handle, n, sent)
+        return Job(key, list(momenta), state, handle, n, sent, flat)
 
     def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """Wait for ``jobs`` (second phases launched first, in order): their mean momenta and
@@ -187,7 +195,7 @@ class BucketCommunicator:
         if stale is not None:  # a second backward before step(): its result is superseded
             self._finish([stale])
             self._finished.remove(stale)
-            self._recycle(key, stale.state)
+            self._release(stale)
         # Defer-one rule: start the second phase of the buckets launched before this one, in
         # launch order (the same on every rank), so it overlaps the rest of backward; on CUDA
         # on a side stream, so its wait for the first phase does not stall backward's kernels.
@@ -218,15 +226,15 @@ class BucketCommunicator:
     def commit(self) -> None:
         """The step was applied: this step's per-bucket state becomes the state."""
         for job in self._finished:
-            old = self.errors.get(job.key)
+            old = self.errors.get(job.key, ())
             self.errors[job.key] = job.state
-            self._recycle(job.key, old)
+            self._release(job, old)
         self._finished = []
 
     def discard(self) -> None:
         """The step was skipped: keep the previous state (nothing to undo: it was never written)."""
         for job in self._finished:
-            self._recycle(job.key, job.state)
+            self._release(job)
         self._finished = []
 
     # ---- rank-local state --------------------------------------------------------------

@@ -46,6 +46,12 @@ class TurboQuantSync(StagedSync):
             topology=self.topology,
         )
 
+    def attach(self, optimizers, who: str = "") -> None:
+        super().attach(optimizers, who)
+        for opt in self.optimizers:  # every rank, same order: auto measures its codec once
+            params = [p for grp in opt.param_groups for p in grp["params"]]
+            cast(TurboQuantCommunicator, opt.communicator).calibrate(params[0].device if params else "cpu")
+
 
 def merge_states(states: list[dict]) -> dict:
     """Another world size: the optimizer state of rank 0 (its momentum is every rank's; under

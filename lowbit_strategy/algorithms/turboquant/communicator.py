@@ -14,8 +14,10 @@ it returns the mean over ranks of their TurboQuant encodings
   of each group is the scale and nothing is kept (an empty tensor in the state);
 * the **server error** of the two-stage form (its re-encoding's error feedback).
 
-The form (all-gather or two-stage) is chosen per bucket once, by the config (``form``) or,
-for ``auto``, by the α–β cost model on the configured link. Non-finite input needs no extra
+The form (all-gather, two-stage or the exact ``fp32`` mean) is chosen per bucket once, by
+the config (``form``) or, for ``auto``, by the α–β cost model on the configured link plus
+the codec time measured at setup and agreed by every rank (:meth:`calibrate`,
+:mod:`.plan`). Non-finite input needs no extra
 collective: a NaN/Inf in any rank's momentum makes its RMS, hence its scale EMA, non-finite;
 the all-gather form shows every rank's scales to every rank, the two-stage form makes the
 server scales non-finite on every rank. A skipped step leaves all three states as they
@@ -29,9 +31,11 @@ import math
 import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
+from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
-from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.hierarchy import Topology
+from lowbit_strategy.collectives.reference import ExactMean
 from lowbit_strategy.collectives.turboquant import (
     TurboQuantAllgather,
     TurboQuantTwoStage,
@@ -40,21 +44,6 @@ from lowbit_strategy.collectives.turboquant import (
     turboquant_server_error,
     turboquant_two_stage_mean_start,
 )
-
-#: the cost model's name of each form
-_COST_NAME = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage"}
-
-
-def choose_form(form: str, world_size: int, numel: int, latency_s: float, bandwidth_bps: float) -> str:
-    """``form`` itself, or for ``"auto"`` the form the α–β cost model predicts faster for a
-    bucket of ``numel`` elements at ``world_size`` ranks (equal predictions: ``allgather``)."""
-    if form != "auto":
-        return form
-    costs = {
-        name: cost_model.estimate(row, world_size, numel, latency_s, bandwidth_bps).seconds
-        for name, row in _COST_NAME.items()
-    }
-    return "two_stage" if costs["two_stage"] < costs["allgather"] else "allgather"
 
 
 def group_rms(v: torch.Tensor, padded: int, size: int) -> torch.Tensor:
@@ -101,16 +90,36 @@ class TurboQuantCommunicator(BucketCommunicator):
         self.link = link
         #: the form each bucket uses (chosen on its first step)
         self.forms: dict[Key, str] = {}
+        #: this machine's local seconds per element of each form, agreed by every rank (:meth:`calibrate`)
+        self.codec_seconds: dict[str, float] | None = None
+
+    def calibrate(self, device: torch.device | str = "cpu") -> None:
+        """Before training, on every rank (a collective): measure each form's codec time
+        per element (:func:`~.plan.measure_codec_seconds`) and agree on it — the mean over
+        every rank of the world, so each rank (and each local rank's shard across nodes)
+        plans with the same figures and picks the same forms. Only for ``form="auto"``."""
+        if self.form != "auto" or self.world_size == 1:
+            return
+        mine = measure_codec_seconds(self.codec, self.world_size, device)
+        everyone = self.topology.group if self.topology is not None else self.group
+        times = torch.tensor(list(mine.values()), dtype=torch.float64, device=device)  # NCCL: on the GPU
+        g.all_reduce_sum(times, everyone, "turboquant.calibrate", self.traffic)
+        self.codec_seconds = dict(zip(mine, (times / g.world_size(everyone)).tolist()))
 
     def form_of(self, key: Key, numel: int) -> str:
         form = self.forms.get(key)
         if form is None:
-            form = self.forms[key] = choose_form(self.form, self.world_size, numel, *self.link)
+            form = choose_form(self.form, self.world_size, numel, *self.link, self.codec_seconds)
+            self.forms[key] = form
         return form
 
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
         n = flat.numel()
-        two_stage = self.form_of(key, n) == "two_stage"
+        form = self.form_of(key, n)
+        if form == "fp32":  # the exact mean in place: no error to feed back; a saved state waits
+            empty = flat.new_zeros(0)
+            return saved or (empty, empty, empty), ExactMean(flat, self.group, "turboquant.fp32", self.traffic)
+        two_stage = form == "two_stage"
         if saved is not None and (saved[1].numel() > 0) != two_stage:
             saved = None  # saved under the other form
         if saved is None:

@@ -16,7 +16,7 @@ from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int
 
 #: accepted values of ``form``
-FORMS = ("auto", "allgather", "two_stage")
+FORMS = ("auto", "allgather", "two_stage", "fp32")
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,13 @@ class TurboQuantConfig(Section):
         to every rank; ``(P-1)·N/2`` bytes per rank, 8x below a float32 ring allreduce at
         P = 2, 4x at P = 4, 2x *above* it at P = 32); ``two_stage`` (all-to-all of 4-bit
         chunks, each rank averages and re-encodes its chunk with its own error feedback,
-        all-gather: ~8x below float32 at any P, one more collective's latency); ``auto``
-        (default): per bucket, the one the α–β cost model predicts faster on the configured
-        link (``link_bandwidth_gbps``, ``link_latency_us``); equal predictions pick
-        ``allgather`` (no server re-encoding).
+        all-gather: ~8x below float32 at any P, one more collective's latency); ``fp32``
+        (DDP's exact mean: AdamW on the mean gradient, nothing compressed); ``auto``
+        (default): per bucket, the one predicted fastest from the α–β cost model on the
+        configured link (``link_bandwidth_gbps``, ``link_latency_us``) plus the codec time
+        measured at setup and agreed by every rank, so where encoding costs more than the
+        bytes it saves it falls back to ``fp32`` and is never slower than DDP + AdamW;
+        equal predictions pick ``allgather``, then ``two_stage``.
     block: elements per Hadamard rotation block and per scale (a power of two; 1024, the
         codec's default, costs 4 bytes of scale per 512 bytes of codes).
     seed: seed of the rotation's random signs (the same on every rank by construction).

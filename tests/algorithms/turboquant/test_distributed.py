@@ -19,7 +19,7 @@ import lowbit_strategy
 from lowbit_strategy import LowBitConfig, LowBitSetupError, TurboQuantAdamW
 from lowbit_strategy.algorithms.turboquant.communicator import group_rms
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
-from lowbit_strategy.collectives import turboquant_scale_groups, turboquant_server_chunk_length
+from lowbit_strategy.collectives import turboquant_scale_groups, turboquant_server_chunk_length, wire
 from lowbit_strategy.collectives.reference import turboquant_mean_reference
 from tests.distributed import run_ranks
 from tests.training import ddp_adamw, every_rank as _every_rank, flat as _flat, loss as _loss, model as _model
@@ -204,9 +204,42 @@ def _check_resume(rank, world_size):
             assert torch.equal(_flat(resumed), _flat(straight)), f"form={form} variance={variance} resume at {at}"
 
 
+def _check_fp32_form(rank, world_size):
+    """The exact form: DDP's mean of the momenta (AdamW on the mean gradient, up to rounding),
+    the bytes of a float32 ring allreduce, a NaN skipped on every rank; ``auto`` agrees on its
+    measured codec time and falls back to it on a link too fast for the codec to pay."""
+    sent = []
+
+    def count(step, model, o):
+        _same_on_every_rank(model)
+        sent.append(o.communicator.traffic.by_op().get("turboquant.fp32", 0))
+
+    model, opt, _ = _train(rank, _config("fp32"), STEPS, after_step=count)
+    assert set(opt.communicator.forms.values()) == {"fp32"} and opt.communicator.codec_seconds is None
+    ddp = ddp_adamw(rank, STEPS, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    torch.testing.assert_close(_flat(model), _flat(ddp), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(_flat(model), _flat(ddp))  # (the mean of the momenta, not of the gradients)
+    numels = [sum(opt.param_groups[0]["params"][i].numel() for i in key) for key in opt.layout()]
+    ring = sum(wire.allreduce_bytes(4 * n, world_size) for n in numels)  # one float32 allreduce per bucket
+    assert sent[WARMUP - 1] == 0 and sent[-1] - sent[-2] == ring, (sent, ring)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        _, opt, _ = _train(rank, _config("fp32"), STEPS, nan_at=STEPS)
+    assert opt.skipped_steps == 1
+
+    for gbps, expect in ((1e4, {"fp32"}), (1e-4, {"allgather", "two_stage"})):
+        _, opt, _ = _train(rank, _config("auto", link_bandwidth_gbps=gbps, link_latency_us=0), STEPS)
+        comm = opt.communicator
+        assert set(comm.forms.values()) <= expect and comm.forms, (gbps, comm.forms)
+        assert set(comm.codec_seconds) == {"allgather", "two_stage", "fp32"}
+        assert all(v > 0 for v in comm.codec_seconds.values())
+        mine = torch.tensor(list(comm.codec_seconds.values()), dtype=torch.float64)
+        assert all(torch.equal(mine, theirs) for theirs in _every_rank(mine))  # one measurement, agreed
+
+
 def _check_all(rank, world_size):
     _check_against_simulation(rank, world_size)
     _check_safety(rank, world_size)
+    _check_fp32_form(rank, world_size)
     if world_size == 2:  # (P = 3: plain DDP's warm-up sum is not bit-exact across a restart; see onebit's test)
         _check_resume(rank, world_size)
 
