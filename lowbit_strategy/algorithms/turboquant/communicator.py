@@ -26,6 +26,7 @@ were (the base class commits them only for an applied step).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -44,6 +45,8 @@ from lowbit_strategy.collectives.turboquant import (
     turboquant_server_error,
     turboquant_two_stage_mean_start,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def group_rms(v: torch.Tensor, padded: int, size: int) -> torch.Tensor:
@@ -110,6 +113,17 @@ class TurboQuantCommunicator(BucketCommunicator):
         form = self.forms.get(key)
         if form is None:
             form = choose_form(self.form, self.world_size, numel, *self.link, self.codec_seconds)
+            if form not in self.forms.values():  # each form once: which, and why
+                logger.info(
+                    "lowbit: TurboQuant synchronizes a bucket of %d elements with form %r (configured %r; "
+                    "link %.3g Gbit/s, %.0f us; codec seconds per element %s)",
+                    numel,
+                    form,
+                    self.form,
+                    self.link[1] / 1e9,
+                    self.link[0] * 1e6,
+                    self.codec_seconds,
+                )
             self.forms[key] = form
         return form
 
