@@ -65,7 +65,7 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
 
 
 def _ternary(
-    rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor, codes: torch.Tensor
+    rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """2-bit codes of Eq. 7 written into ``codes`` (uint8, ``rows``' shape), and per row the
     count and the sum of the kept magnitudes (Eq. 4's numerator and denominator), given
@@ -78,12 +78,20 @@ def _ternary(
     magnitudes overwrite ``mag`` (multiplied by 0/1 bytes) instead of filling a new buffer.
     ``plus`` and ``minus`` are disjoint (α >= 0), so ``plus + 2·minus`` is the code and
     ``plus | minus`` the kept mask.
+
+    ``mask`` (float32, ``rows``' shape; rows shorter than 2**24): a buffer for the kept mask
+    as 0.0/1.0, so that the product with ``mag`` is float by float (the uint8 operand takes
+    a mixed-dtype path) and the count is a float sum of 0/1 (exact below 2**24, in any
+    order) instead of a cast of every byte to int32 and an integer sum.
     """
     alpha = (THRESHOLD_FACTOR * mean_abs).unsqueeze(1)
     plus = compare_bytes(torch.ge, rows, alpha)
     minus = compare_bytes(torch.lt, rows, -alpha)
     torch.add(plus, minus, out=codes).add_(minus)  # TERNARY_PLUS = 1, TERNARY_MINUS = 2 (alpha= is ~20x slower)
     kept = plus.bitwise_or_(minus)
+    if mask is not None and rows.shape[1] < 2**24:
+        kept = mask.copy_(kept)
+        return kept.sum(dim=1).int(), mag.mul_(kept).sum(dim=1)
     count_dtype = torch.int32 if rows.shape[1] < 2**31 else torch.int64
     return kept.sum(dim=1, dtype=count_dtype), mag.mul_(kept).sum(dim=1)
 
@@ -120,11 +128,12 @@ def _ternary_sliced(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(r, c, dtype=torch.uint8, device=rows.device)
     kept_count = torch.empty(r, dtype=torch.int32 if c < 2**31 else torch.int64, device=rows.device)
     kept_sum = torch.empty(r, dtype=torch.float32, device=rows.device)
-    buf = _row_buffer(rows)
+    buf, mask = _row_buffer(rows), _row_buffer(rows)
     for lo, hi in row_slices(r, c):
         part = rows[lo:hi]
         mag = torch.abs(part, out=buf[: (hi - lo) * c].view(hi - lo, c))
-        kept_count[lo:hi], kept_sum[lo:hi] = _ternary(part, mag, mag.mean(dim=1), codes[lo:hi])
+        kept = mask[: (hi - lo) * c].view(hi - lo, c)
+        kept_count[lo:hi], kept_sum[lo:hi] = _ternary(part, mag, mag.mean(dim=1), codes[lo:hi], kept)
     return codes.reshape(-1), _scales(kept_count, kept_sum)
 
 
