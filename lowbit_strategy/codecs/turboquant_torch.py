@@ -16,6 +16,7 @@ import torch
 
 from lowbit_strategy.codecs.bits import pack
 from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
+from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 
 
 def apply_scales(
@@ -70,12 +71,25 @@ def level_index(z: torch.Tensor, midpoints: torch.Tensor, bits: int) -> torch.Te
     comparison pass per midpoint, which on CPU is a few times faster than bucketize's
     binary search; wider codebooks use bucketize. Same codes either way."""
     if bits <= 4:
-        acc = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
-        above = torch.empty(z.shape, dtype=torch.bool, device=z.device)
-        for k in range(midpoints.numel()):
-            torch.gt(z, midpoints[k], out=above)
-            acc.add_(above)
-        return acc
+        acc = torch.empty(z.shape, dtype=torch.uint8, device=z.device)
+        if sliced(z) and z.dim() == 1:  # slice by slice (:mod:`.streaming`): the same comparisons
+            above = torch.empty(SLICE, dtype=torch.uint8, device=z.device)
+            for start, stop in slices(z.numel()):
+                _count_above(z[start:stop], midpoints, acc[start:stop], above[: stop - start])
+            return acc
+        return _count_above(z, midpoints, acc, torch.empty_like(acc))
+    return torch.bucketize(z, midpoints, out_int32=True).to(torch.uint8)
+
+
+def _count_above(z: torch.Tensor, midpoints: torch.Tensor, acc: torch.Tensor, above: torch.Tensor) -> torch.Tensor:
+    """``acc`` (uint8) = how many ``midpoints`` are strictly below ``z``; ``above``: a uint8
+    buffer of ``z``'s shape. Comparisons write bool into byte views, and the sum adds uint8
+    to uint8 (a bool operand takes a mixed-dtype path)."""
+    torch.gt(z, midpoints[0], out=acc.view(torch.bool))
+    for k in range(1, midpoints.numel()):
+        torch.gt(z, midpoints[k], out=above.view(torch.bool))
+        acc.add_(above)
+    return acc
     return torch.bucketize(z, midpoints, out_int32=True).to(torch.uint8)
 
 

@@ -204,3 +204,24 @@ def test_pack_unpack(n, lane_bits):
     _same(words, old_bits.pack(codes, lane_bits))
     for m in {n, max(0, n - 1)}:
         _same(bits.unpack(words, lane_bits, m), old_bits.unpack(words, lane_bits, m))
+
+
+@pytest.mark.parametrize("n", (1000, 2 * SLICE + 700))
+@pytest.mark.parametrize("block", (2, 64, 1024))
+def test_hadamard_and_level_index(threads, n, block):
+    from lowbit_strategy.codecs import lloyd_max_codebook
+    from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
+    from lowbit_strategy.codecs.turboquant_torch import level_index
+    from tests.codecs.legacy import hadamard as old_hadamard
+    from tests.codecs.legacy import turboquant_torch as old_tq
+
+    x = _vector(n, "heavy")
+    _same(_blocked_fwht(x, block), old_hadamard._blocked_fwht(x, block))
+    rows = x[: n // 2 * 2].view(2, -1)
+    _same(blocked_fwht_rows(rows, block), old_hadamard.blocked_fwht_rows(rows, block))
+    for bits in (2, 3, 4, 5):
+        levels = lloyd_max_codebook(bits)
+        mids = (levels[:-1] + levels[1:]) / 2
+        z = _vector(n, "randn") * 1.5
+        z[:: 97] = mids[torch.arange(z[:: 97].numel()) % mids.numel()]  # exactly on midpoints: ties
+        _same(level_index(z, mids, bits), old_tq.level_index(z, mids, bits))

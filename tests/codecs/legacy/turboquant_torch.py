@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from tests.codecs.legacy.bits import pack
-from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
+from tests.codecs.legacy.hadamard import _blocked_fwht, blocked_fwht_rows
 
 
 def apply_scales(
