@@ -232,9 +232,9 @@ def unpack(words: torch.Tensor, lane_bits: int, n: int) -> torch.Tensor:
             torch.index_select(table, 0, idx, out=groups[start:stop])
         return groups.view(torch.uint8)[:n]
     shifts = torch.arange(0, k * spec.bits, spec.bits, device=words.device, dtype=words.dtype)
-    mask = (1 << spec.bits) - 1
-    codes = (words.unsqueeze(1) >> shifts) & mask
-    return codes.reshape(-1)[:n]
+    codes = torch.empty(words.numel(), k, dtype=words.dtype, device=words.device)
+    torch.bitwise_right_shift(words.unsqueeze(1), shifts, out=codes)
+    return codes.bitwise_and_((1 << spec.bits) - 1).view(-1)[:n]  # in place: no second full-size tensor
 
 
 def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
