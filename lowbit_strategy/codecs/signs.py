@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs.bits import pack_bytes_into_lanes
+from lowbit_strategy.codecs.bits import pack_bools, pack_bytes_into_lanes
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 
 
@@ -35,15 +35,15 @@ def _check_no_nan(x: torch.Tensor, what: str) -> None:
 def compare_bytes(compare, a: torch.Tensor, b, out: torch.Tensor | None = None) -> torch.Tensor:
     """``compare(a, b)`` (``torch.ge``, ``torch.lt``, ...) as uint8 0/1 instead of bool.
 
-    Same values as ``compare(a, b).view(torch.uint8)`` (optionally written into ``out``, an
-    int8 or uint8 tensor of the result's shape); uint8 then feeds integer arithmetic without
-    a cast. The comparison itself writes bool into a bool view of the bytes: its vectorized
-    kernel, where an int8 output takes a casting path (~1.2-3x slower on AVX2/AVX-512 CPUs).
+    Same values as ``compare(a, b).view(torch.uint8)``; the comparison writes int8 directly
+    (optionally into ``out``, an int8 tensor of the result's shape), which CPU kernels do
+    ~1.5x faster than bool into a cache-resident buffer (1.2 against 2.0 ms for 4 Mi float32
+    in slices of 256 Ki, one thread; about even into a fresh full-size one), and uint8 then
+    feeds integer arithmetic without a cast.
     """
     if out is None:
-        out = torch.empty(torch.broadcast_shapes(a.shape, torch.as_tensor(b).shape), dtype=torch.uint8, device=a.device)
-    compare(a, b, out=out.view(torch.bool))
-    return out.view(torch.uint8)
+        out = torch.empty(torch.broadcast_shapes(a.shape, torch.as_tensor(b).shape), dtype=torch.int8, device=a.device)
+    return compare(a, b, out=out).view(torch.uint8)
 
 
 def sign_bits(x: torch.Tensor, step: int, *, check_nan: bool = True) -> torch.Tensor:
@@ -79,18 +79,16 @@ def sign_bits_packed(x: torch.Tensor, step: int, *, check_nan: bool = True) -> t
 
 
 def _sign_bits_packed_sliced(flat: torch.Tensor, compare) -> torch.Tensor:
-    """:func:`sign_bits_packed` slice by slice (:mod:`.streaming`): the 0/1 votes of a slice
-    in one reused byte buffer, packed from there into the output; no n-byte vote tensor."""
+    """:func:`sign_bits_packed` slice by slice (:mod:`.streaming`): the votes of a slice as
+    bool in one reused buffer, packed from there into the output (:func:`.bits.pack_bools`);
+    no n-byte vote tensor."""
     n = flat.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
-    buf = torch.empty(SLICE, dtype=torch.int8, device=flat.device)  # SLICE is a multiple of 8
+    buf = torch.empty(SLICE, dtype=torch.bool, device=flat.device)  # SLICE is a multiple of 8
     for start, stop in slices(n):
-        votes = buf[: -(-(stop - start) // 8) * 8]
-        votes[stop - start :] = 0
-        compare_bytes(compare, flat[start:stop], 0, out=votes[: stop - start])
-        pack_bytes_into_lanes(
-            votes.view(torch.uint8), 1, owned=True, out=out[start // 8 : start // 8 + votes.numel() // 8]
-        )
+        votes = buf[: stop - start]
+        compare(flat[start:stop], 0, out=votes.view(torch.int8))  # int8 out: see compare_bytes
+        pack_bools(votes, out[start // 8 : -(-stop // 8)])
     return out
 
 

@@ -83,11 +83,12 @@ def level_index(z: torch.Tensor, midpoints: torch.Tensor, bits: int) -> torch.Te
 
 def _count_above(z: torch.Tensor, midpoints: torch.Tensor, acc: torch.Tensor, above: torch.Tensor) -> torch.Tensor:
     """``acc`` (uint8) = how many ``midpoints`` are strictly below ``z``; ``above``: a uint8
-    buffer of ``z``'s shape. Comparisons write bool into byte views, and the sum adds uint8
-    to uint8 (a bool operand takes a mixed-dtype path)."""
-    torch.gt(z, midpoints[0], out=acc.view(torch.bool))
+    buffer of ``z``'s shape. Comparisons write 0/1 int8 into byte views (see
+    :func:`.signs.compare_bytes`), and the sum adds uint8 to uint8 (a bool operand takes a
+    mixed-dtype path)."""
+    torch.gt(z, midpoints[0], out=acc.view(torch.int8))
     for k in range(1, midpoints.numel()):
-        torch.gt(z, midpoints[k], out=above.view(torch.bool))
+        torch.gt(z, midpoints[k], out=above.view(torch.int8))
         acc.add_(above)
     return acc
     return torch.bucketize(z, midpoints, out_int32=True).to(torch.uint8)
