@@ -93,8 +93,8 @@ SUITES = {
     # every algorithm's default, flat against hierarchical; 1-bit Adam/LAMB and TurboQuant warm
     # up for the first 20 % of the steps. Lion Cub's and TurboQuant's "auto" weigh the codec
     # time measured at setup against a 1 Gbit/s link: on a busy CPU they may send fp32 (DDP),
-    # which says nothing about compression, so their compressed forms are named: Lion Cub
-    # 1-bit, TurboQuant's all-gather (the paper's Algorithm 1)
+    # which says nothing about compression, so their compressed forms are named too: Lion Cub
+    # 1-bit, TurboQuant's all-gather (the paper's Algorithm 1; its auto sent fp32 here)
     # After each pair, what the hierarchical form should equal: the flat algorithm with N = 2
     # workers that each see the mean gradient of 32 sequences (1 node x 2 ranks, batch 32: the
     # same 64 sequences per step, split in two other halves than the nodes').
@@ -104,6 +104,7 @@ SUITES = {
         ("DDP + AdamW", "ddp", ["--optimizer", "adamw"]),
         *[row for name, strategy, extra in [
               ("Lion Cub 1-bit", "lowbit_lion_1bit", []),
+              ("Lion Cub auto (the default)", "lowbit_lion", []),
               ("BitDP FG-2bit + AdamW", "lowbit_bitdp", ["--optimizer", "adamw"]),
               ("1-bit Adam", "lowbit_adam", ["--optimizer", "onebit_adam"]),
               ("1-bit LAMB", "lowbit_lamb", ["--optimizer", "onebit_lamb"]),
@@ -273,6 +274,12 @@ def node_bytes(d: dict, ranks_per_node: int) -> tuple[float, float]:
     return net, sum(r[1] for r in per_rank) / nodes
 
 
+def _vs_ddp(strategy: str, ddp_bytes: float | None, sent: float) -> str:
+    if strategy == "ddp":
+        return "1.0× (modeled)"
+    return f"{ddp_bytes / sent:.1f}× less" if ddp_bytes and sent else "–"
+
+
 def report_nodes(suite: str, tag: str, seeds: tuple[int, ...], lr: float | None = None) -> str:
     """Mean ± std over seeds of the losses, the loss gap to the matching DDP row and of the
     hierarchical row to its flat one (paired by seed), bytes per step per node."""
@@ -308,7 +315,7 @@ def report_nodes(suite: str, tag: str, seeds: tuple[int, ...], lr: float | None 
             f"| {label} | `{strategy}` | {' / '.join(topologies)} | {len(runs)} | "
             f"{_mean_std([d['val_loss'] for d in runs.values()])} | "
             f"{_mean_std([d['train_loss'] for d in runs.values()])} | {_signed(vs_ddp)} | {_signed(vs_flat)} | "
-            f"{net / 1024:.1f} | {f'{ddp_bytes / net:.1f}× less' if ddp_bytes and net else '–'} | {last} | "
+            f"{net / 1024:.1f} | {_vs_ddp(strategy, ddp_bytes, net)} | {last} | "
             f"{intra / 1024:.1f} |")
     table = "\n".join(rows)
     command = f"python -m benchmarks.quality --suite {suite} --steps {'/'.join(map(str, steps))}" + (
