@@ -60,8 +60,8 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
         kept_count, kept_sum = _ternary(rows, mag, mean_abs, codes)
         return codes.reshape(-1), _scales(kept_count, kept_sum)
     if bits == 1:
-        return compare_bytes(torch.ge, rows, 0).reshape(-1), _mean_abs_sliced(rows)
-    return _ternary_sliced(rows)
+        return compare_bytes(torch.ge, rows, 0).reshape(-1), _mean_abs_sliced(rows.detach())
+    return _ternary_sliced(rows.detach())  # out= buffers: no autograd graph
 
 
 def _ternary(

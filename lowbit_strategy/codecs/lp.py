@@ -159,7 +159,7 @@ def _quantize_sliced(x: torch.Tensor, scale: torch.Tensor, levels: int, out_dtyp
     """``(float32(x) · scale).round_().clamp_(-levels, levels).to(out_dtype)`` slice by slice
     through one reused float32 buffer (:mod:`.streaming`): the same elementwise operations,
     so the same codes, in one pass over ``x`` and one over the codes."""
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)  # out= below: no autograd graph (codes have no gradient)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     codes = out.view(-1)
     buf = torch.empty(min(SLICE, flat.numel()), dtype=torch.float32, device=x.device)

@@ -225,3 +225,13 @@ def test_hadamard_and_level_index(threads, n, block):
         z = _vector(n, "randn") * 1.5
         z[:: 97] = mids[torch.arange(z[:: 97].numel()) % mids.numel()]  # exactly on midpoints: ties
         _same(level_index(z, mids, bits), old_tq.level_index(z, mids, bits))
+
+
+def test_sliced_paths_take_tensors_that_require_grad():
+    """The sliced paths write into buffers with out=, which autograd refuses: they detach."""
+    x = _vector(SLICE + 11, "randn").requires_grad_()  # a multiple of 3: rows of 3 below
+    _same(lp.lp_quantize(x, 8, 1), old_lp.lp_quantize(x.detach(), 8, 1))
+    for bits in (1, 2):
+        codes, scales = channel.channel_encode(x.view(-1, 3), bits)
+        _same((codes, scales.detach()), old_channel.channel_encode(x.detach().view(-1, 3), bits))
+    _same(signs.sign_bits_packed(x, 1), old_signs.sign_bits_packed(x.detach(), 1))
