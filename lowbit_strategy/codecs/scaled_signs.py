@@ -187,8 +187,10 @@ def scaled_sign_compress(
     v = error.view(-1)
     v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
     scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
-    if block is None and sliced(v):
-        return _signs_and_error_sliced(v, nbytes, scale), scale
+    if sliced(v):
+        if block is None:
+            return _signs_and_error_sliced(v, nbytes, scale), scale
+        return _signs_and_error_sliced_blocks(v, nbytes, grid, block, chunk or n), scale
     codes = torch.empty(8 * nbytes, dtype=torch.int8, device=x.device)
     codes[n:] = 0
     compare_bytes(torch.ge, v, 0, out=codes[:n])  # 1 for v >= 0 (zeros too), else 0
@@ -220,6 +222,39 @@ def _signs_and_error_sliced(v: torch.Tensor, nbytes: int, scale: torch.Tensor) -
         sign = torch.mul(positive.view(torch.int8), 2, out=signs[: stop - start]).sub_(1)
         part.addcmul_(sign, scale, value=-1)
         pack_bools(positive, out[start // 8 : -(-stop // 8)])
+    return out
+
+
+def _signs_and_error_sliced_blocks(
+    v: torch.Tensor, nbytes: int, grid: torch.Tensor, block: int, length: int
+) -> torch.Tensor:
+    """:func:`_signs_and_error_sliced` with a scale per block: rows of ``length`` elements
+    (the collective's chunks; blocks restart at each), each cut into slices of whole blocks,
+    and in each slice ``v − s_b·sign(v)`` by one ``addcmul_`` over its whole blocks (a
+    ``(blocks, block)`` view against ``grid[row, blocks, None]``) and one for a partial last
+    block: the same elementwise operation as the whole-vector form, so the same bits. Row
+    starts (``length``) and slices are multiples of 8 elements: whole bytes of bits."""
+    n = v.numel()
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=v.device)
+    size = max(1, SLICE // block) * block
+    votes = torch.empty(min(size, n), dtype=torch.bool, device=v.device)
+    signs = torch.empty(votes.numel(), dtype=torch.float32, device=v.device)  # ±1.0: addcmul_ casts no int8
+    for row, row_start in enumerate(range(0, n, length)):
+        real = min(length, n - row_start)
+        for start, stop in slices(real, size):
+            part, m = v[row_start + start : row_start + stop], stop - start
+            positive = votes[:m]
+            torch.ge(part, 0, out=positive.view(torch.int8))  # v >= 0, zeros too
+            sign = torch.mul(positive.view(torch.int8), 2, out=signs[:m]).sub_(1)  # exact ±1
+            first, whole = start // block, m // block
+            if whole:
+                part[: whole * block].view(whole, block).addcmul_(
+                    sign[: whole * block].view(whole, block), grid[row, first : first + whole, None], value=-1
+                )
+            if m > whole * block:  # the row's partial last block
+                part[whole * block :].addcmul_(sign[whole * block : m], grid[row, first + whole], value=-1)
+            at = row_start + start
+            pack_bools(positive, out[at // 8 : -(-(at + m) // 8)])
     return out
 
 
@@ -294,9 +329,20 @@ def _check_rows(
     return rows, scales if block is None else scales.view(k, -1)
 
 
+_BYTE_BLOCKS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
 def _byte_blocks(c: int, block: int, device: torch.device) -> torch.Tensor:
-    """(c,) int64: the block of every byte of a row (``8j // block`` for byte ``j``)."""
-    return torch.arange(0, 8 * c, 8, device=device).div_(block, rounding_mode="floor")
+    """(c,) int64: the block of every byte of a row (``8j // block`` for byte ``j``); read
+    only. The last few layouts are cached: a bucket's layout repeats every step."""
+    key = (c, block, torch.device(device))
+    got = _BYTE_BLOCKS.get(key)
+    if got is None:
+        got = torch.arange(0, 8 * c, 8, device=device).div_(block, rounding_mode="floor")
+        if len(_BYTE_BLOCKS) >= 16:
+            _BYTE_BLOCKS.pop(next(iter(_BYTE_BLOCKS)))
+        _BYTE_BLOCKS[key] = got
+    return got
 
 
 def _block_tables(c: int, nb: int) -> bool:
@@ -313,6 +359,7 @@ def scaled_sign_decode(
     n: int,
     dtype: torch.dtype = torch.float32,
     block: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``C[v]`` back from its code: row ``r`` of ``bits`` decodes to ``scales[r] · (±1)``.
 
@@ -328,32 +375,63 @@ def scaled_sign_decode(
     rounded to ``dtype`` the same way. For blocks of 16384+ elements one gather per byte
     from a table per (row, block), as without blocks; for smaller ones (where such tables
     would outweigh the output) a gather of ±1 per byte times each byte's block scale.
+
+    ``out``: a contiguous ``dtype`` tensor of ``n`` elements to decode into (the gather
+    writes there: no full-size temporary and no copy), returned.
     """
     what = "scaled_sign_decode"
     rows, scales = _check_rows(bits, scales, what, block)
     k, c = rows.shape
     if not 0 <= n <= 8 * k * c:
         raise ValueError(f"{what}: cannot decode n={n} values from {k} x {c} bytes")
+    if out is not None and (out.dtype != dtype or out.numel() != n or not out.is_contiguous()):
+        raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of n={n} elements")
     if block is not None:
         nb = scales.shape[1]
         byte_blocks = _byte_blocks(c, block, bits.device)
         if not _block_tables(c, nb):
-            per_byte = scales[:, byte_blocks].to(dtype)  # (k, c); ±1 · round(s) = round(±s)
+            per_byte = scales[:, byte_blocks].to(dtype).view(k * c, 1)  # ±1 · round(s) = round(±s)
             pm1 = _pm1_table(bits.device).to(dtype)
-            out = pm1.index_select(0, rows.reshape(-1).to(torch.int32)).view(k * c, 8)
-            return out.mul_(per_byte.view(k * c, 1)).view(-1)[:n]
+            got = _gather(pm1, rows.reshape(-1).to(torch.int32), n, out)
+            full = n // 8
+            got[: 8 * full].view(full, 8).mul_(per_byte[:full])
+            if n > 8 * full:
+                got[8 * full :].mul_(per_byte[full])
+            return got
         # one table per (row, block): index = (row·nb + block of the byte)·256 + byte
         table = (scales.view(k * nb, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * nb * 256, 8)
         index = torch.arange(0, k * nb, nb, dtype=torch.int32, device=bits.device).view(k, 1) + byte_blocks.int()
         index = index.mul_(256).add_(rows)
-        return table.index_select(0, index.view(-1)).view(-1)[:n]
+        return _gather(table, index.view(-1), n, out)
     table = (scales.view(k, 1, 1) * _pm1_table(bits.device)).to(dtype).view(k * 256, 8)
     index = torch.arange(0, 256 * k, 256, dtype=torch.int32, device=bits.device).view(k, 1) + rows
-    return table.index_select(0, index.view(-1)).view(-1)[:n]
+    return _gather(table, index.view(-1), n, out)
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, or copied into ``out`` when given."""
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The first ``n`` values of ``table.index_select(0, index)`` (rows of 8), 1-D: into
+    ``out`` when given (whole bytes gathered in place, the last partial byte's values copied)."""
+    if out is None:
+        return table.index_select(0, index).view(-1)[:n]
+    full = n // 8
+    if full:
+        torch.index_select(table, 0, index[:full], out=out[: 8 * full].view(full, 8))
+    if n > 8 * full:
+        out[8 * full :] = table[index[full]][: n - 8 * full]
+    return out
 
 
 @torch.no_grad()
-def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def scaled_sign_mean(
+    bits: torch.Tensor, scales: torch.Tensor, block: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The mean of ``k`` decoded codes: ``Σ_r (scales[r] / k) · (±1)_r`` for all ``8c`` bits.
 
     1-bit LAMB (arXiv:2104.06069) Algorithm 1, line 10: the server's average of the
@@ -371,15 +449,20 @@ def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None
     with ``nb = ceil(8c/block)``: row ``r``'s block ``b`` weighs ``w_rb = scales[r, b] / k``.
     Same order and roundings (``w_rb·±1`` is exact), through a table of ``±w_rb`` per
     block (blocks of 16384+ elements) or a ±1 gather per byte times each byte's weight.
+
+    ``out``: a contiguous float32 tensor of ``8c`` elements to write the mean into (a
+    buffer kept across calls has no page faults to take), returned.
     """
     rows, scales = _check_rows(bits, scales, "scaled_sign_mean", block)
     k, c = rows.shape
+    if out is not None and (out.dtype != torch.float32 or out.numel() != 8 * c or not out.is_contiguous()):
+        raise ValueError(f"scaled_sign_mean: out must be a contiguous float32 tensor of 8c = {8 * c} elements")
     device = bits.device
     index = rows.to(torch.int32)
     if block is not None and not _block_tables(c, scales.shape[1]):
         weights = (scales / k)[:, _byte_blocks(c, block, device)].unsqueeze(-1)  # (k, c, 1)
         terms = _pm1_table(device).index_select(0, index.view(-1)).view(k, c, 8).mul_(weights)  # exact products
-        return rank_sum(terms).reshape(-1)
+        return _into(rank_sum(terms).reshape(-1), out)
     if block is not None:  # a (256, 8) table of ±w per (row, block), as below with one per row
         nb = scales.shape[1]
         tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(device)).view(k * nb * 256, 8)
@@ -389,5 +472,17 @@ def scaled_sign_mean(bits: torch.Tensor, scales: torch.Tensor, block: int | None
         tables = ((scales / k).view(k, 1, 1) * _pm1_table(device)).view(k * 256, 8)  # (k·256, 8): ±w_r
         offsets = torch.zeros((), dtype=torch.int32, device=device)
         first = torch.arange(0, k * 256, 256, dtype=torch.int32, device=device).view(k, 1)
-    terms = tables.index_select(0, (first + offsets + index).view(-1)).view(k, c, 8)
-    return rank_sum(terms).reshape(-1)
+    index = first + offsets + index  # (k, c): each byte's row of ±w
+    if device.type != "cpu" or 8 * k * c <= SLICE:
+        return _into(rank_sum(tables.index_select(0, index.view(-1)).view(k, c, 8)).reshape(-1), out)
+    # on the CPU, slices of the bytes (:mod:`.streaming`): the k rows' terms of a slice stay in
+    # the cache; rank_sum adds rows element by element, so slicing the columns keeps its bits
+    if out is None:
+        out = torch.empty(8 * c, dtype=torch.float32, device=device)
+    step = max(1, SLICE // (8 * k))
+    buf = torch.empty(k * step * 8, dtype=torch.float32, device=device)
+    for lo, hi in slices(c, step):
+        terms = buf[: k * (hi - lo) * 8].view(k * (hi - lo), 8)
+        torch.index_select(tables, 0, index[:, lo:hi].reshape(-1), out=terms)
+        out[8 * lo : 8 * hi] = rank_sum(terms.view(k, hi - lo, 8)).reshape(-1)
+    return out

@@ -166,10 +166,24 @@ class CompensatedAllreduce(g.TwoPhase):
     """
 
     def __init__(
-        self, x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block=None, keep=False
+        self,
+        x,
+        server_error,
+        out,
+        group,
+        p,
+        rank,
+        c,
+        received,
+        scales,
+        futures,
+        traffic,
+        block=None,
+        keep=False,
+        server_out=None,
     ):
         self._shape, self._n, self._dtype, self._block = x.shape, x.numel(), x.dtype, block
-        self._out, self._group, self._keep = out, group, keep
+        self._out, self._group, self._keep, self._server_out = out, group, keep, server_out
         #: the server error buffer: the one passed, updated in place; with
         #: ``keep_server_error=True`` a new buffer after :meth:`gather` (the one passed is left as it was)
         self.server_error = server_error
@@ -189,7 +203,7 @@ class CompensatedAllreduce(g.TwoPhase):
         p, c, rank, n, block = self._p, self._c, self._rank, self._n, self._block
         self.worker_scales = self._scales
         # server (Algorithm 1, line 10): mean of the P decoded chunks, + error, compress again
-        mean = scaled_sign_mean(self._received.view(p, c), self._scales, block)
+        mean = scaled_sign_mean(self._received.view(p, c), self._scales, block, out=self._server_out)
         real = max(0, min(8 * c, n - 8 * c * rank))  # elements of this chunk that are not padding
         old = self.server_error.view(-1)
         if self._keep:  # mean + error = error + mean: the new error is computed into `mean`
@@ -217,10 +231,12 @@ class CompensatedAllreduce(g.TwoPhase):
 
         def finish() -> torch.Tensor:  # after both collectives' own wait() (Pending)
             self.server_scales = every_scales if block is not None else every_scales.view(p)
-            result = scaled_sign_decode(every_bits.view(p, c), every_scales, n, dtype, block)
+            into = None if out is None or not out.is_contiguous() else out.view(-1)
+            result = scaled_sign_decode(every_bits.view(p, c), every_scales, n, dtype, block, out=into)
             if out is None:
                 return result.view(shape)
-            out.view(-1).copy_(result)
+            if into is None:
+                out.view(-1).copy_(result)
             return out.view(shape)
 
         pending = g.Pending([f_bits, f_scales], finish)
@@ -264,6 +280,7 @@ def compensated_allreduce_start(
     traffic=None,
     block: int | None = None,
     keep_server_error: bool = False,
+    server_out: torch.Tensor | None = None,
 ) -> CompensatedAllreduce:
     """Start :func:`compensated_allreduce`: compress this rank's ``x`` (``worker_error`` is
     updated before this returns, ``x`` is no longer needed) and launch the all-to-all of
@@ -275,7 +292,9 @@ def compensated_allreduce_start(
     allreduces in the same order.
 
     ``keep_server_error=True``: ``server_error`` is only read; the updated one is a new
-    buffer, :attr:`CompensatedAllreduce.server_error` after the gather (the same floats).
+    buffer, :attr:`CompensatedAllreduce.server_error` after the gather (the same floats):
+    ``server_out`` when given (float32, contiguous, ``server_error``'s length; a buffer kept
+    across calls).
     For a caller that must keep the old one until it knows the step is applied; for the
     worker the same is had by passing the committed error as ``x`` and a buffer holding
     ``x`` as ``worker_error`` (``x + e = e + x``, float32 to float32).
@@ -297,6 +316,21 @@ def compensated_allreduce_start(
         scales = torch.empty_like(scale)
         f_scales = g.all_to_all_async(scales.view(-1), scale.view(-1), group, "compensated.scales", traffic)
     futures = (f_signs, f_scales)
+    if server_out is not None and (not keep_server_error or server_out.numel() != 8 * c):
+        raise ValueError(f"{_WHAT}: server_out needs keep_server_error=True and {8 * c} elements")
     return CompensatedAllreduce(
-        x, server_error, out, group, p, rank, c, received, scales, futures, traffic, block, keep_server_error
+        x,
+        server_error,
+        out,
+        group,
+        p,
+        rank,
+        c,
+        received,
+        scales,
+        futures,
+        traffic,
+        block,
+        keep_server_error,
+        server_out,
     )

@@ -77,7 +77,11 @@ def test_lp_quantize(threads, n, kind):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_lp_quantize_other_dtypes(dtype):
-    x = _vector(2 * SLICE + 5, "heavy").to(dtype) if dtype == torch.float64 else _vector(2 * SLICE + 5, "randn").to(dtype)
+    x = (
+        _vector(2 * SLICE + 5, "heavy").to(dtype)
+        if dtype == torch.float64
+        else _vector(2 * SLICE + 5, "randn").to(dtype)
+    )
     for p in (1.0, math.inf):
         _same(lp.lp_quantize_levels(x, 127, p), old_lp.lp_quantize_levels(x, 127, p))
 
@@ -161,6 +165,24 @@ def test_scaled_sign_compress(threads, n, kind):
         _same(e_new, e_old)
 
 
+@pytest.mark.parametrize("n", [SLICE + 1, pytest.param(3 * SLICE + 13, marks=SLOW)])
+def test_scaled_sign_compress_blocks_in_chunks(threads, n):
+    # the collective's layout: P chunks of c bytes, blocks restarting at each chunk, a block
+    # size that divides the slice, one that does not, one longer than a slice; padding bytes
+    x = _vector(n, "heavy")
+    error = _vector(n, "randn", seed=1) * 0.1
+    for block in (1000, 32768, 1 << 20):
+        for p in (1, 3):
+            c = -(-n // (8 * p))
+            for chunk in (None, 8 * c):
+                e_new, e_old = error.clone(), error.clone()
+                _same(
+                    scaled_signs.scaled_sign_compress(x, e_new, nbytes=p * c, block=block, chunk=chunk),
+                    old_scaled_signs.scaled_sign_compress(x, e_old, nbytes=p * c, block=block, chunk=chunk),
+                )
+                _same(e_new, e_old)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_scaled_sign_compress_other_dtypes(dtype):
     n = 2 * SLICE + 9
@@ -223,7 +245,7 @@ def test_hadamard_and_level_index(threads, n, block):
         levels = lloyd_max_codebook(bits)
         mids = (levels[:-1] + levels[1:]) / 2
         z = _vector(n, "randn") * 1.5
-        z[:: 97] = mids[torch.arange(z[:: 97].numel()) % mids.numel()]  # exactly on midpoints: ties
+        z[::97] = mids[torch.arange(z[::97].numel()) % mids.numel()]  # exactly on midpoints: ties
         _same(level_index(z, mids, bits), old_tq.level_index(z, mids, bits))
 
 

@@ -8,6 +8,7 @@ the error bound of a float32 sum of ``n`` squares (``(n + 2)·2^-24`` relative),
 everything built from it is checked exactly given the returned scale. Values stay where
 the float32 squares neither overflow nor underflow (the codec's documented range).
 """
+
 import math
 import struct
 
@@ -194,21 +195,30 @@ def test_bad_inputs_name_the_argument():
 
 # ---- block scales ------------------------------------------------------------------------
 
+
 def brute_block_spans(n: int, block: int, chunk: int | None, nbytes: int):
     """(row, block, lo, hi) of every block, written out: blocks restart at every chunk."""
     length = chunk if chunk is not None else n
     rows = 8 * nbytes // chunk if chunk is not None else 1
     per_row = -(-length // block) if chunk is not None or n else 0
-    return [(r, b, r * length + b * block, min(r * length + (b + 1) * block, (r + 1) * length, n))
-            for r in range(rows) for b in range(per_row)]
+    return [
+        (r, b, r * length + b * block, min(r * length + (b + 1) * block, (r + 1) * length, n))
+        for r in range(rows)
+        for b in range(per_row)
+    ]
 
 
 BLOCKS = [8, 16, 24, 64, 1024]
 
 
 @settings(max_examples=200)
-@given(vectors, st.data(), st.sampled_from(BLOCKS), st.sampled_from([None, 8, 16, 24, 40]),
-       st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    vectors,
+    st.data(),
+    st.sampled_from(BLOCKS),
+    st.sampled_from([None, 8, 16, 24, 40]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_block_compress_matches_brute_force(xs, data, block, chunk, dtype):
     n = len(xs)
     x = torch.tensor(xs, dtype=torch.float32).to(dtype)
@@ -319,11 +329,15 @@ def test_block_decode_matches_brute_force(coded, data, dtype):
 def test_block_mean_matches_brute_force_in_rank_order(coded):
     rows, scales, block = coded
     k, c = len(rows), len(rows[0])
-    got = scaled_sign_mean(torch.tensor(rows, dtype=torch.uint8).view(k, c),
-                           torch.tensor(scales, dtype=torch.float32).view(k, -1), block=block)
+    got = scaled_sign_mean(
+        torch.tensor(rows, dtype=torch.uint8).view(k, c),
+        torch.tensor(scales, dtype=torch.float32).view(k, -1),
+        block=block,
+    )
     assert got.dtype == torch.float32 and got.shape == (8 * c,)
-    decoded = [brute_decode_blocks([row], [[f32(s / k) for s in srow]], block, 8 * c)
-               for row, srow in zip(rows, scales)]
+    decoded = [
+        brute_decode_blocks([row], [[f32(s / k) for s in srow]], block, 8 * c) for row, srow in zip(rows, scales)
+    ]
     expected = [tree_sum([decoded[r][i] for r in range(k)], f32) for i in range(8 * c)]  # rank_sum's order
     assert got.tolist() == expected
 
@@ -368,3 +382,49 @@ def test_large_blocks_decode_and_mean_the_same_floats(c, block):
     for r in range(1, k):
         acc = acc + (per_element[r] / k) * signs[r]
     assert torch.equal(scaled_sign_mean(rows, scales, block=block), acc)
+
+
+@pytest.mark.parametrize("block", [None, 16, 16384])
+@pytest.mark.parametrize("n_cut", [0, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_out_is_the_same_floats(block, n_cut, dtype):
+    # the three gathers (one table per row; ±1 times each byte's block scale; one table per
+    # block) write whole bytes in place and the partial last byte apart
+    k, c = 3, 4096
+    bits = torch.randint(0, 256, (k, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    nb = 1 if block is None else -(-8 * c // block)
+    scales = torch.rand(k, nb, generator=torch.Generator().manual_seed(2)).view(k if block is None else (k, nb))
+    n = 8 * k * c - n_cut
+    want = scaled_sign_decode(bits, scales, n, dtype, block)
+    out = torch.full((n,), float("nan"), dtype=dtype)
+    got = scaled_sign_decode(bits, scales, n, dtype, block, out=out)
+    assert got is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        scaled_sign_decode(bits, scales, n, dtype, block, out=torch.empty(n + 1, dtype=dtype))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("block", [None, 16384])
+def test_mean_of_many_bytes_is_the_whole_tensor_sum(k, block):
+    # past a slice the mean runs slice by slice on the CPU: the same floats as one rank_sum
+    from lowbit_strategy.codecs.reduce import rank_sum
+    from lowbit_strategy.codecs.streaming import SLICE
+
+    c = SLICE // 4 + 13
+    bits = torch.randint(0, 256, (k, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+    nb = 1 if block is None else -(-8 * c // block)
+    scales = torch.rand(k, nb, generator=torch.Generator().manual_seed(7)) * 3
+    scales = scales.view(k) if block is None else scales
+    decoded = torch.stack([scaled_sign_decode(bits[r], scales[r].reshape(-1), 8 * c, block=block) for r in range(k)])
+    want = rank_sum(decoded / k) if block is None else None
+    got = scaled_sign_mean(bits, scales, block)
+    if want is not None:
+        assert torch.equal(got, want)
+    # against the unsliced form: the whole-tensor gather and one rank_sum
+    import lowbit_strategy.codecs.scaled_signs as ss
+
+    old, ss.SLICE = ss.SLICE, 1 << 40
+    try:
+        assert torch.equal(got, scaled_sign_mean(bits, scales, block))
+    finally:
+        ss.SLICE = old

@@ -58,6 +58,8 @@ class OneBitCommunicator(BucketCommunicator):
         super().__init__(group, bucket_size_mb, debug, topology)
         #: elements per scale block of the compressed allreduce (None: one scale per bucket)
         self.block = block
+        #: per bucket: a free server error buffer (the one the committed state replaced)
+        self._server_spare: dict[Key, torch.Tensor] = {}
         self.shard_align = block or self.shard_align
 
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
@@ -69,6 +71,9 @@ class OneBitCommunicator(BucketCommunicator):
         # buffer holding this step's momenta as the error buffer, which becomes the new error
         # (the same floats: fl(x + e) = fl(e + x)); the server's new error is a new buffer too.
         # Nothing committed is written, so a skipped step keeps it without a copy.
+        spare = self._server_spare.pop(key, None)
+        if spare is not None and (spare.numel() != server.numel() or spare.device != server.device):
+            spare = None
         handle = compensated_allreduce_start(
             worker,
             flat,
@@ -79,8 +84,12 @@ class OneBitCommunicator(BucketCommunicator):
             traffic=self.traffic,
             block=self.block,
             keep_server_error=True,
+            server_out=spare,
         )
         return (flat, server), handle
+
+    def _released(self, key, state):
+        self._server_spare[key] = state[1]
 
     def _scratch(self, state):
         return state[0]

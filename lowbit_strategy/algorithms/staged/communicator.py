@@ -144,6 +144,15 @@ class BucketCommunicator:
             free = self._scratch(old) if old else None
         if free is not None:
             self._spare[job.key] = free
+        if old is None:  # dropped: unless it is the bucket's committed state (kept as it was)
+            if job.state and job.state is not self.errors.get(job.key):
+                self._released(job.key, job.state)
+        elif old and old is not job.state:  # committed: the state it replaced
+            self._released(job.key, old)
+
+    def _released(self, key: Key, state: tuple) -> None:
+        """``state`` of bucket ``key`` is superseded or dropped, and is not the bucket's
+        state: a subclass may keep more of its buffers for the next step."""
 
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:

@@ -90,7 +90,7 @@ def _check_adam(rank, world_size):
 
         def count(step, model, o):
             _same_on_every_rank(model)
-            buffers.append({k: w.data_ptr() for k, (w, _) in o.communicator.errors.items()})
+            buffers.append({k: (w.data_ptr(), s.data_ptr()) for k, (w, s) in o.communicator.errors.items()})
             if step == FREEZE:
                 switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
             sent.append(sum(b for op, b in o.communicator.traffic.by_op().items() if op.startswith("compensated.")))
@@ -113,11 +113,12 @@ def _check_adam(rank, world_size):
         expect = sum(2 * (world_size - 1) * (c // 8 + 4 * -(-c // 16)) for c in chunks)
         assert per_step == expect, (per_step, expect, sent, layout)
         assert sent[FREEZE - 1] == 0  # warm-up: gradients averaged by the hook, no momentum sent
-        # persistent buffers: a step's new worker error is written into the buffer the error
-        # before the committed one held (two alternate per bucket), never a fresh allocation
+        # persistent buffers: a step's new worker and server errors are written into the
+        # buffers the errors before the committed ones held (two of each alternate per
+        # bucket), never a fresh allocation
         assert len(buffers) - FREEZE >= 4
         for a, b, c in zip(buffers[FREEZE + 1 :], buffers[FREEZE + 2 :], buffers[FREEZE + 3 :]):
-            assert a == c and all(a[k] != b[k] for k in a), (a, b, c)
+            assert a == c and all(a[k][i] != b[k][i] for k in a for i in (0, 1)), (a, b, c)
     # the optimizer's own fixed layout: started during backward or in step(), the same bits
     assert all(torch.equal(a, b) for a, b in zip(*finals))
 
