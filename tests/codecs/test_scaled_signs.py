@@ -421,7 +421,7 @@ def test_mean_of_many_bytes_is_the_whole_tensor_sum(k, block):
     if want is not None:
         assert torch.equal(got, want)
     # against the unsliced form: the whole-tensor gather and one rank_sum
-    import lowbit_strategy.codecs.scaled_signs as ss
+    import lowbit_strategy.codecs.scaled_signs_decode as ss
 
     old, ss.SLICE = ss.SLICE, 1 << 40
     try:
