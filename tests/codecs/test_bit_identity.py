@@ -192,7 +192,7 @@ def test_scaled_sign_compress_other_dtypes(dtype):
     _same(e_new, e_old)
 
 
-@pytest.mark.parametrize("n", (1000, 4096, SLICE + 1))
+@pytest.mark.parametrize("n", (1000, 4096, pytest.param(SLICE + 1, marks=SLOW)))
 def test_turboquant_given_scale_unchanged_and_rms_close(n):
     """TurboQuant's RMS rule is new (fold in halves, issue 23): with a given scale the codes
     are the old ones bit for bit; the RMS scales stay within a few ulps of the old tree's."""

@@ -245,6 +245,7 @@ def test_signs_are_prefixes_of_one_stream_kept_once_per_device():
     assert list(codec._signs) == [torch.device("cpu")] and codec._signs[torch.device("cpu")].numel() >= 20_000
 
 
+@pytest.mark.slow  # ~7 s of the fast tier's minute
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 300), st.sampled_from([2, 3, 4, 8]), st.sampled_from([2, 8, 16, 64]),
        st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
