@@ -102,6 +102,10 @@ class BucketCommunicator:
         self._inflight: dict[Key, Job] = {}
         self._side = SideStream()
         self._finished: list[Job] = []
+        #: every bucket synchronizes with the exact mean (decided at setup, the same on every
+        #: rank): then the DDP hook averages the gradients as DDP does, overlapping backward,
+        #: and the optimizer's momenta need no collective (:class:`~.sync.StagedSync`)
+        self.exact = False
         #: per bucket: a free float32 buffer of the length this rank sends (the momenta go there)
         self._spare: dict[Key, torch.Tensor] = {}
         #: per bucket: the buffer its results are written to (views of it are returned; read

@@ -181,7 +181,9 @@ class StagedOptimizer(Optimizer):
         exact momentum (nothing to send)."""
         params, group_of = self._params(), self._group_of()
         self._check_dense(params)
-        if not self._distributed:
+        # one process, or a communicator whose every bucket is the exact mean: the hook
+        # averaged the gradients as DDP does, so the local momentum is the mean momentum
+        if not self._distributed or self._attached().exact:
             grads = [p.grad for p in params if p.grad is not None]
             if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
                 return self._skip()

@@ -53,7 +53,8 @@ class StagedSync(Sync):
     def bucket_ready(self, bucket):
         params = bucket.parameters()
         owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
-        if any(opt.stage == "warmup" for opt in owners) or not owners:
+        if not owners or any(opt.stage == "warmup" or getattr(opt.communicator, "exact", False) for opt in owners):
+            # DDP's mean: the warm-up's gradients, or a communicator whose every bucket is exact
             return self._warmup_mean(bucket.buffer())
         if self.overlap:
             for opt in owners:  # the same order on every rank

@@ -50,7 +50,11 @@ class TurboQuantSync(StagedSync):
         super().attach(optimizers, who)
         for opt in self.optimizers:  # every rank, same order: auto measures its codec once
             params = [p for grp in opt.param_groups for p in grp["params"]]
-            cast(TurboQuantCommunicator, opt.communicator).calibrate(params[0].device if params else "cpu")
+            comm = cast(TurboQuantCommunicator, opt.communicator)
+            comm.calibrate(params[0].device if params else "cpu")
+            if comm.world_size > 1:
+                layout = opt.layout()
+                comm.plan(layout, [sum(params[i].numel() for i in key) for key in layout])
 
 
 def merge_states(states: list[dict]) -> dict:

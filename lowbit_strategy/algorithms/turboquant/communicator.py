@@ -109,6 +109,16 @@ class TurboQuantCommunicator(BucketCommunicator):
         g.all_reduce_sum(times, everyone, "turboquant.calibrate", self.traffic)
         self.codec_seconds = dict(zip(mine, (times / g.world_size(everyone)).tolist()))
 
+    def plan(self, layout: list[Key], numels: list[int]) -> None:
+        """Choose every bucket's form at setup, from figures every rank shares (the agreed codec
+        time, N, the link, the bucket's shard length), so every rank plans alike; when every
+        bucket is ``fp32``, :attr:`exact`: the hook then averages gradients as DDP does,
+        overlapping backward, instead of a mean of momenta after it."""
+        for key, n in zip(layout, numels):
+            size = n if self.topology is None else self.topology.shard_length(n, self.shard_align)
+            self.form_of(key, size)
+        self.exact = bool(self.forms) and all(self.forms.get(key) == "fp32" for key in layout)
+
     def form_of(self, key: Key, numel: int) -> str:
         form = self.forms.get(key)
         if form is None:
