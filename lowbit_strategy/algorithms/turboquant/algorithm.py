@@ -54,7 +54,7 @@ class TurboQuantSync(StagedSync):
             comm.calibrate(params[0].device if params else "cpu")
             if comm.world_size > 1:
                 layout = opt.layout()
-                comm.plan(layout, [sum(params[i].numel() for i in key) for key in layout])
+                comm.plan_forms(layout, [sum(params[i].numel() for i in key) for key in layout])
 
 
 def merge_states(states: list[dict]) -> dict:

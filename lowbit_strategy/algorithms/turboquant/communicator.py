@@ -115,7 +115,7 @@ class TurboQuantCommunicator(BucketCommunicator):
         g.all_reduce_max(times, everyone, "turboquant.calibrate", self.traffic)
         self.codec_seconds = dict(zip(mine, times.tolist()))
 
-    def plan(self, layout: list[Key], numels: list[int]) -> None:
+    def plan_forms(self, layout: list[Key], numels: list[int]) -> None:
         """Choose every bucket's form at setup, from figures every rank shares (the agreed codec
         time, N, the link, the bucket's shard length), so every rank plans alike; when every
         bucket is ``fp32``, :attr:`exact`: the hook then averages gradients as DDP does,
