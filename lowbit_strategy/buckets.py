@@ -40,6 +40,25 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def flatten_range(tensors: Sequence[torch.Tensor], lo: int, hi: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of ``tensors`` laid end to end (as :func:`flatten` would place
+    them), written into ``out`` (``hi - lo`` elements, its dtype: 16-bit tensors convert
+    exactly into float32): one read of the part needed, no temporary. Returns ``out``."""
+    pieces, start = [], 0
+    for t in tensors:
+        a, b = max(lo, start), min(hi, start + t.numel())
+        if a < b:
+            pieces.append(t.reshape(-1)[a - start : b - start])
+        start += t.numel()
+    if all(t.dtype == out.dtype for t in pieces):
+        return torch.cat(pieces, out=out)
+    at = 0
+    for t in pieces:
+        out[at : at + t.numel()].copy_(t)
+        at += t.numel()
+    return out
+
+
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``like`` (inverse of :func:`flatten`)."""
     views = torch.split(flat, [t.numel() for t in like])

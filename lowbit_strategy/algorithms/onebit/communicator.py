@@ -71,9 +71,6 @@ class OneBitCommunicator(BucketCommunicator):
         # buffer holding this step's momenta as the error buffer, which becomes the new error
         # (the same floats: fl(x + e) = fl(e + x)); the server's new error is a new buffer too.
         # Nothing committed is written, so a skipped step keeps it without a copy.
-        spare = self._server_spare.pop(key, None)
-        if spare is not None and (spare.numel() != server.numel() or spare.device != server.device):
-            spare = None
         handle = compensated_allreduce_start(
             worker,
             flat,
@@ -84,15 +81,12 @@ class OneBitCommunicator(BucketCommunicator):
             traffic=self.traffic,
             block=self.block,
             keep_server_error=True,
-            server_out=spare,
+            server_out=self._take(self._server_spare, key, server.numel(), server.device),
         )
         return (flat, server), handle
 
     def _released(self, key, state):
-        self._server_spare[key] = state[1]
-
-    def _scratch(self, state):
-        return state[0]
+        self._spare[key], self._server_spare[key] = state
 
     def _settled(self, state, handle):
         return (state[0], handle.server_error)

@@ -33,24 +33,7 @@ class Job:
     n: int = 0  # the bucket's elements
     sent: int = 0  # those this rank's collective carries (its shard across nodes; all when flat)
     buf: torch.Tensor | None = None  # the buffer the momenta were written to (the communicator's)
-
-
-def _flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> None:
-    """Elements ``[lo, hi)`` of ``tensors`` laid end to end, written into ``out`` (float32,
-    ``hi - lo`` elements): one read of the part sent, no temporary."""
-    pieces, start = [], 0
-    for t in tensors:
-        a, b = max(lo, start), min(hi, start + t.numel())
-        if a < b:
-            pieces.append(t.reshape(-1)[a - start : b - start])
-        start += t.numel()
-    if all(t.dtype == out.dtype for t in pieces):
-        torch.cat(pieces, out=out)
-        return
-    at = 0
-    for t in pieces:  # 16-bit momenta: converted exactly on the way in
-        out[at : at + t.numel()].copy_(t)
-        at += t.numel()
+    prior: tuple | None = None  # the bucket's committed state when the step started
 
 
 class BucketCommunicator:
@@ -116,59 +99,53 @@ class BucketCommunicator:
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Flagging]:
         """Start the collective of one bucket's flat float32 momenta. ``flat`` is the
         communicator's buffer: the subclass may overwrite it and keep it in the state it
-        returns (:meth:`_scratch` names it). ``saved``: the bucket's committed state, or None
+        returns (:meth:`_released` hands it back). ``saved``: the bucket's committed state, or None
         (a new bucket): returns ``(this step's state, handle)``; never modify ``saved`` in
         place (a skipped step keeps it)."""
         raise NotImplementedError
-
-    def _scratch(self, state: tuple) -> torch.Tensor | None:
-        """The tensor of ``state`` that was a ``flat`` buffer (the same length), to reuse
-        once ``state`` is superseded; None: none is (then ``flat`` is free once the step's
-        results are read)."""
-        return None
 
     def _settled(self, state: tuple, handle: g.Flagging) -> tuple:
         """This step's state once its collective has finished (some of it is only known then)."""
         return state
 
+    @staticmethod
+    def _take(pool: dict[Key, torch.Tensor], key: Key, numel: int, device) -> torch.Tensor:
+        """The float32 buffer ``pool`` keeps for bucket ``key`` (removed from it), or a new
+        one when it has none of ``numel`` elements on ``device``."""
+        buf = pool.pop(key, None)
+        if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf
+
     def _result_buffer(self, key: Key, like: torch.Tensor) -> torch.Tensor:
         """The bucket's persistent float32 result buffer, ``like``'s length and device."""
-        out = self._results.get(key)
-        if out is None or out.numel() != like.numel() or out.device != like.device:
-            out = self._results[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        out = self._results[key] = self._take(self._results, key, like.numel(), like.device)
         return out
 
-    def _release(self, job: Job, old: tuple | None = None) -> None:
-        """``job``'s step is over: its state was committed over ``old`` (``()``: the bucket
-        had none) or dropped (``old`` None). The buffer now free becomes the bucket's next
-        ``flat``: ``job``'s own unless its state kept it, else the one ``old`` held."""
-        if self._scratch(job.state) is not job.buf or old is None:
-            free = job.buf
-        else:
-            free = self._scratch(old) if old else None
-        if free is not None:
-            self._spare[job.key] = free
-        if old is None:  # dropped: unless it is the bucket's committed state (kept as it was)
-            if job.state and job.state is not self.errors.get(job.key):
-                self._released(job.key, job.state)
-        elif old and old is not job.state:  # committed: the state it replaced
-            self._released(job.key, old)
+    def _release(self, job: Job, committed: bool) -> None:
+        """``job``'s step is over, its state committed (the previous one superseded) or
+        dropped. The buffer its momenta went into is free unless the bucket's state now holds
+        it; the state that is no longer the bucket's hands its buffers back
+        (:meth:`_released`)."""
+        current = self.errors.get(job.key)
+        if job.buf is not None and not (current and any(t is job.buf for t in current)):
+            self._spare[job.key] = job.buf
+        gone = job.prior if committed else job.state
+        if gone and gone is not current:
+            self._released(job.key, gone)
 
     def _released(self, key: Key, state: tuple) -> None:
-        """``state`` of bucket ``key`` is superseded or dropped, and is not the bucket's
-        state: a subclass may keep more of its buffers for the next step."""
+        """``state`` is no longer bucket ``key``'s: a subclass keeps its buffers (in
+        ``self._spare`` the one of ``flat``'s length) for the next step."""
 
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
         n = sum(m.numel() for m in momenta)
         lo, hi = (0, n) if self.topology is None else self.topology.shard(n, self.shard_align)
         sent = hi - lo
-        device = momenta[0].device
-        flat = self._spare.pop(key, None)
-        if flat is None or flat.numel() != max(sent, 1) or flat.device != device:
-            flat = torch.empty(max(sent, 1), dtype=torch.float32, device=device)
+        flat = self._take(self._spare, key, max(sent, 1), momenta[0].device)
         if sent:
-            _flatten_into(flat, momenta, lo, hi)
+            buckets.flatten_range(momenta, lo, hi, out=flat)
         else:  # an empty shard still takes part (one zero element, dropped after)
             flat.zero_()
         saved = self.errors.get(key)
@@ -181,7 +158,7 @@ class BucketCommunicator:
                 key[:4] + ((...,) if len(key) > 4 else ()),
             )
         state, handle = self._start_bucket(key, flat, saved)
-        return Job(key, list(momenta), state, handle, n, sent, flat)
+        return Job(key, list(momenta), state, handle, n, sent, flat, self.errors.get(key))
 
     def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """Wait for ``jobs`` (second phases launched first, in order): their mean momenta and
@@ -208,7 +185,7 @@ class BucketCommunicator:
         if stale is not None:  # a second backward before step(): its result is superseded
             self._finish([stale])
             self._finished.remove(stale)
-            self._release(stale)
+            self._release(stale, committed=False)
         # Defer-one rule: start the second phase of the buckets launched before this one, in
         # launch order (the same on every rank), so it overlaps the rest of backward; on CUDA
         # on a side stream, so its wait for the first phase does not stall backward's kernels.
@@ -239,15 +216,14 @@ class BucketCommunicator:
     def commit(self) -> None:
         """The step was applied: this step's per-bucket state becomes the state."""
         for job in self._finished:
-            old = self.errors.get(job.key, ())
             self.errors[job.key] = job.state
-            self._release(job, old)
+            self._release(job, committed=True)
         self._finished = []
 
     def discard(self) -> None:
         """The step was skipped: keep the previous state (nothing to undo: it was never written)."""
         for job in self._finished:
-            self._release(job)
+            self._release(job, committed=False)
         self._finished = []
 
     # ---- rank-local state --------------------------------------------------------------

@@ -192,5 +192,6 @@ class TurboQuantCommunicator(BucketCommunicator):
             )
         return (flat, server, kept), handle
 
-    def _scratch(self, state):
-        return state[0]
+    def _released(self, key, state):
+        if state[0].numel():  # the worker error: ``flat``'s length (empty in the fp32 form)
+            self._spare[key] = state[0]
