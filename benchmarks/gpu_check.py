@@ -110,6 +110,7 @@ def _worker(args) -> None:
                       "bytes_per_step": sent / args.steps, "ddp_bytes_per_step": wire.allreduce_bytes(4 * numel, world),
                       "ms_per_step": 1e3 * seconds}
             print("GPUCHECK " + json.dumps(record), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -158,7 +159,12 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return _worker(args)
+        _worker(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # without interpreter finalization: gloo's threads can abort it ("terminate called
+        # without an active exception") after a finished run, as the examples found
+        os._exit(0)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here, nothing to check. Without a GPU the project is verified by the CPU "
               "suite (NCCL's completion semantics emulated, Triton kernels in the interpreter); see the README's "
