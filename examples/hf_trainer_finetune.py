@@ -122,7 +122,10 @@ def main(argv=None) -> dict:
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         optim_args=args.optim_args, bf16=args.bf16, ddp_find_unused_parameters=False,
-        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        # the last evaluation runs inside train() (eval_steps defaults to max_steps): one evaluate()
+        # after train() would reopen the tensorboard writer train() closed, and tensorboardX names
+        # event files by the second, so within the same second it truncates the training's file
+        eval_strategy="steps", eval_steps=args.eval_steps or args.max_steps,
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=args.report_to, seed=args.seed, data_seed=args.seed,
         lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10), dataloader_num_workers=0,
@@ -173,7 +176,8 @@ def main(argv=None) -> dict:
 
         resume = get_last_checkpoint(args.output_dir)
     trainer.train(resume_from_checkpoint=resume)
-    evaluation = trainer.evaluate()
+    final = [e for e in trainer.state.log_history if "eval_loss" in e and e.get("step") == trainer.state.global_step]
+    evaluation = final[-1] if final else trainer.evaluate()
     return report(args, trainer, evaluation)
 
 
