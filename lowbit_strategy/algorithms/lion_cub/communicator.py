@@ -55,6 +55,7 @@ from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
+from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
@@ -135,18 +136,19 @@ class LionCommunicator:
 
     def calibrate(self, numel: int, momentum_sync_every: int, device: torch.device | str = "cpu") -> None:
         """Before training, on every rank (a collective): measure the codec time of each
-        ``auto`` candidate and agree on it (the mean over ranks, so every rank resolves the
-        same plan), and note the optimizer's effective momentum-sync interval."""
+        ``auto`` candidate, every rank at once, and keep the slowest rank's figures
+        (:func:`~lowbit_strategy.collectives.calibration.agreed_slowest`: ranks sharing cores
+        measure as they will run, and a collective waits for its slowest rank), so every rank
+        resolves the same plan; and note the optimizer's effective momentum-sync interval."""
         self.momentum_sync_every = momentum_sync_every
         size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
         self.plan_numel = size or None  # both paths plan for this size, whatever bucket comes first
         if _lion(self.config).mode != "auto" or self.world_size == 1 or numel == 0:
             return
         candidates = auto_candidates(self.config, self.world_size, momentum_sync_every)
-        mine = measure_codec_seconds(candidates, self.world_size, size, _lion(self.config).p, device)
-        times = torch.tensor([mine[c] for c in candidates], dtype=torch.float64, device=device)  # NCCL: on the GPU
-        g.all_reduce_sum(times, self.group, "lion.calibrate", self.traffic)
-        self.codec_seconds = dict(zip(candidates, (times / g.world_size(self.group)).tolist()))
+        p = _lion(self.config).p
+        measure = lambda: measure_codec_seconds(candidates, self.world_size, size, p, device)  # noqa: E731
+        self.codec_seconds = agreed_slowest(measure, self.group, "lion.calibrate", self.traffic, device)
 
     def _plan(self, step: int, numel: int) -> Plan:
         if self.plan is None:

@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -18,6 +17,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
 from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives.calibration import median_seconds
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
@@ -140,21 +140,7 @@ def measure_codec_seconds(
         words = lanes.pack(shifted, spec.bits, validate=False)
         return torch.sign(lanes.unpack(words, spec.bits, m).to(torch.int32) - levels * world_size)
 
-    cuda = torch.device(device).type == "cuda"
-    out = {}
-    for name in candidates:
-        work(name)  # warm-up
-        times = []
-        for _ in range(repeat):
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            work(name)
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times) * numel / m
-    return out
+    return {name: median_seconds(partial(work, name), repeat, device) * numel / m for name in candidates}
 
 
 WARMUP_PLAN = Plan("fp32", 32)

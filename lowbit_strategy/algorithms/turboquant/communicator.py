@@ -34,7 +34,7 @@ import torch
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
-from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.reference import ExactMean
 from lowbit_strategy.collectives.turboquant import (
@@ -100,20 +100,15 @@ class TurboQuantCommunicator(BucketCommunicator):
         """Before training, on every rank (a collective): measure each form's codec time
         per element (:func:`~.plan.measure_codec_seconds`) and agree on it, so each rank (and
         each local rank's shard across nodes) plans with the same figures and picks the same
-        forms. Every rank measures at the same moment (right after a barrier): ranks that
-        share a machine's cores measure the codec as it will run, sharing them (4 ranks on
-        2 CPU cores measured ~2x a lone rank, and planning with a lone rank's figure chose a
-        codec 0.71x as fast as DDP + AdamW at 1 Gbit/s). The slowest rank's figures are kept:
-        a collective ends when its slowest rank does. Only for ``form="auto"``."""
+        forms: every rank measures at once and the slowest rank's figures are kept
+        (:func:`~lowbit_strategy.collectives.calibration.agreed_slowest`; 4 ranks on 2 CPU
+        cores measured ~2x a lone rank, and planning with a lone rank's figure chose a codec
+        0.71x as fast as DDP + AdamW at 1 Gbit/s). Only for ``form="auto"``."""
         if self.form != "auto" or self.world_size == 1:
             return
         everyone = self.topology.group if self.topology is not None else self.group
-        start = torch.zeros(1, dtype=torch.float64, device=device)
-        g.all_reduce_sum(start, everyone, "turboquant.calibrate.start", self.traffic)  # every rank at once
-        mine = measure_codec_seconds(self.codec, self.world_size, device)
-        times = torch.tensor(list(mine.values()), dtype=torch.float64, device=device)  # NCCL: on the GPU
-        g.all_reduce_max(times, everyone, "turboquant.calibrate", self.traffic)
-        self.codec_seconds = dict(zip(mine, times.tolist()))
+        measure = lambda: measure_codec_seconds(self.codec, self.world_size, device)  # noqa: E731
+        self.codec_seconds = agreed_slowest(measure, everyone, "turboquant.calibrate", self.traffic, device)
 
     def plan_forms(self, layout: list[Key], numels: list[int]) -> None:
         """Choose every bucket's form at setup, from figures every rank shares (the agreed codec

@@ -18,14 +18,12 @@ The forms ("TurboQuant-Adam", Algorithm 1, and this package's two-stage form):
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 from lowbit_strategy.collectives import cost_model
+from lowbit_strategy.collectives.calibration import median_seconds
 
 #: every form ``auto`` chooses from, in tie-break order (the first of equal predictions wins)
 AUTO_FORMS = ("allgather", "two_stage", "fp32")
@@ -83,20 +81,9 @@ def measure_codec_seconds(
     x = torch.randn(1, m, device=device)
     y = torch.randn(m, device=device)
     codes, scales = encode_rows(codec, x)
-    cuda = torch.device(device).type == "cuda"
 
     def timed(fn) -> float:
-        fn()  # warm-up (tables, kernels)
-        times = []
-        for _ in range(repeat):
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) / m
+        return median_seconds(fn, repeat, device) / m
 
     enc = timed(lambda: encode_rows(codec, x))
     dec = timed(lambda: decode_rows(codec, codes, scales, m))
