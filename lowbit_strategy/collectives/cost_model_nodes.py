@@ -29,7 +29,7 @@ shard sends one element), over its cross-node group of N ranks: the flat formula
 the all-gather of the shards, ``(L-1)·4·(s + g)`` with ``s`` the shard length and ``g`` = 1
 for the staged optimizers (their verdict rides along). BitDP splits rows, not elements
 (:func:`bitdp_hierarchical_sends`). On one node nothing crosses and the algorithms stop after
-the node mean (BitDP still all-gathers its slices inside the node).
+the node mean.
 
 **What crosses a node's link** (:meth:`Sends.link_bytes`, for projections; the TrafficLog
 counts every byte of a flat run as network). Ranks are numbered node by node, so a flat ring
@@ -243,20 +243,17 @@ def bitdp_hierarchical_sends(
     """One BitDP bucket in the hierarchical form (:mod:`~lowbit_strategy.algorithms.bitdp.
     hierarchical`): local rank j quantizes rows ``[⌊jR/L⌋, ⌊(j+1)R/L⌋)`` of every matrix and
     allreduces slice j (``ceil(full/L)`` elements) of the full-precision runs across the N
-    nodes; the node all-gathers the longest rank's result. On one node everything is a
-    full-precision slice."""
-    per_node, exact = int(ranks_per_node), nodes == 1
+    nodes; the node all-gathers the longest rank's result. On one node the node mean is the
+    result: nothing else is sent."""
+    per_node = int(ranks_per_node)
     numel = full + sum(r * c for r, c in shapes)
-    nfull = numel if exact else full
-    size = -(-nfull // per_node)
+    if nodes == 1:
+        return NodeSends(tuple(Sends() for _ in range(per_node)), wire.allreduce_bytes(itemsize * numel, per_node))
+    size = -(-full // per_node)
     network, lengths = [], []
     for j in range(per_node):
-        mine = (
-            []
-            if exact
-            else [(b - a, c) for r, c in shapes for a, b in [(j * r // per_node, (j + 1) * r // per_node)] if b > a]
-        )
-        lo, hi = min(nfull, j * size), min(nfull, (j + 1) * size)
+        mine = [(b - a, c) for r, c in shapes for a, b in [(j * r // per_node, (j + 1) * r // per_node)] if b > a]
+        lo, hi = min(full, j * size), min(full, (j + 1) * size)
         sends = Sends(allreduce=wire.allreduce_bytes(itemsize * (hi - lo), nodes) if hi > lo else 0)
         if mine:
             layout = Layout.of(mine, bits)

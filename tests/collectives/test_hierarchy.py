@@ -204,9 +204,11 @@ def _check_staged(rank):
         _, flat_sync = _staged(rank, cfg.replace(topology="flat"), adamw)
         hier_bytes, flat_bytes = _per_node(_network_bytes(sync, "gathered")), _per_node(_network_bytes(flat_sync, "gathered"))
         assert 0 < hier_bytes <= flat_bytes / PER_NODE, (form, hier_bytes, flat_bytes)
-    bitdp_one, _ = _staged(rank, LowBitConfig(algorithm="bitdp", topology="hierarchical", ranks_per_node=4), adamw)
+    bitdp_one, one_sync = _staged(rank, LowBitConfig(algorithm="bitdp", topology="hierarchical", ranks_per_node=4), adamw)
     ddp_adamw, _ = _staged(rank, LowBitConfig(), adamw, plain=True)
     assert all(torch.equal(a, b) for a, b in zip(bitdp_one, ddp_adamw))
+    assert set(one_sync.node_traffic.by_op()) == {"node.mean"}  # the node mean is the result: no gather
+    assert one_sync.state.traffic.bytes_sent == 0
 
     # a resume in the hierarchical form continues bit for bit (node momenta, shard errors)
     directory = os.path.join(os.environ["HIERARCHY_TEST_TMP"], "resume")

@@ -15,7 +15,8 @@ The node is the worker. For each DDP bucket:
 So every row's mean is the flat algorithm's over N workers that each hold their node's mean
 gradient, and each node sends every row once across nodes. During the warm-up every
 gradient goes the full-precision way (1-2 above with no quantized rows): DDP's mean over
-nodes of the node means; so does everything on a single node, which then equals DDP. The
+nodes of the node means. On a single node the node mean is the result (DDP's, bit for bit):
+nothing crosses a network, nothing is compressed or gathered. The
 hook waits for its cross-node collectives before it starts the node's all-gather (a second
 collective, launched in hook order on every rank, never from a callback): on NCCL a stream
 wait, on gloo the transfer itself.
@@ -85,11 +86,14 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     state.maybe_increase_iter(bucket)
     topo.node_mean_(buf, sync.node_traffic)
     per_node, j, inter = topo.ranks_per_node, topo.local_rank, topo.inter
+    if g.world_size(inter) == 1:  # one node: the node mean is DDP's mean, every rank holds it whole
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buf)  # (node_mean_'s wait() ordered the compute stream after it on NCCL)
+        return done
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
-    # the warm-up, and a single node (nothing crosses a network: nothing to compress), send
-    # every gradient the exact way
-    exact = warmup or g.world_size(inter) == 1
+    # the warm-up sends every gradient the exact way (a mean over nodes of the node means)
+    exact = warmup
     runs = ((0, buf.numel()),) if exact else plan.full
     if exact:
         rows = []
