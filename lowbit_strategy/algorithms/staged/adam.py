@@ -54,3 +54,35 @@ def adam_apply_(
     a jump. TurboQuant-Adam passes its live variance with ``v_step = step``."""
     denom = (v.sqrt() / (1 - beta2**v_step) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-(lr / (1 - beta1**step)))
+
+
+def adamw_foreach_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """:func:`adamw_` on lists of tensors, one multi-tensor (``torch._foreach_*``) call per
+    operation instead of one Python call per parameter and operation: the operations and
+    their order are :func:`adamw_`'s (and torch's multi-tensor AdamW's). On CPU each
+    ``_foreach_`` op runs the single-tensor kernel on every tensor, so the result is
+    :func:`adamw_`'s, i.e. ``torch.optim.AdamW``'s (CPU's default, ``foreach=False``), bit
+    for bit; on CUDA these are the operations of torch's multi-tensor AdamW, its default
+    there (checked bit for bit on CPU only)."""
+    if not params:
+        return
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(ms, grads, 1 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, ms, denom, value=-(lr / (1 - beta1**step)))

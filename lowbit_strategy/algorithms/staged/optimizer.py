@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch.optim import Optimizer
@@ -14,6 +15,27 @@ from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.staged import adam
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Key
 from lowbit_strategy.validation import check_number
+
+
+def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """Whether an entry of ``tensors`` is NaN or ±Inf: one host read when none is.
+
+    A finite sum proves every entry of a tensor finite (an infinity or a NaN makes every
+    partial sum that holds it, hence the total, non-finite), so one streaming reduction per
+    tensor decides the common case; only when a sum is not finite (a real NaN/Inf, or
+    finite values whose sum overflows) are the max and min of every tensor read, which
+    propagate NaN and are ±Inf exactly when an infinity is present (a second host read, on
+    a step that is about to be skipped). ``isfinite(g).all()`` per tensor, the same answer,
+    cost ~2.2 ms a step on the e2e GPT (0.83 M parameters, one CPU thread), ~10x this."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return False
+    half = (torch.float16, torch.bfloat16)
+    sums = torch.stack([(t.sum(dtype=torch.float32) if t.dtype in half else t.sum()).float() for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return False
+    extremes = torch.stack([x.float() for t in tensors for x in (t.amax(), t.amin())])
+    return not bool(torch.isfinite(extremes).all())
 
 
 class StagedOptimizer(Optimizer):
@@ -168,10 +190,9 @@ class StagedOptimizer(Optimizer):
         without a gradient are skipped, as torch's optimizers do."""
         active = [(grp, p) for grp in self.param_groups for p in grp["params"] if p.grad is not None]
         self._check_dense(p for _, p in active)
-        if active and bool(torch.stack([~torch.isfinite(p.grad).all() for _, p in active]).any()):
+        if any_nonfinite([p.grad for _, p in active]):
             return self._skip()
-        for grp, p in active:
-            self._warmup(grp, p, p.grad, step)
+        self._warmup_all(active, step)
         return bool(active)
 
     def _compressed_step(self, step: int) -> bool:
@@ -185,7 +206,7 @@ class StagedOptimizer(Optimizer):
         # averaged the gradients as DDP does, so the local momentum is the mean momentum
         if not self._distributed or self._attached().exact:
             grads = [p.grad for p in params if p.grad is not None]
-            if grads and bool(torch.stack([~torch.isfinite(gr).all() for gr in grads]).any()):
+            if any_nonfinite(grads):
                 return self._skip()
             means = {
                 i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params) if p.grad is not None
@@ -204,8 +225,7 @@ class StagedOptimizer(Optimizer):
                 return self._skip()
             comm.commit()
             means = {i: m for key, ms in by_key.items() for i, m in zip(key, ms)}
-        for i, mean in means.items():
-            self._compressed(group_of[id(params[i])], params[i], mean, step)
+        self._compressed_all([(group_of[id(params[i])], params[i], mean) for i, mean in means.items()], step)
         return bool(means)
 
     # ---- per-parameter arithmetic (subclasses) ---------------------------------------------
@@ -235,6 +255,18 @@ class StagedOptimizer(Optimizer):
 
     def _compressed(self, group: dict, p: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         raise NotImplementedError
+
+    def _warmup_all(self, active: list[tuple[dict, torch.Tensor]], step: int) -> None:
+        """Every warm-up update of a step (``(group, param)`` with a gradient): :meth:`_warmup`
+        on each; a subclass may batch them (``torch._foreach_*``, one call per operation)."""
+        for grp, p in active:
+            self._warmup(grp, p, cast(torch.Tensor, p.grad), step)  # active: those with a gradient
+
+    def _compressed_all(self, items: list[tuple[dict, torch.Tensor, torch.Tensor]], step: int) -> None:
+        """Every compression-stage update of a step (``(group, param, mean momentum)``):
+        :meth:`_compressed` on each; a subclass may batch them."""
+        for grp, p, mean in items:
+            self._compressed(grp, p, mean, step)
 
     def _end_warmup(self) -> None:
         """Called once, at the end of the last warm-up step."""
