@@ -37,8 +37,12 @@ is exactly 0 (never had a gradient, e.g. embedding rows of unseen tokens under
 ``variance="local"``) take no step: the rotation spreads quantization noise over every
 coordinate of a block, and ``noise/(√0 + eps)`` would be a step of ``lr·noise/eps``.
 
-**One process** (no communicator or a world of one): nothing to send; the compression stage
-uses the exact momentum and the gradient, so the optimizer is ``torch.optim.AdamW``.
+**Nothing compressed** (no communicator, a world of one, or every bucket planned as the
+exact ``fp32`` mean, whose DDP hook then averages gradients as DDP does): nothing to send;
+the compression stage is the warm-up's AdamW on the averaged gradient, the momentum it
+forms is the mean momentum and the variance comes from the gradient every rank holds, so
+the optimizer is ``torch.optim.AdamW`` bit for bit. Both stages run it multi-tensor
+(``torch._foreach_*``), so the step costs what torch's AdamW step costs.
 
 Safety: a step whose gradients hold NaN/Inf on any rank is skipped on every rank (weights,
 moments, error buffers and scales untouched), with a warning; :attr:`skipped_steps` counts
@@ -115,22 +119,53 @@ class TurboQuantAdamW(StagedOptimizer):
         self.variance = variance
         self.scale_decay = float(scale_decay)
 
+    def _warmup_all(self, active, step):
+        """AdamW on every parameter with a gradient, multi-tensor
+        (:func:`~lowbit_strategy.algorithms.staged.adam.adamw_foreach_`: torch's AdamW bit for
+        bit, at the cost of its step rather than one Python call per parameter and operation)."""
+        for group in self.param_groups:
+            ps = [p for grp, p in active if grp is group]
+            if not ps:
+                continue
+            states = [self._state(p) for p in ps]
+            beta1, beta2 = group["betas"]
+            adam.adamw_foreach_(
+                ps,
+                [p.grad for p in ps],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+            )
+
+    def _compressed_step(self, step):
+        """The compression stage; when nothing is compressed (one process, or a communicator
+        whose every bucket is the exact ``fp32`` mean, so the DDP hook averaged the gradients
+        as DDP does), AdamW on the averaged gradient, as in warm-up: the momentum it forms is
+        the mean momentum and the gradient is the one every rank holds (the variance needs no
+        reconstruction), so the step is DDP + ``torch.optim.AdamW``'s bit for bit, at its cost
+        (same NaN/Inf rule; parameters without a gradient skipped, as AdamW skips them)."""
+        if self._distributed and not self._attached().exact:
+            return super()._compressed_step(step)
+        return self._warmup_step(step)
+
     def _compressed(self, group, p, mean, step):
         state = self._state(p)
         beta1, beta2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         new = mean.to(m.dtype).view_as(m)
-        if self.variance == "local" or not self._distributed:
+        if self.variance == "local":
             g = p.grad if p.grad is not None else torch.zeros_like(p)
         else:  # the gradient the synchronized momentum implies: the same on every rank
             g = (new - m * beta1).div_(1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         m.copy_(new)
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        if self._distributed:  # no step where v is 0 (module docstring); one process sends no noise
-            step_m = m.masked_fill(v == 0, 0)
-        else:
-            step_m = m
+        step_m = m.masked_fill(v == 0, 0)  # no step where v is 0 (module docstring)
         adam.adam_apply_(
             p, step_m, v, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step, v_step=step
         )

@@ -137,3 +137,51 @@ def test_auto_form_follows_the_cost_model():
     fast = {"allgather": 1e-12, "two_stage": 2e-12, "fp32": 1e-12}  # a GPU codec
     assert choose_form("auto", 2, 10**6, 50e-6, 1e9, fast) == "allgather"
     assert choose_form("allgather", 2, 10**6, 50e-6, 1e9, slow) == "allgather"  # a set form is kept
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_planned_exact_path_is_adamw_bit_for_bit(warmup):
+    """Every bucket planned ``fp32`` on P > 1 (a stand-in communicator: the hook has averaged
+    the gradients as DDP does): both stages are torch's AdamW (CPU default, the for-loop) bit
+    for bit, run multi-tensor; the state keeps the two buffers under the keys it always had."""
+    from types import SimpleNamespace
+
+    def run(make):
+        params = list(_model().parameters())
+        opt = make(params)
+        for step in range(1, 9):
+            for p, g in zip(params, _grads(step, params)):
+                p.grad = g
+            opt.step()
+        return params, opt
+
+    def ours(params):
+        opt = TurboQuantAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=warmup)
+        opt.communicator = SimpleNamespace(world_size=4, exact=True)
+        assert opt._distributed
+        return opt
+
+    mine, opt = run(ours)
+    ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, ref))
+    assert opt.stage == "compression" and all(set(opt.state[p]) == {"exp_avg", "exp_avg_sq"} for p in mine)
+
+
+def test_adamw_foreach_is_adamw_elementwise_bit_for_bit():
+    """The multi-tensor AdamW (both stages' exact form) equals the single-tensor one the
+    1-bit optimizers' warm-up uses, on several shapes and dtypes."""
+    from lowbit_strategy.algorithms.staged import adam
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (), (0, 2), (17,), (4, 4, 4)]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float64]
+    ps = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    one = [[t.clone() for t in ts] for ts in (ps, ms, vs)]
+    kw = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+    for step in range(1, 5):
+        gs = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in ps]
+        adam.adamw_foreach_(ps, gs, ms, vs, step=step, **kw)
+        for p, m, v, g in zip(*one, gs):
+            adam.adamw_(p, g, m, v, step=step, **kw)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for x, y in zip((ps, ms, vs), one) for a, b in zip(x, y))
