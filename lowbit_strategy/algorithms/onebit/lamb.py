@@ -34,11 +34,39 @@ def lamb_update(
     return u
 
 
+def _lamb_update_(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    root: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    v_step: int,
+) -> torch.Tensor:
+    """:func:`lamb_update`'s floats from ``root = sqrt(v)`` (a temporary it may overwrite):
+    the denominator formed in place, one temporary fewer."""
+    denom = root.div_((1 - beta2**v_step) ** 0.5).add_(eps)
+    u = (m / (1 - beta1**step)).div_(denom)
+    if weight_decay:
+        u.add_(p, alpha=weight_decay)
+    return u
+
+
 def trust_ratio(p: torch.Tensor, u: torch.Tensor, min_coeff: float, max_coeff: float) -> torch.Tensor:
     """LAMB's scaling coefficient c = clip(‖p‖ / ‖u‖, c_min, c_max) (1-bit LAMB Eq. 2, the
     clip applied to the whole ratio); 1 where either norm is 0 (a zero weight or a zero
     update: no ratio to speak of). A 0-d tensor: no host sync."""
-    wn, un = torch.linalg.vector_norm(p.float()), torch.linalg.vector_norm(u.float())
+    return ratio_of_norms(
+        torch.linalg.vector_norm(p.float()), torch.linalg.vector_norm(u.float()), min_coeff, max_coeff
+    )
+
+
+def ratio_of_norms(wn: torch.Tensor, un: torch.Tensor, min_coeff: float, max_coeff: float) -> torch.Tensor:
+    """:func:`trust_ratio` from the norms ``‖p‖``, ``‖u‖`` (0-d, or one entry per parameter:
+    elementwise, the same floats)."""
     ratio = torch.where((wn > 0) & (un > 0), wn / un.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(wn))
     return ratio.clamp(min_coeff, max_coeff)
 
@@ -106,6 +134,120 @@ class OneBitLamb(_OneBitOptimizer):
             state["lamb_coeff_avg"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state
 
+    # ---- the step: the tensors one parameter at a time, the scalars batched -----------------
+    # Each parameter's elementwise chain runs while its tensors are in cache (on CPU a
+    # multi-tensor op per operation, streaming every parameter through each, measured
+    # slower) and writes its temporaries into buffers it already has; the per-parameter
+    # scalars (norms, trust ratios, r and its clips) are stacked and computed once for all
+    # parameters, and the final scaling is one ``torch._foreach_*`` call. The per-parameter
+    # methods below (_warmup, _compressed) are the same arithmetic in the plain form: what
+    # the tests hold this one to, bit for bit.
+    def _warmup_all(self, active, step):
+        """Algorithm 1 lines 1-2 (LAMB and the trust ratio's EMA) for every parameter with a
+        gradient: :meth:`_warmup`'s floats (the denominator formed in the buffer of
+        ``sqrt(v)``: one temporary fewer). The updates ``u`` of a group wait for its trust
+        ratios: one parameter-sized temporary per parameter until the group's last step, as
+        torch's multi-tensor optimizers hold."""
+        for batch in _batches(active, lambda item: (id(item[0]), item[1].dtype)):
+            group = batch[0][0]
+            beta1, beta2 = group["betas"]
+            ps, us, wn, un, avgs = [], [], [], [], []
+            for _, p in batch:
+                state, grad = self._state(p), p.grad
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                u = _lamb_update_(
+                    p,
+                    m,
+                    v.sqrt(),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=step,
+                    v_step=step,
+                )
+                ps.append(p)
+                us.append(u)
+                wn.append(torch.linalg.vector_norm(p.float()))
+                un.append(torch.linalg.vector_norm(u.float()))
+                avgs.append(state["lamb_coeff_avg"])
+            c = ratio_of_norms(torch.stack(wn), torch.stack(un), group["min_coeff"], group["max_coeff"])
+            torch._foreach_lerp_(avgs, list(c.unbind()), 1 - self.coeff_beta)  # c_avg = β3·c_avg + (1-β3)·c
+            _scaled_step_(ps, us, c, group["lr"])
+
+    def _compressed_all(self, items, step):
+        """Algorithm 1 lines 14-21 for every parameter: :meth:`_compressed`'s floats, with the
+        frozen denominator ``sqrt(v̂_frozen) + eps`` and the mask ``v == 0`` taken from
+        :meth:`_frozen` (the per-parameter form computes them twice a step) and the
+        temporaries reusing each other's buffers; empty parameters (no maximum to take) one
+        by one."""
+        batched = []
+        for group, p, mean in items:
+            if p.numel():
+                batched.append((group, p, mean))
+            else:
+                self._compressed(group, p, mean, step)
+        for batch in _batches(batched, lambda item: (id(item[0]), item[1].dtype)):
+            group = batch[0][0]
+            beta1, beta2 = group["betas"]
+            eps = group["eps"]
+            ps, us, rs, lasts, coeffs, states = [], [], [], [], [], []
+            for _, p, mean in batch:
+                state = self._state(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                frozen, zero = self._frozen(p, v, beta2, eps)
+                new = mean.div(state["scaling_coeff"].to(mean.dtype)).to(m.dtype).masked_fill_(zero, 0)  # _masked
+                fresh = state.get("exp_avg_sq_fresh")
+                if fresh is None:  # as _track: start from the frozen variance
+                    fresh = state["exp_avg_sq_fresh"] = v.clone()
+                # lines 15-17 (_track): the gradient the momenta imply, the fresh variance, r
+                grad = m.mul(beta1)
+                torch.sub(new, grad, out=grad).div_(1 - beta1)
+                fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                ratio = torch.sqrt(fresh, out=grad).div_((1 - beta2**step) ** 0.5).add_(eps)
+                rs.append(torch.div(frozen, ratio, out=ratio).max())
+                m.copy_(new)
+                # lines 20-21: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in new's buffer
+                u = torch.div(m, 1 - beta1**step, out=new).div_(frozen)
+                if group["weight_decay"]:
+                    u.add_(p, alpha=group["weight_decay"])
+                ps.append(p)
+                us.append(u)
+                lasts.append(state["last_factor"])
+                coeffs.append(state["lamb_coeff_freeze"])
+                states.append(state)
+            r = torch.stack(rs).float()
+            for state, ri in zip(states, r.unbind()):
+                state["variance_ratio"] = ri
+            r = clip_ratio(
+                r,
+                torch.stack(lasts),
+                factor_min=self.factor_min,
+                factor_max=self.factor_max,
+                factor_threshold=self.factor_threshold,
+            )
+            for state, ri in zip(states, r.unbind()):
+                state["last_factor"] = ri
+            _scaled_step_(ps, us, r * torch.stack(coeffs), group["lr"])
+
+    def _frozen(self, p, v, beta2, eps):
+        """``(sqrt(v̂_frozen) + eps, v == 0)`` of parameter ``p``: constants of the compression
+        stage (``v`` is frozen, Algorithm 1 line 3), computed once instead of every step (a
+        sqrt, two passes and a comparison per parameter and step) at the cost of one
+        parameter-sized buffer and a mask. Kept outside the state dict (checkpoints are
+        unchanged) and recomputed whenever ``v`` is another tensor (a loaded state) or has
+        been written since (its version counter), or beta2/eps changed."""
+        cache = self.__dict__.setdefault("_frozen_cache", {})
+        key = (v._version, beta2, eps, self.freeze_step)
+        hit = cache.get(p)
+        if hit is None or hit[0] is not v or hit[1] != key:
+            denom = v.sqrt().div_((1 - beta2**self.freeze_step) ** 0.5).add_(eps)
+            hit = cache[p] = (v, key, denom, v == 0)
+        return hit[2], hit[3]
+
+    # ---- the same, one parameter at a time --------------------------------------------------
     def _warmup(self, group, p, grad, step):
         state = self._state(p)
         beta1, beta2 = group["betas"]
@@ -129,16 +271,19 @@ class OneBitLamb(_OneBitOptimizer):
 
     def _freeze(self):
         """Line 3 and Sec. 4.3: fresh variance = frozen one, coefficient EMA frozen (bias-corrected),
-        r = 1, and each parameter's momentum scaling coefficient ``mean_l(rms_l) / rms_l``."""
-        states = [self._state(p) for grp in self.param_groups for p in grp["params"] if p.numel()]
-        if not states:
-            return
-        rms = [torch.linalg.vector_norm(s["exp_avg"].float()) / s["exp_avg"].numel() ** 0.5 for s in states]
-        united = torch.stack(rms).mean()
-        for s, r in zip(states, rms):
+        r = 1, and each parameter's momentum scaling coefficient ``mean_l(rms_l) / rms_l``
+        (the mean over non-empty parameters; an empty one, which has no RMS and is in no
+        bucket but may still step in one process, gets 1)."""
+        states = [self._state(p) for grp in self.param_groups for p in grp["params"]]
+        sized = [s for s in states if s["exp_avg"].numel()]
+        rms = [torch.linalg.vector_norm(s["exp_avg"].float()) / s["exp_avg"].numel() ** 0.5 for s in sized]
+        united = torch.stack(rms).mean() if rms else None
+        for s in states:
             s["exp_avg_sq_fresh"] = s["exp_avg_sq"].clone()
             s["lamb_coeff_freeze"] = s["lamb_coeff_avg"] / (1 - self.coeff_beta**self.freeze_step)
-            s["last_factor"] = torch.ones((), dtype=torch.float32, device=r.device)
+            s["last_factor"] = torch.ones((), dtype=torch.float32, device=s["exp_avg"].device)
+            s["scaling_coeff"] = torch.ones((), dtype=torch.float32, device=s["exp_avg"].device)
+        for s, r in zip(sized, rms):
             s["scaling_coeff"] = torch.where(
                 r > 0, united / r.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(r)
             )
@@ -174,3 +319,20 @@ class OneBitLamb(_OneBitOptimizer):
             v_step=self.freeze_step,
         )
         p.sub_(u.mul_((r * state["lamb_coeff_freeze"]).to(u.dtype) * group["lr"]))  # lines 20-21
+
+
+def _batches(items: list, key) -> list[list]:
+    """``items`` split by ``key(item)`` (a parameter group and dtypes: what one multi-tensor
+    call may mix), in first-seen order."""
+    out: dict = {}
+    for item in items:
+        out.setdefault(key(item), []).append(item)
+    return list(out.values())
+
+
+def _scaled_step_(ps: list[torch.Tensor], us: list[torch.Tensor], coeff: torch.Tensor, lr: float) -> None:
+    """``p -= u · (coeff_p · lr)`` for every parameter, as the per-parameter step computes it
+    (the coefficient cast to u's dtype, times lr, then the product): ``coeff`` one entry per
+    parameter."""
+    torch._foreach_mul_(us, list((coeff.to(us[0].dtype) * lr).unbind()))
+    torch._foreach_sub_(ps, us)

@@ -1,6 +1,7 @@
 """OneBitAdam / OneBitLamb in one process: the warm-up against torch.optim.AdamW and a
 plainly written LAMB, the compression stage against a plainly written Algorithm 1 without
 communication, the switch, validation and NaN safety."""
+import copy
 import math
 
 import pytest
@@ -242,3 +243,120 @@ def test_a_young_frozen_variance_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="lowbit_strategy.algorithms.onebit.optimizer"):
         OneBitLamb(_model().parameters(), freeze_step=60)
     assert caplog.text == ""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern (0.0 and -0.0 differ, NaNs compare)."""
+    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+class _PerParameterLamb(OneBitLamb):
+    """1-bit LAMB stepping one parameter at a time (its per-parameter methods, as before the
+    multi-tensor step): the oracle of the batched step."""
+
+    def _warmup_all(self, active, step):
+        for grp, p in active:
+            self._warmup(grp, p, p.grad, step)
+
+    def _compressed_all(self, items, step):
+        for grp, p, mean in items:
+            self._compressed(grp, p, mean, step)
+
+
+def _lamb_zoo(seed: int = 0) -> list[nn.Parameter]:
+    """Parameters of many shapes, a bf16 one, a 0-d one, an empty one, a frozen one and an
+    all-zero one (zero weight and zero gradient: both norms 0)."""
+    torch.manual_seed(seed)
+    shapes = [(12, 6), (12,), (3, 4, 5), (7, 1, 2, 2), (), (0, 3), (5,), (4, 4), (9,)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    params[6] = nn.Parameter(torch.zeros(5))  # zero weight, zero gradient
+    params[7] = nn.Parameter(torch.randn(4, 4).to(torch.bfloat16))
+    params[8].requires_grad_(False)  # frozen: never a gradient
+    return params
+
+
+def _lamb_zoo_grads(step: int, params) -> None:
+    gen = torch.Generator().manual_seed(2000 + step)
+    for i, p in enumerate(params):
+        if not p.requires_grad:
+            continue
+        g = torch.randn(p.shape, generator=gen).to(p.dtype) * (1 + i)
+        p.grad = None if (i == 3 and step % 3 == 0) else (torch.zeros_like(p) if i == 6 else g)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, WD])
+def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay):
+    """The multi-tensor 1-bit LAMB step (foreach norms, the trust ratios as one vector) equals
+    the per-parameter formula bit for bit, in warm-up, at the switch and in the compression
+    stage, with two parameter groups, mixed dtypes, a 0-d, an empty, a frozen, an all-zero
+    parameter and one whose gradient is sometimes None."""
+    runs = []
+    for cls in (_PerParameterLamb, OneBitLamb):
+        params = _lamb_zoo()
+        groups = [dict(params=params[:5]), dict(params=params[5:], lr=LR / 3, weight_decay=weight_decay / 2,
+                                                min_coeff=0.5, max_coeff=2.0)]
+        opt = cls(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4)
+        for step in range(1, 10):
+            _lamb_zoo_grads(step, params)
+            opt.step()
+        runs.append((params, opt))
+    (ref, ref_opt), (ours, opt) = runs
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ref, ours))
+    for a, b in zip(ref, ours):
+        sa, sb = ref_opt.state[a], opt.state[b]
+        assert set(sa) == set(sb)
+        assert all(torch.equal(_bits(sa[k]), _bits(sb[k])) for k in sa)
+    assert {"exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff", "variance_ratio"} <= set(
+        opt.state[ours[0]])
+    assert ours[8].grad is None and torch.equal(ours[8], _lamb_zoo()[8])  # the frozen one: untouched
+
+
+def test_any_nonfinite_is_isfinite_all():
+    """The staged optimizers' NaN/Inf test (a sum per tensor, max/min when a sum is not
+    finite) answers as ``isfinite(t).all()`` does: NaN and ±Inf anywhere (the vectorized
+    body and the tail), finite values whose sum overflows, 16-bit and empty tensors."""
+    from lowbit_strategy.algorithms.staged.optimizer import any_nonfinite
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 33, 1000):
+        for pos in (0, n // 2, n - 1):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                    x = torch.randn(n, generator=gen).to(dtype)
+                    x[pos] = bad
+                    assert any_nonfinite([torch.ones(3), x, torch.zeros(0)]), (n, pos, bad, dtype)
+    big = torch.full((4,), 3e38)  # finite, its float32 sum is not
+    assert not any_nonfinite([big, torch.full((8,), 6e4, dtype=torch.float16), torch.randn(5, 5)])
+    assert not any_nonfinite([]) and not any_nonfinite([torch.zeros(0)])
+
+
+def test_lamb_resumes_bit_for_bit_in_the_compression_stage():
+    """A state dict saved in the compression stage resumes bit for bit (the frozen
+    denominators the step keeps outside the state are rebuilt from the loaded variance), and
+    the state holds the keys it always held (a run saved by the per-parameter step loads)."""
+    def steps(opt, params, first, last):
+        for step in range(first, last + 1):
+            _lamb_zoo_grads(step, params)
+            opt.step()
+
+    straight = _lamb_zoo()
+    steps(OneBitLamb(straight, lr=LR, weight_decay=WD, freeze_step=3), straight, 1, 9)
+    half = _lamb_zoo()
+    old = _PerParameterLamb(half, lr=LR, weight_decay=WD, freeze_step=3)  # saved by the old step
+    steps(old, half, 1, 6)
+    saved = copy.deepcopy(old.state_dict())
+    resumed = OneBitLamb(half, lr=LR, weight_decay=WD, freeze_step=3)
+    resumed.load_state_dict(saved)
+    steps(resumed, half, 7, 9)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(straight, half))
+    # the cache follows the state: a variance written in place is seen on the next step
+    resumed.state[half[0]]["exp_avg_sq"].mul_(4)
+    ref = _PerParameterLamb(_lamb_zoo(), lr=LR, weight_decay=WD, freeze_step=3)
+    ref.load_state_dict(copy.deepcopy(resumed.state_dict()))
+    ref_params = [p for grp in ref.param_groups for p in grp["params"]]
+    with torch.no_grad():
+        for p, h in zip(ref_params, half):
+            p.copy_(h)
+    steps(resumed, half, 10, 10)
+    steps(ref, ref_params, 10, 10)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ref_params, half))
