@@ -51,6 +51,10 @@ class LowBitConfig:
         link_bandwidth_gbps, link_latency_us: the network the cost model plans for.
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
+        compile_codecs: run the hot codec chains compiled with ``torch.compile`` (CPU),
+            bit for bit the eager codecs' results; opt-in because the first compile costs
+            tens of seconds per process (:mod:`lowbit_strategy.codecs.compiled`). Without a
+            working compiler the eager codecs run, after one warning.
         topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction
             inside each node, the algorithm's compressed collective between nodes on a
             1/L shard per local rank, an all-gather inside the node: only what crosses nodes
@@ -74,6 +78,7 @@ class LowBitConfig:
         "link_bandwidth_gbps",
         "link_latency_us",
         "debug",
+        "compile_codecs",
         "topology",
         "ranks_per_node",
         "_sections",
@@ -86,6 +91,7 @@ class LowBitConfig:
     link_bandwidth_gbps: float
     link_latency_us: float
     debug: bool
+    compile_codecs: bool
     topology: str
     ranks_per_node: int | None
     _sections: dict[str, Section]
@@ -98,6 +104,7 @@ class LowBitConfig:
         link_bandwidth_gbps: float = 1.0,
         link_latency_us: float = 50.0,
         debug: bool = False,
+        compile_codecs: bool = False,
         topology: str = "auto",
         ranks_per_node: int | None = None,
         **sections: Any,
@@ -110,6 +117,7 @@ class LowBitConfig:
         set_("link_bandwidth_gbps", as_float("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
         set_("link_latency_us", as_float("link_latency_us", link_latency_us, positive=False))
         set_("debug", as_bool("debug", debug))
+        set_("compile_codecs", as_bool("compile_codecs", compile_codecs))
         set_("topology", as_choice("topology", topology, TOPOLOGIES))
         set_("ranks_per_node", None if is_none(ranks_per_node) else as_int("ranks_per_node", ranks_per_node, 1, 2**20))
         values = self._route(sections, registry)

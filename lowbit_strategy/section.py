@@ -25,6 +25,7 @@ SHARED_FIELDS: dict[str, Any] = {
     "link_bandwidth_gbps": 1.0,
     "link_latency_us": 50.0,
     "debug": False,
+    "compile_codecs": False,
     "topology": "auto",
     "ranks_per_node": None,
 }

@@ -27,6 +27,7 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
         ("link_bandwidth_gbps", -1, "> 0"),
         ("link_latency_us", -1, ">= 0"),
         ("debug", "maybe", "boolean"),
+        ("compile_codecs", "sometimes", "boolean"),
     ],
 )
 def test_every_invalid_shared_value_names_field_value_and_allowed(field, value, allowed):
