@@ -51,10 +51,10 @@ class LowBitConfig:
         link_bandwidth_gbps, link_latency_us: the network the cost model plans for.
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
-        compile_codecs: run the hot codec chains compiled with ``torch.compile`` (CPU),
-            bit for bit the eager codecs' results; opt-in because the first compile costs
-            tens of seconds per process (:mod:`lowbit_strategy.codecs.compiled`). Without a
-            working compiler the eager codecs run, after one warning.
+        compile_codecs: run some codecs' elementwise chains compiled with ``torch.compile``
+            (CPU), bit for bit the eager codecs' results; opt-in because each process pays
+            for compiling on first use (seconds; :mod:`lowbit_strategy.codecs.compiled`).
+            Without a working compiler the eager codecs run, after one warning.
         topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction
             inside each node, the algorithm's compressed collective between nodes on a
             1/L shard per local rank, an all-gather inside the node: only what crosses nodes

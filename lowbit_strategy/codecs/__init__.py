@@ -60,3 +60,8 @@ __all__ += [
     "TurboQuantCodec",
     "TurboQuantPayload",
 ]
+
+# Opt-in compiled chains of the hot codecs (LowBitConfig.compile_codecs); see compiled.py.
+from lowbit_strategy.codecs.compiled import compiled_enabled, use_compiled  # noqa: E402
+
+__all__ += ["compiled_enabled", "use_compiled"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.lp import all_finite
 from lowbit_strategy.codecs.signs import compare_bytes
 from lowbit_strategy.codecs.streaming import SLICE, row_slices, sliced
@@ -51,6 +52,8 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     if bits not in (1, 2):
         raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
     rows = _as_rows(g, validate)
+    if bits == 2 and compiled.compiled_enabled() and (encoded := compiled.channel_ternary(rows)) is not None:
+        return encoded
     if not sliced(rows):
         mag = rows.abs()
         mean_abs = mag.mean(dim=1)

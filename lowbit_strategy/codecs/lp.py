@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 
 SUPPORTED_P = (0.0, 1.0, 2.0, math.inf)
@@ -143,6 +144,8 @@ def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0, *, validate
     """
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 2**15 - 1:
         raise ValueError(f"levels must be an int in [1, 32767], got {levels!r}")
+    if compiled.compiled_enabled() and (codes := compiled.lp_quantize(x, levels, p, validate)) is not None:
+        return codes
     _check_input(x, validate)
     m = lp_norm_mean(x, p)
     out_dtype = torch.int8 if levels <= 127 else torch.int16

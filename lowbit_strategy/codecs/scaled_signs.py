@@ -55,6 +55,7 @@ import math
 
 import torch
 
+from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.bits import pack_bools, pack_bytes_into_lanes
 from lowbit_strategy.codecs.scaled_signs_decode import check_block, scaled_sign_decode, scaled_sign_mean
 from lowbit_strategy.codecs.signs import compare_bytes
@@ -177,6 +178,10 @@ def scaled_sign_compress(
     v = error.view(-1)
     v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
     scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
+    if block is None and compiled.compiled_enabled():  # opt-in: the same bits, compiled (compiled.py)
+        bits = compiled.signs_and_error(v, scale, nbytes)
+        if bits is not None:
+            return bits, scale
     if sliced(v):
         if block is None:
             return _signs_and_error_sliced(v, nbytes, scale), scale

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, keep_local_gradients
+from lowbit_strategy.codecs import compiled
 from lowbit_strategy.collectives import hierarchy
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
@@ -54,6 +55,8 @@ def build_sync(
     hint, e.g. Lightning's devices per node) gives the sync its :class:`Topology`."""
     module = unwrap(module)
     check_same(setup_fingerprint(config, module), group, "The low-bit setup", ConfigMismatchError)
+    # every front end comes through here: the codecs' compiled chains on or off for the process, as all ranks agreed
+    compiled.use_compiled(config.compile_codecs)
     algo = algorithms.get(config.algorithm)
     topology = hierarchy.resolve(config, group, ranks_per_node)
     if topology.hierarchical and not algo.hierarchical:

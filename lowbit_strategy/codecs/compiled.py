@@ -1,0 +1,261 @@
+"""Compiled codec chains: the elementwise part of some codecs as one ``torch.compile`` pass.
+
+Opt-in (``LowBitConfig.compile_codecs``, applied once by
+:func:`lowbit_strategy.integrations.ddp.build_sync`, or :func:`use_compiled` directly):
+inductor's first compile costs seconds per chain and process (~10 s cold for the first,
+which also loads inductor; well under a second per chain from its cache). When it is on,
+:func:`.lp.lp_quantize_levels` (and so :func:`.lp.lp_quantize`), :func:`.channel.channel_encode`
+(2-bit) and :func:`.scaled_signs.scaled_sign_compress` (one scale) hand the work after their
+checks and eager reductions to a chain here, which returns ``None`` when it does not apply;
+the eager code stays the reference and runs otherwise.
+
+Bit for bit the eager results, by construction (and checked by
+``tests/codecs/test_compiled.py`` over sizes, dtypes, ties, signed zeros, subnormals and
+thread counts):
+
+* **Only elementwise work is compiled** (casts, multiply, round, clamp, comparisons, integer
+  packing): inductor evaluates each element with the same float32 operations as eager, and
+  builds its C++ with ``-ffp-contract=off`` (no fused multiply-add).
+* **Reductions whose rounding depends on their order stay eager**: the L_p means, the channel
+  means and kept sums, the 1-bit compressor's norm. Integer counts (packed bits, the
+  ternary kept counts) are exact in any order and may be compiled. For p = 1 the chain
+  writes ``|x|`` into a reused buffer and the eager ``mean()`` reads it: the same values
+  as eager's fresh ``x.abs()``, without its page faults (the buffer, as long as the
+  longest input, is kept for the process).
+
+Not compiled: the TurboQuant codec (its Hadamard butterflies are ten order-fixed passes per
+block; inductor's code for them, and for its 4-bit packing, measured slower than the eager
+cache-sliced passes) and the 1-bit sign packers (the eager ``numpy.packbits`` path is as fast).
+
+CPU tensors of at least :data:`MIN_NUMEL` elements only. Nothing is compiled at import: a
+chain compiles on its first call, once per set of constants (levels, dtypes) with dynamic
+sizes, so buckets of different lengths share one kernel. If compiling or running a chain
+raises (no C++ compiler, an unsupported platform), it warns once and the eager codec serves
+it for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["compiled_enabled", "use_compiled"]
+
+_enabled = False
+#: compiled chains by (chain name, constants)
+_chains: dict[tuple[Any, ...], Callable[..., Any]] = {}
+#: chains whose compilation failed: eager from then on
+_failed: set[str] = set()
+
+
+def use_compiled(enabled: bool) -> None:
+    """Turn the compiled codec chains on or off for this process (compiles nothing yet)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def compiled_enabled() -> bool:
+    """Whether the public codecs dispatch to the compiled chains."""
+    return _enabled
+
+
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` of one chain (a seam for tests that simulate a missing compiler)."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _fresh(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own: dynamo caches compiled graphs per code object
+    (and gives up after a few), so every set of constants gets its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _run(name: str, key: tuple[Any, ...], build: Callable[[], Callable[..., Any]], *args: Any) -> Any:
+    """The chain ``name`` for the constants ``key`` (built by ``build`` and compiled on first
+    use) applied to ``args``; ``None`` when this chain cannot be compiled (warned once)."""
+    if name in _failed:
+        return None
+    slot = (name, *key)
+    fn = _chains.get(slot)
+    try:
+        if fn is None:
+            fn = _chains[slot] = _compile(_fresh(build(), "_".join(map(str, key)).replace(".", "_")))
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
+        _failed.add(name)
+        warnings.warn(
+            f"compile_codecs: torch.compile failed for the {name} codec chain "
+            f"({type(exc).__name__}: {exc}); the eager codecs are used instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+#: Below this many elements the eager codecs run: a compiled call costs tens of microseconds
+#: more, and tiny sizes would each compile a graph of their own (sizes 0 and 1 specialize).
+MIN_NUMEL = 1 << 16
+
+
+def _applies(t: torch.Tensor, n: int | None = None) -> bool:
+    """Whether a chain serves ``t`` (of ``n`` elements, default its own): on, CPU, not tiny."""
+    return _enabled and t.device.type == "cpu" and (t.numel() if n is None else n) >= MIN_NUMEL
+
+
+# -- bit packing inside a chain ---------------------------------------------------------------
+
+
+#: moves the 8 bytes of an int64 (0 or 1 each) to the bits of its top byte:
+#: :func:`.bits._gather_multiplier` for 1-bit lanes
+_GATHER = sum(1 << (8 * 7 - 7 * i) for i in range(8))
+
+
+def _pack_bits(votes: torch.Tensor) -> torch.Tensor:
+    """Bool ``votes`` (a multiple of 8) as bytes, element ``i`` at bit ``i % 8`` (``bits.pack``'s
+    layout), by the eager packer's multiply (:func:`.bits.pack_bytes_into_lanes`): the votes
+    as 0/1 bytes, eight of them read as one int64, times :data:`_GATHER`, the top byte. The
+    bytes go through int32 (inductor's CPU code converts bool to uint8 element by element,
+    ~20x slower), and the multiply is ~5x faster there than ORing eight strided columns."""
+    word = torch.where(votes, 1, 0).to(torch.uint8).view(torch.int64) * _GATHER
+    return (word >> 56).to(torch.uint8)
+
+
+def _tail_byte(votes: torch.Tensor) -> torch.Tensor:
+    """The last, partial byte of fewer than 8 bool ``votes`` (eager: a few elements)."""
+    weights = torch.tensor([1 << i for i in range(votes.numel())], dtype=torch.int32, device=votes.device)
+    return (votes.to(torch.int32) * weights).sum().to(torch.uint8).view(1)
+
+
+# -- L_p quantization (Lion Cub Eq. 1) ---------------------------------------------------------
+
+#: per device, a float32 buffer as long as the longest input so far, for ``|x|`` (a fresh
+#: full-size tensor per call costs a page fault per 4 KiB: torch's CPU allocator does not cache)
+_MAGNITUDES: dict[torch.device, torch.Tensor] = {}
+
+
+def _magnitudes(n: int, device: torch.device) -> torch.Tensor:
+    buf = _MAGNITUDES.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _MAGNITUDES[device] = torch.empty(n, dtype=torch.float32, device=device)
+    return buf[:n]
+
+
+def lp_quantize(x: torch.Tensor, levels: int, p: float, validate: bool) -> torch.Tensor | None:
+    """:func:`.lp.lp_quantize_levels` (``levels`` already checked): the same checks, errors,
+    mean and codes. For p = 1 one compiled pass writes ``float32(|x|)`` into a reused buffer
+    and the mean is the eager ``mean()`` of those same values; it also stands in for the
+    NaN/Inf scan, as :func:`.lp.all_finite`'s sum does (a sum of magnitudes is finite only if
+    every one is; when it is not, the exact eager scan decides). Other p take the eager
+    checks and mean. Then ``(float32(x) · scale).round().clamp(-levels, levels)`` compiled."""
+    if not _applies(x):
+        return None
+    from lowbit_strategy.codecs import lp
+
+    pf = lp._check_p(p)
+    lp._check_input(x, validate=pf != 1.0 and validate)
+    flat = x.detach().reshape(-1)
+    if pf == 1.0:
+
+        def build_magnitudes():
+            def magnitude_chain(v, out):
+                out.copy_(v.abs().float())
+
+            return magnitude_chain
+
+        mag = _magnitudes(flat.numel(), flat.device)
+        if "lp_quantize |x|" in _failed:
+            return None
+        _run("lp_quantize |x|", (flat.dtype,), build_magnitudes, flat, mag)
+        if "lp_quantize |x|" in _failed:
+            return None
+        mean = mag.mean()  # = x.abs().float().mean(): the same values, the same reduction
+        if validate and not bool(torch.isfinite(mean)) and not lp.all_finite(flat):
+            raise ValueError("lp_quantize: input contains NaN or Inf; refusing to quantize it")
+        m = mean.double()
+    else:
+        m = lp.lp_norm_mean(x, pf)
+    out_dtype = torch.int8 if levels <= 127 else torch.int16
+    scale = torch.where(m > 0, levels / (2.0 * m.clamp_min(torch.finfo(torch.float64).tiny)), torch.zeros_like(m))
+
+    def build():
+        def lp_chain(v, s):
+            return (v.float() * s).round().clamp(-levels, levels).to(out_dtype)
+
+        return lp_chain
+
+    codes = _run("lp_quantize", (levels, out_dtype, x.dtype), build, flat, scale.float())
+    return None if codes is None else codes.view(x.shape)
+
+
+# -- 1-bit Adam / LAMB: signs and error feedback -----------------------------------------------
+
+
+def signs_and_error(v: torch.Tensor, scale: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """The packed sign bits (``v >= 0``, ``nbytes`` bytes, zero-padded) of 1-D float32 ``v``,
+    and ``v`` ← ``v − s·sign(v)`` in place. ``s·sign`` is exact (±s), so one rounding per
+    element, as eager's ``addcmul_``."""
+    if not _applies(v):
+        return None
+    n = v.numel()
+    whole = n // 8 * 8
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=v.device)
+
+    def build():
+        def compress_chain(part, s):
+            positive = part >= 0
+            part.copy_(part - torch.where(positive, s, -s))
+            return _pack_bits(positive)
+
+        return compress_chain
+
+    if whole:
+        bits = _run("scaled_sign_compress", (), build, v[:whole], scale)
+        if bits is None:
+            return None
+        out[: whole // 8] = bits
+    if whole < n:
+        rest = v[whole:]
+        positive = rest >= 0
+        out[whole // 8] = _tail_byte(positive)[0]
+        rest.addcmul_(positive.to(torch.int8).mul_(2).sub_(1), scale, value=-1)
+    return out
+
+
+# -- BitDP 2-bit ternary codes -------------------------------------------------------------------
+
+
+def channel_ternary(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """BitDP's 2-bit ``(codes, scales)`` of float32 ``rows`` (r, c), as
+    :func:`.channel.channel_encode` returns them. The row means ``mean|g|`` (for the
+    threshold) and the kept sums are eager reductions, each called on whole rows as the
+    eager encoder calls them; one compiled pass between them writes the codes, the count of
+    kept entries per row (an exact integer sum) and ``|g|`` where kept (+0 elsewhere)."""
+    if not _applies(rows):
+        return None
+    from lowbit_strategy.codecs import channel
+    from lowbit_strategy.codecs.streaming import sliced
+
+    rows = rows.detach()
+    mean_abs = channel._mean_abs_sliced(rows) if sliced(rows) else rows.abs().mean(dim=1)
+    alpha = (channel.THRESHOLD_FACTOR * mean_abs).unsqueeze(1)
+
+    def build():
+        def ternary_chain(g, a):
+            plus = g >= a
+            minus = g < -a
+            kept = plus | minus
+            codes = (torch.where(plus, 1, 0) + torch.where(minus, 2, 0)).to(torch.uint8)
+            return codes, torch.where(kept, 1, 0).sum(1, dtype=torch.int32), torch.where(kept, g.abs(), 0.0)
+
+        return ternary_chain
+
+    got = _run("channel_encode", (), build, rows, alpha)
+    if got is None:
+        return None
+    codes, kept_count, kept = got
+    return codes.reshape(-1), channel._scales(kept_count, kept.sum(dim=1))

@@ -1,0 +1,258 @@
+"""The compiled codec chains (``compile_codecs``): bit for bit the eager codecs, opt-in, and
+eager again after one warning when compiling fails.
+
+The fast tests compile nothing (the switch, the config field, the fallback through a
+failing compiler). The slow ones compile each chain once in this module's process and
+compare it with the eager codec over sizes around :data:`MIN_NUMEL` and the slices of
+:mod:`lowbit_strategy.codecs.streaming`, dtypes, ties, signed zeros, subnormals, large
+values and thread counts; one trains 2 ranks through the config, eager and compiled.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit_strategy
+from lowbit_strategy import LowBitConfig
+from lowbit_strategy.codecs import channel_encode, compiled, lp_quantize, lp_quantize_levels, scaled_sign_compress
+from lowbit_strategy.codecs.compiled import MIN_NUMEL
+from lowbit_strategy.codecs.streaming import SLICE
+from tests.distributed import run_ranks
+
+#: sizes: below the threshold (eager), at it, odd sizes, and around the streaming slices
+SIZES = (MIN_NUMEL - 1, MIN_NUMEL, MIN_NUMEL + 3, SLICE - 1, SLICE, SLICE + 1, 3 * SLICE + 5)
+#: (rows, cols) of BitDP gradients: one long row, many short ones, rows that are no slice multiple
+SHAPES = ((1, MIN_NUMEL + 3), (64, 1031), (1024, 1024), (3, SLICE + 7), (SLICE // 100 + 1, 203))
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@pytest.fixture
+def switch():
+    """The process-wide switch, off again afterwards."""
+    yield compiled.use_compiled
+    compiled.use_compiled(False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width, so that ``torch.equal`` compares bits (-0.0, NaN payloads)."""
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _same(a, b) -> None:
+    if isinstance(a, tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(_bits(a), _bits(b))
+
+
+def _both(fn, *args, **kwargs):
+    """``fn`` eager, then compiled: both results."""
+    compiled.use_compiled(False)
+    eager = fn(*args, **kwargs)
+    compiled.use_compiled(True)
+    try:
+        return eager, fn(*args, **kwargs)
+    finally:
+        compiled.use_compiled(False)
+
+
+def _values(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Gaussian values with every special case sprinkled in: exact zeros of both signs,
+    subnormals (float32's), large values, and values on rounding ties."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    x[::97] = 0.0
+    x[5::89] = -0.0
+    x[7::101] = 1e-40
+    x[9::103] = -3e-39
+    x[11::997] = 1e4
+    x[13::991] = -2.5  # a tie for p = inf below
+    return x.to(dtype)
+
+
+# -- fast: the switch, the config field, the fallback ------------------------------------------
+
+
+def test_switch_is_off_by_default_and_config_field_reaches_it():
+    assert compiled.compiled_enabled() is False and LowBitConfig().compile_codecs is False
+    assert LowBitConfig(compile_codecs=True).to_dict()["compile_codecs"] is True
+    assert LowBitConfig.from_env({"LOWBIT_COMPILE_CODECS": "1"}).compile_codecs is True
+    assert LowBitConfig.from_dict({"compile_codecs": "false"}).compile_codecs is False
+
+
+def test_a_failing_compiler_warns_once_and_the_eager_codecs_serve(switch, monkeypatch):
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(compiled, "_compile", broken)
+    monkeypatch.setattr(compiled, "_chains", {})
+    monkeypatch.setattr(compiled, "_failed", set())
+    x = _values(MIN_NUMEL + 5)
+    expected = lp_quantize(x, 8, 1)
+    switch(True)
+    with pytest.warns(RuntimeWarning, match=r"compile_codecs.*no C\+\+ compiler.*eager codecs are used"):
+        _same(lp_quantize(x, 8, 1), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the failed chain is not tried again
+        _same(lp_quantize(x, 8, 1), expected)
+    assert compiled._failed == {"lp_quantize |x|"}  # the first chain of p = 1
+
+
+def test_small_and_non_cpu_inputs_stay_eager(switch, monkeypatch):
+    monkeypatch.setattr(compiled, "_compile", lambda fn: pytest.fail("compiled a chain for a small input"))
+    switch(True)
+    x = _values(MIN_NUMEL - 1)
+    lp_quantize(x, 8, 1)
+    channel_encode(x, 2)
+    scaled_sign_compress(x, torch.zeros(x.numel()))
+
+
+# -- slow: compiled against eager ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("n", SIZES)
+def test_lp_quantize_compiled_is_eager_bit_for_bit(n, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = _values(n)
+        for p in (1.0, 0.0, 2.0, float("inf")):
+            _same(*_both(lp_quantize, x, 8, p))
+        _same(*_both(lp_quantize, x.view(-1, 1) if n % 2 else x.view(2, -1), 4, 1.0))  # shapes kept
+        _same(*_both(lp_quantize, x, 16, 1.0))  # int16 codes
+        _same(*_both(lp_quantize_levels, x, 5, 1.0))  # a summed allreduce's levels
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lp_quantize_compiled_every_dtype_ties_and_edges(dtype):
+    n = SLICE + 9
+    _same(*_both(lp_quantize, _values(n, dtype), 8, 1.0))
+    # p = inf with max |x| = 63.5: scale exactly 1, so every x.5 is a round-half-even tie
+    ties = (torch.arange(n, dtype=torch.float32) % 128 - 63.5).to(dtype)
+    _same(*_both(lp_quantize, ties, 8, float("inf")))
+    _same(*_both(lp_quantize, torch.zeros(n, dtype=dtype), 8, 1.0))  # M_p = 0: all codes 0
+    _same(*_both(lp_quantize, -torch.zeros(n, dtype=dtype), 8, 1.0))
+    if dtype in (torch.float32, torch.float64):  # all subnormal: the overflowing scale of the docstring
+        _same(*_both(lp_quantize_levels, torch.full((n,), 1e-42, dtype=dtype), 127, 1.0, validate=False))
+
+
+@pytest.mark.slow
+def test_lp_quantize_compiled_refuses_non_finite_input_as_eager_does(switch):
+    switch(True)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = _values(SLICE + 3)
+        x[SLICE // 3] = bad
+        with pytest.raises(ValueError, match="lp_quantize: input contains NaN or Inf"):
+            lp_quantize(x, 8, 1)
+    # finite values whose sum overflows: the exact scan decides, and they are quantized
+    big = torch.full((MIN_NUMEL,), 3e38)
+    switch(False)
+    expected = lp_quantize(big, 8, 1)
+    switch(True)
+    _same(lp_quantize(big, 8, 1), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_channel_encode_2bit_compiled_is_eager_bit_for_bit(shape, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = _values(shape[0] * shape[1], seed=1).view(shape)
+        _same(*_both(channel_encode, g, 2))
+        g[0] = 0.0  # a row with nothing kept: scale 0
+        _same(*_both(channel_encode, g, 2))
+        if shape[0] == 1:
+            _same(*_both(channel_encode, g.view(-1), 2))  # 1-D: a single row
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channel_encode_2bit_compiled_every_dtype(dtype):
+    _same(*_both(channel_encode, _values(256 * 1031, dtype, seed=2).view(256, 1031), 2))
+
+
+def _compress(x: torch.Tensor, error: torch.Tensor, **kwargs):
+    """``scaled_sign_compress`` on a copy of ``error``: the bits, the scale and the new error."""
+    e = error.clone()
+    bits, scale = scaled_sign_compress(x, e, **kwargs)
+    return bits, scale, e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("n", SIZES)
+def test_scaled_sign_compress_compiled_is_eager_bit_for_bit(n, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, error = _values(n, seed=3), _values(n, seed=4) * 0.01
+        _same(*_both(_compress, x, error))
+        _same(*_both(_compress, x, error, nbytes=-(-n // 8) + 13))  # padded to whole chunks
+        _same(*_both(_compress, torch.zeros(n), torch.zeros(n)))  # scale 0, errors stay 0
+        _same(*_both(_compress, -torch.zeros(n), torch.zeros(n)))
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_sign_compress_compiled_every_dtype(dtype):
+    n = 2 * SLICE + 3
+    _same(*_both(_compress, _values(n, dtype, seed=5), _values(n, seed=6) * 0.01))
+
+
+# -- slow: a 2-rank training through the config ------------------------------------------------
+
+
+def _train(rank: int, world_size: int) -> None:
+    """Lion (L_p 8-bit) and BitDP (2-bit) for 3 steps, eager then with ``compile_codecs=True``:
+    the same weights bit for bit, and the compiled run did go through the chains."""
+    runs = [
+        ("lion", dict(mode="lp", bits=8), lambda ps: lowbit_strategy.Lion(ps, lr=1e-3), "lp_quantize"),
+        ("bitdp", dict(bits=2), lambda ps: torch.optim.SGD(ps, lr=0.1), "channel_encode"),
+    ]
+    for algorithm, fields, make_optimizer, chain in runs:
+        weights = {}
+        for flag in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 4))
+            ddp = nn.parallel.DistributedDataParallel(net)
+            opt = make_optimizer(ddp.parameters())
+            lowbit_strategy.attach(ddp, [opt], LowBitConfig(algorithm=algorithm, compile_codecs=flag, **fields))
+            assert compiled.compiled_enabled() is flag
+            for step in range(1, 4):
+                gen = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 512, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+            weights[flag] = [p.detach().clone() for p in net.parameters()]
+        assert any(key[0] == chain for key in compiled._chains), f"{algorithm}: the compiled {chain} chain never ran"
+        assert not compiled._failed
+        for eager, fast in zip(weights[False], weights[True]):
+            _same(eager, fast)
+
+
+@pytest.mark.slow
+def test_two_rank_training_with_compile_codecs_equals_eager():
+    run_ranks(2, _train)
