@@ -52,8 +52,10 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     if bits not in (1, 2):
         raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
     rows = _as_rows(g, validate)
-    if bits == 2 and compiled.compiled_enabled() and (encoded := compiled.channel_ternary(rows)) is not None:
-        return encoded
+    if bits == 2 and compiled.compiled_enabled():  # opt-in: the same codes and scales, compiled (compiled.py)
+        encoded = compiled.channel_ternary(rows, THRESHOLD_FACTOR, _mean_abs_sliced, _scales)
+        if encoded is not None:
+            return encoded
     if not sliced(rows):
         mag = rows.abs()
         mean_abs = mag.mean(dim=1)

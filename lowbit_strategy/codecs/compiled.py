@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from lowbit_strategy.codecs.streaming import sliced
+
 __all__ = ["compiled_enabled", "use_compiled"]
 
 _enabled = False
@@ -145,21 +147,29 @@ def _magnitudes(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-def lp_quantize(x: torch.Tensor, levels: int, p: float, validate: bool) -> torch.Tensor | None:
-    """:func:`.lp.lp_quantize_levels` (``levels`` already checked): the same checks, errors,
-    mean and codes. For p = 1 one compiled pass writes ``float32(|x|)`` into a reused buffer
-    and the mean is the eager ``mean()`` of those same values; it also stands in for the
-    NaN/Inf scan, as :func:`.lp.all_finite`'s sum does (a sum of magnitudes is finite only if
-    every one is; when it is not, the exact eager scan decides). Other p take the eager
-    checks and mean. Then ``(float32(x) · scale).round().clamp(-levels, levels)`` compiled."""
-    if not _applies(x):
-        return None
-    from lowbit_strategy.codecs import lp
+def lp_quantize(
+    x: torch.Tensor,
+    levels: int,
+    p: float,
+    validate: bool,
+    lp_norm_mean: Callable[[torch.Tensor, float], torch.Tensor],
+    all_finite: Callable[[torch.Tensor], bool],
+) -> torch.Tensor | None:
+    """:func:`.lp.lp_quantize_levels` of a non-empty float ``x`` (``levels`` checked), given
+    that module's ``lp_norm_mean`` and ``all_finite`` (passed in: codecs import this module,
+    not the other way): the same checks in the same order, errors, mean and codes.
 
-    pf = lp._check_p(p)
-    lp._check_input(x, validate=pf != 1.0 and validate)
+    For p = 1 one compiled pass writes ``float32(|x|)`` into a reused buffer and the mean is
+    the eager ``mean()`` of those same values; it also stands in for the NaN/Inf scan, as
+    ``all_finite``'s sum does (a sum of magnitudes is finite only if every one is; when it is
+    not, the exact eager scan decides). Other p take the eager scan and mean (which checks
+    ``p``). Then ``(float32(x) · scale).round().clamp(-levels, levels)`` compiled."""
+    if not _applies(x) or not x.dtype.is_floating_point:
+        return None
     flat = x.detach().reshape(-1)
-    if pf == 1.0:
+    if p != 1.0 and validate and not all_finite(flat):
+        raise ValueError("lp_quantize: input contains NaN or Inf; refusing to quantize it")
+    if p == 1.0:
 
         def build_magnitudes():
             def magnitude_chain(v, out):
@@ -174,11 +184,11 @@ def lp_quantize(x: torch.Tensor, levels: int, p: float, validate: bool) -> torch
         if "lp_quantize |x|" in _failed:
             return None
         mean = mag.mean()  # = x.abs().float().mean(): the same values, the same reduction
-        if validate and not bool(torch.isfinite(mean)) and not lp.all_finite(flat):
+        if validate and not bool(torch.isfinite(mean)) and not all_finite(flat):
             raise ValueError("lp_quantize: input contains NaN or Inf; refusing to quantize it")
         m = mean.double()
     else:
-        m = lp.lp_norm_mean(x, pf)
+        m = lp_norm_mean(x, p)
     out_dtype = torch.int8 if levels <= 127 else torch.int16
     scale = torch.where(m > 0, levels / (2.0 * m.clamp_min(torch.finfo(torch.float64).tiny)), torch.zeros_like(m))
 
@@ -229,20 +239,24 @@ def signs_and_error(v: torch.Tensor, scale: torch.Tensor, nbytes: int) -> torch.
 # -- BitDP 2-bit ternary codes -------------------------------------------------------------------
 
 
-def channel_ternary(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def channel_ternary(
+    rows: torch.Tensor,
+    factor: float,
+    mean_abs_sliced: Callable[[torch.Tensor], torch.Tensor],
+    scales: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """BitDP's 2-bit ``(codes, scales)`` of float32 ``rows`` (r, c), as
-    :func:`.channel.channel_encode` returns them. The row means ``mean|g|`` (for the
-    threshold) and the kept sums are eager reductions, each called on whole rows as the
-    eager encoder calls them; one compiled pass between them writes the codes, the count of
-    kept entries per row (an exact integer sum) and ``|g|`` where kept (+0 elsewhere)."""
+    :func:`.channel.channel_encode` returns them, given that module's threshold factor, row
+    means on slices and Eq. 4 scales (passed in: codecs import this module, not the other
+    way). The row means ``mean|g|`` (for the threshold) and the kept sums are eager
+    reductions, each called on whole rows as the eager encoder calls them; one compiled pass
+    between them writes the codes, the count of kept entries per row (an exact integer sum)
+    and ``|g|`` where kept (+0 elsewhere)."""
     if not _applies(rows):
         return None
-    from lowbit_strategy.codecs import channel
-    from lowbit_strategy.codecs.streaming import sliced
-
     rows = rows.detach()
-    mean_abs = channel._mean_abs_sliced(rows) if sliced(rows) else rows.abs().mean(dim=1)
-    alpha = (channel.THRESHOLD_FACTOR * mean_abs).unsqueeze(1)
+    mean_abs = mean_abs_sliced(rows) if sliced(rows) else rows.abs().mean(dim=1)
+    alpha = (factor * mean_abs).unsqueeze(1)
 
     def build():
         def ternary_chain(g, a):
@@ -258,4 +272,4 @@ def channel_ternary(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     if got is None:
         return None
     codes, kept_count, kept = got
-    return codes.reshape(-1), channel._scales(kept_count, kept.sum(dim=1))
+    return codes.reshape(-1), scales(kept_count, kept.sum(dim=1))

@@ -144,8 +144,10 @@ def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0, *, validate
     """
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 2**15 - 1:
         raise ValueError(f"levels must be an int in [1, 32767], got {levels!r}")
-    if compiled.compiled_enabled() and (codes := compiled.lp_quantize(x, levels, p, validate)) is not None:
-        return codes
+    if compiled.compiled_enabled():  # opt-in: the same codes, compiled (compiled.py)
+        codes = compiled.lp_quantize(x, levels, p, validate, lp_norm_mean, all_finite)
+        if codes is not None:
+            return codes
     _check_input(x, validate)
     m = lp_norm_mean(x, p)
     out_dtype = torch.int8 if levels <= 127 else torch.int16

@@ -118,6 +118,19 @@ def test_small_and_non_cpu_inputs_stay_eager(switch, monkeypatch):
     scaled_sign_compress(x, torch.zeros(x.numel()))
 
 
+def test_bad_arguments_raise_as_in_eager_before_anything_compiles(switch, monkeypatch):
+    monkeypatch.setattr(compiled, "_compile", lambda fn: pytest.fail("compiled a chain for bad arguments"))
+    switch(True)
+    x = _values(MIN_NUMEL)
+    with pytest.raises(ValueError, match="p must be one of 0, 1, 2, inf, got 3"):
+        lp_quantize(x, 8, 3)
+    with pytest.raises(TypeError, match="floating-point"):
+        lp_quantize(torch.ones(MIN_NUMEL, dtype=torch.int32), 8, 1)
+    x[5] = float("nan")
+    with pytest.raises(ValueError, match="input contains NaN or Inf"):
+        lp_quantize(x, 8, 2)
+
+
 # -- slow: compiled against eager ------------------------------------------------------------
 
 
