@@ -2,8 +2,9 @@
 
 Opt-in (``LowBitConfig.compile_codecs``, applied once by
 :func:`lowbit_strategy.integrations.ddp.build_sync`, or :func:`use_compiled` directly):
-inductor's first compile costs seconds per chain and process (~10 s cold for the first,
-which also loads inductor; well under a second per chain from its cache). When it is on,
+inductor's first compile costs seconds per chain and process (13-14 s cold for the first,
+which also loads inductor, 1-1.5 s for each next; 4-5 s and 0.1-0.3 s from its cache:
+``benchmarks/results/codecs_compiled.md``). When it is on,
 :func:`.lp.lp_quantize_levels` (and so :func:`.lp.lp_quantize`), :func:`.channel.channel_encode`
 (2-bit) and :func:`.scaled_signs.scaled_sign_compress` (one scale) hand the work after their
 checks and eager reductions to a chain here, which returns ``None`` when it does not apply;
@@ -25,7 +26,7 @@ thread counts):
 
 Not compiled: the TurboQuant codec (its Hadamard butterflies are ten order-fixed passes per
 block; inductor's code for them, and for its 4-bit packing, measured slower than the eager
-cache-sliced passes) and the 1-bit sign packers (the eager ``numpy.packbits`` path is as fast).
+cache-sliced passes) and the 1-bit sign packers (the eager ``numpy.packbits`` path is faster).
 
 CPU tensors of at least :data:`MIN_NUMEL` elements only. Nothing is compiled at import: a
 chain compiles on its first call, once per set of constants (levels, dtypes) with dynamic
