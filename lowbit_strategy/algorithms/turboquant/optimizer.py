@@ -119,29 +119,6 @@ class TurboQuantAdamW(StagedOptimizer):
         self.variance = variance
         self.scale_decay = float(scale_decay)
 
-    def _warmup_all(self, active, step):
-        """AdamW on every parameter with a gradient, multi-tensor
-        (:func:`~lowbit_strategy.algorithms.staged.adam.adamw_foreach_`: torch's AdamW bit for
-        bit, at the cost of its step rather than one Python call per parameter and operation)."""
-        for group in self.param_groups:
-            ps = [p for grp, p in active if grp is group]
-            if not ps:
-                continue
-            states = [self._state(p) for p in ps]
-            beta1, beta2 = group["betas"]
-            adam.adamw_foreach_(
-                ps,
-                [p.grad for p in ps],
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=step,
-            )
-
     def _compressed_step(self, step):
         """The compression stage; when nothing is compressed (one process, or a communicator
         whose every bucket is the exact ``fp32`` mean, so the DDP hook averaged the gradients

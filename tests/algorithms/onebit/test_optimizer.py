@@ -41,6 +41,31 @@ def test_onebit_adam_warmup_is_adamw_bit_for_bit():
     assert opt.global_step == 6 and opt.stage == "compression"
 
 
+def test_warmup_runs_multi_tensor_unless_a_subclass_brings_its_own(monkeypatch):
+    """The staged base batches its AdamW warm-up (``adamw_foreach_``); a subclass that
+    overrides ``_warmup`` alone still gets it called on every parameter."""
+    from lowbit_strategy.algorithms.staged import adam
+
+    batched = []
+    real = adam.adamw_foreach_
+    monkeypatch.setattr(adam, "adamw_foreach_", lambda ps, *a, **k: batched.append(len(ps)) or real(ps, *a, **k))
+    _run(OneBitAdam, 2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=6)
+    assert batched and all(n > 1 for n in batched)
+
+    seen = []
+
+    class Own(OneBitAdam):
+        def _warmup(self, group, p, grad, step):
+            seen.append(step)
+            super()._warmup(group, p, grad, step)
+
+    batched.clear()
+    ours, _ = _run(Own, 2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=6)
+    ref, _ = _run(torch.optim.AdamW, 2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    assert not batched and len(seen) == 2 * len(ours)  # per parameter, every step
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
 def _reference_adam(steps, freeze):
     """Algorithm 1 of 1-bit Adam in one process, written out: AdamW, then frozen variance."""
     params = [p.detach().clone() for p in _model().parameters()]
