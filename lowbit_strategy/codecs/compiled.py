@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from lowbit_strategy.codecs.bits import _gather_multiplier
 from lowbit_strategy.codecs.streaming import sliced
 
 __all__ = ["compiled_enabled", "use_compiled"]
@@ -113,9 +114,8 @@ def _applies(t: torch.Tensor, n: int | None = None) -> bool:
 # -- bit packing inside a chain ---------------------------------------------------------------
 
 
-#: moves the 8 bytes of an int64 (0 or 1 each) to the bits of its top byte:
-#: :func:`.bits._gather_multiplier` for 1-bit lanes
-_GATHER = sum(1 << (8 * 7 - 7 * i) for i in range(8))
+#: moves the 8 bytes of an int64 (0 or 1 each) to the bits of its top byte
+_GATHER = _gather_multiplier(1)
 
 
 def _pack_bits(votes: torch.Tensor) -> torch.Tensor:

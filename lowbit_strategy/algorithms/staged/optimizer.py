@@ -238,13 +238,19 @@ class StagedOptimizer(Optimizer):
 
     def _warmup(self, group: dict, p: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """One warm-up step: ``torch.optim.AdamW`` bit for bit (1-bit LAMB overrides it with LAMB)."""
-        state = self._state(p)
+        self._adamw(group, [p], [grad], step)
+
+    def _adamw(self, group: dict, ps: list[torch.Tensor], grads: list[torch.Tensor], step: int) -> None:
+        """AdamW on parameters ``ps`` of ``group`` with gradients ``grads``, multi-tensor
+        (:func:`~lowbit_strategy.algorithms.staged.adam.adamw_foreach_`: torch's AdamW bit for
+        bit, at the cost of its step rather than one Python call per parameter and operation)."""
+        states = [self._state(p) for p in ps]
         beta1, beta2 = group["betas"]
-        adam.adamw_(
-            p,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
+        adam.adamw_foreach_(
+            ps,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,
@@ -258,33 +264,17 @@ class StagedOptimizer(Optimizer):
 
     def _warmup_all(self, active: list[tuple[dict, torch.Tensor]], step: int) -> None:
         """Every warm-up update of a step (``(group, param)`` with a gradient). The base
-        :meth:`_warmup` (AdamW) runs multi-tensor, one call per operation and parameter group
-        (:func:`~lowbit_strategy.algorithms.staged.adam.adamw_foreach_`: torch's AdamW bit for
-        bit, at the cost of its step rather than one Python call per parameter and
-        operation); a subclass that overrides :meth:`_warmup` gets it called on each
-        parameter, or overrides this to batch its own (1-bit LAMB)."""
+        :meth:`_warmup` (AdamW) runs as one :meth:`_adamw` per parameter group; a subclass
+        that overrides :meth:`_warmup` gets it called on each parameter, or overrides this to
+        batch its own (1-bit LAMB)."""
         if type(self)._warmup is not StagedOptimizer._warmup:
             for grp, p in active:
                 self._warmup(grp, p, cast(torch.Tensor, p.grad), step)  # active: those with a gradient
             return
         for group in self.param_groups:
             ps = [p for grp, p in active if grp is group]
-            if not ps:
-                continue
-            states = [self._state(p) for p in ps]
-            beta1, beta2 = group["betas"]
-            adam.adamw_foreach_(
-                ps,
-                [cast(torch.Tensor, p.grad) for p in ps],
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=step,
-            )
+            if ps:
+                self._adamw(group, ps, [cast(torch.Tensor, p.grad) for p in ps], step)
 
     def _compressed_all(self, items: list[tuple[dict, torch.Tensor, torch.Tensor]], step: int) -> None:
         """Every compression-stage update of a step (``(group, param, mean momentum)``):
