@@ -150,10 +150,10 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
         moms = [next(iter(st["optimizers"][0].values()))["exp_avg"] for st in states]
         return {**out, "rank_states_differ": not torch.equal(moms[0], moms[1])}
     if optimizer.startswith("onebit") or optimizer == "turboquant":
-        errors = [st["optimizers"][0]["errors"]["errors"] for st in states]
+        errors = [st["optimizers"][0]["errors"]["buckets"] for st in states]  # state format 2, by names
         keys = sorted(errors[0])
         return {**out, "error_buckets": len(keys), "rank_states_differ": bool(keys) and any(
-            not torch.equal(errors[0][k][0], errors[1][k][0]) for k in keys)}
+            not torch.equal(errors[0][k]["worker"], errors[1][k]["worker"]) for k in keys)}
     residuals = [st["residuals"] for st in states]
     return {**out, "saved_iters": [st["iter"] for st in states],
             "residual_names": sorted(residuals[0]) if residuals else [],

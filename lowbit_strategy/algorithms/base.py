@@ -21,12 +21,13 @@ Two places to synchronize:
 
 * **gradient level** (BitDP): the DDP communication hook returns the (compressed) mean
   gradient of each bucket, and any optimizer steps on it;
-* **optimizer level** (Lion Cub): the hook hands each bucket's *local* gradients to
-  :meth:`Sync.bucket_ready` as they become ready during backward, and ``optimizer.step()``
-  finishes the synchronization. The default :meth:`Sync.bucket_ready` keeps the gradients
-  local and lets the optimizer do all the communication in ``step()``; an algorithm that
-  overlaps its collective with backward launches it there instead (same order on every
-  rank: DDP hands buckets over in the same order everywhere).
+* **optimizer level** (Lion Cub): a launch site (DDP's hook through the adapter
+  :mod:`~lowbit_strategy.algorithms.ddp_hook`) hands the *local* gradients of the parameters
+  that are ready to :meth:`Sync.gradients_ready` during backward, and ``optimizer.step()``
+  finishes the synchronization. The default keeps the gradients local and lets the
+  optimizer do all the communication in ``step()``; an algorithm that overlaps its
+  collective with backward launches it there instead (same order on every rank: DDP hands
+  buckets over in the same order everywhere).
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
@@ -38,9 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.algorithms.ddp_hook import bucket_hook, keep_local_gradients
 from lowbit_strategy.collectives.hierarchy import Topology
+from lowbit_strategy.collectives.shards import ShardSpec, spec_for
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.section import Section
+
+__all__ = ["Algorithm", "LowBitSetupError", "Sync", "bucket_hook", "keep_local_gradients"]
 
 
 class LowBitSetupError(RuntimeError):
@@ -71,6 +76,20 @@ class Sync:
         self.topology: Topology | None = None
         #: the bytes of the hierarchical form's intra-node reduction (scope "node")
         self.node_traffic = TrafficLog()
+        self._spec: ShardSpec | None = None
+
+    @property
+    def spec(self) -> ShardSpec:
+        """Which part of each bucket this rank synchronizes, over which group, and how the
+        result comes back (:mod:`lowbit_strategy.collectives.shards`): made on first use from
+        :attr:`topology` (set before ``attach``); a data path that shards otherwise sets its own."""
+        if self._spec is None:
+            self._spec = spec_for(self.group, self.topology)
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: ShardSpec) -> None:
+        self._spec = spec
 
     # ---- the DDP communication hook ------------------------------------------------
     @property
@@ -80,13 +99,23 @@ class Sync:
 
     @property
     def comm_hook(self) -> Callable:
-        """The DDP communication hook ``(state, bucket) -> Future[Tensor]``."""
+        """The DDP communication hook ``(state, bucket) -> Future[Tensor]``: the DDP adapter
+        (:func:`~lowbit_strategy.algorithms.ddp_hook.bucket_hook`), which hands each bucket
+        to :meth:`gradients_ready`; gradient-level algorithms return their own."""
         return bucket_hook
 
-    def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """One bucket's local gradients, ready during backward. The default keeps them
-        local: the optimizer synchronizes in ``step()``."""
-        return keep_local_gradients(self, bucket)
+    def gradients_ready(
+        self, params: Sequence[torch.Tensor], flat: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor] | None:
+        """The local gradients of ``params`` are final (called while backward runs, by a
+        launch site: DDP's hook for a bucket, a sharded path's hook for a unit); ``flat``
+        holds them all (DDP's bucket buffer, a unit's gradient shard). Return a future of
+        ``flat`` averaged in place when the algorithm averages gradients now (the staged
+        optimizers' warm-up), or None to keep them local: the default, where the optimizer
+        synchronizes in ``step()``. An algorithm that overlaps its collective with backward
+        launches it here (the same order on every rank: launch sites call in the same order
+        everywhere)."""
+        return None
 
     # ---- optimizers ----------------------------------------------------------------
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
@@ -111,32 +140,6 @@ class Sync:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (or :meth:`Algorithm.merge_states`')."""
-
-
-def bucket_hook(state: Sync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook of optimizer-level algorithms: hands the bucket to
-    ``state.bucket_ready`` (plain function: DDP wants a function, not a bound method).
-
-    In the hierarchical form the node is the worker: the bucket is first replaced by its
-    exact mean over the node's ranks (:meth:`Topology.node_mean_`), and so is every
-    parameter's ``.grad`` that is not a view of it (what the optimizer reads), so the node's
-    ranks hold the same gradient, and their algorithm state stays the same."""
-    topology = state.topology
-    if topology is not None and topology.hierarchical:
-        buf = bucket.buffer()
-        topology.node_mean_(buf, state.node_traffic)
-        for p, view in zip(bucket.parameters(), bucket.gradients()):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                p.grad.copy_(view)
-    return state.bucket_ready(bucket)
-
-
-def keep_local_gradients(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook that sends nothing: each rank keeps its own gradient (for a
-    model whose optimizer synchronizes by itself)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 def _no_merge(states: list) -> dict:

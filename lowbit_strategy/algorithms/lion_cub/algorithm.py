@@ -8,7 +8,7 @@ them. Without it, each :class:`Lion` synchronizes everything in ``step()``. The 
 state checkpoints keep is every optimizer's ``state`` (each rank's own momenta).
 
 Across nodes (``topology``) the hook first averages each bucket over the node's ranks
-(:func:`~lowbit_strategy.algorithms.base.bucket_hook`), so the momenta belong to the node,
+(:func:`~lowbit_strategy.algorithms.ddp_hook.bucket_hook`), so the momenta belong to the node,
 and the communicator sends each local rank's shard across nodes.
 """
 
@@ -25,6 +25,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.layout import parameter_names
 from lowbit_strategy.rank_state import to_cpu
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,22 @@ class LionSync(Sync):
         self._traffic: list[TrafficLog] = []
         self.overlap = section.overlap
         self._owner: dict[int, Lion] = {}
+        #: parameter names, for checkpoints keyed by name
+        self._names = parameter_names(module)
 
-    def bucket_ready(self, bucket):
-        """Keep the gradients local; with overlap, start the bucket's collective now."""
+    def gradients_ready(self, params, flat):
+        """Keep the gradients local; with overlap, start the collective of ``params`` now."""
         if self.overlap and self._owner:
-            nonfinite = ~torch.isfinite(bucket.buffer()).all()  # stays on the device: no host sync here
-            params = bucket.parameters()
+            nonfinite = ~torch.isfinite(flat).all()  # stays on the device: no host sync here
             for opt in self.optimizers:  # the same order on every rank
                 mine = [p for p in params if self._owner.get(id(p)) is opt and p.numel()]
                 if mine and opt.communicator is not None and opt.communicator.world_size > 1:
-                    # p.grad, not the bucket's views: it holds this rank's gradient in the
+                    # p.grad, not views of the buffer: it holds this rank's gradient in the
                     # parameter's own layout (a channels_last weight's bucket view would not);
                     # a parameter unused on this rank counts as a zero gradient
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
                     opt.launch_bucket(mine, grads, nonfinite)
-        return super().bucket_ready(bucket)
+        return None
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:
@@ -81,8 +83,8 @@ class LionSync(Sync):
         self._traffic = []
         section = self.config.lion
         for opt in self.optimizers:
-            comm = LionCommunicator(self.config, group=self.group, topology=self.topology)
-            opt.attach_communicator(comm)
+            comm = LionCommunicator(self.config, group=self.group, topology=self.topology, spec=self.spec)
+            opt.attach_communicator(comm, self._names)
             self._traffic.append(comm.traffic)
             if section.momentum_sync_every:
                 opt.set_momentum_sync(section.momentum_sync_every, self.momentum_params)
@@ -102,22 +104,51 @@ class LionSync(Sync):
         return [*self._traffic, self.node_traffic]
 
     def state_dict(self) -> dict:
-        return {"optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers]}
+        """Format 2: every optimizer's ``state`` (this rank's momenta) and its layout
+        (parameter names and local shapes), which :func:`merge_states` reads."""
+        return {
+            "format": 2,
+            "layouts": [opt.param_layout.describe() if opt.param_layout else None for opt in self.optimizers],
+            "optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers],
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Format 2, or format 1 (``{"optimizers": [...]}``, no layout); momenta saved for
+        parameters of other local shapes raise, naming the parameter."""
         saved = state.get("optimizers", [])
         if len(saved) != len(self.optimizers):
             raise ValueError(
                 f"Lion Cub state holds {len(saved)} optimizers' momenta, the run has {len(self.optimizers)}"
             )
-        for opt, own in zip(self.optimizers, saved):
+        for i, (opt, own) in enumerate(zip(self.optimizers, saved)):
+            layout = (state.get("layouts") or [None] * len(saved))[i]
+            if layout is not None and opt.param_layout is not None:
+                _check_shapes(layout["shapes"], opt.param_layout.describe()["shapes"])
             # torch's load_state_dict moves each buffer to its parameter's device
             opt.load_state_dict({**opt.state_dict(), "state": own})
 
 
+def _check_shapes(saved: dict, mine: dict) -> None:
+    if saved != mine:
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        raise ValueError(
+            f"Lion Cub state was saved for other parameters or local shapes ({diff[:4]}: saved "
+            f"{[saved.get(k) for k in diff[:4]]}, the run has {[mine.get(k) for k in diff[:4]]}): "
+            "resume with the model and sharding it was saved with"
+        )
+
+
 def merge_states(states: list[dict]) -> dict:
     """Momenta for another world size: each one's mean over the saved ranks, the consensus
-    every rank would reach after a full momentum sync."""
+    every rank would reach after a full momentum sync. Only for momenta of whole parameters,
+    the same layout on every saved rank (a replicated run); per-shard momenta (ranks with
+    different local shapes) are refused, naming why."""
+    layouts = [s.get("layouts") for s in states]
+    if any(lay != layouts[0] for lay in layouts[1:]):
+        raise ValueError(
+            "Lion Cub state was saved by ranks holding different shards of the parameters: it cannot be "
+            "averaged into another world size; resume at the world size and sharding it was saved with"
+        )
     merged = []
     for per_rank in zip(*(s["optimizers"] for s in states)):
         out: dict = {}
@@ -129,7 +160,7 @@ def merge_states(states: list[dict]) -> dict:
                 else:
                     out[idx][name] = value
         merged.append(out)
-    return {"optimizers": merged}
+    return {"format": 2, "layouts": layouts[0], "optimizers": merged}
 
 
 def check_precision(precision: str | None) -> None:

@@ -36,8 +36,7 @@ through :mod:`lowbit_strategy.collectives` and lands in :attr:`traffic`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -57,9 +56,10 @@ from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree
 from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
+from lowbit_strategy.collectives.inflight import InFlight, Launched, finish
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
-from lowbit_strategy.collectives.streams import SideStream
+from lowbit_strategy.collectives.shards import ShardSpec, pad_empty, spec_for, take
 from lowbit_strategy.collectives.summed import summed_allreduce_start
 from lowbit_strategy.validation import ConfigError
 
@@ -69,22 +69,49 @@ if TYPE_CHECKING:  # the config reads the registry, which imports this module: a
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _InFlight:
-    """One bucket's collective, launched; finished by :meth:`LionCommunicator.finish`."""
+class _Directions:
+    """One bucket's collective as a :class:`~lowbit_strategy.collectives.group.Flagging`
+    handle, whatever the plan: :meth:`gather` starts the majority vote's second phase (once),
+    :meth:`wait` gives the direction sign(Σ Q(c)) of this rank's part of the bucket, and
+    :meth:`nonfinite` the verdict that rode inside the payload (None when none did).
+    ``inner`` is the collective's own handle (its tensors are what a side stream records)."""
 
-    params: list  # the parameters the bucket covers (overlap path), else empty
-    chunk: list  # this rank's update vectors c, in bucket order
-    plan: Plan
-    handle: g.Pending | MajorityVote  # MajorityVote for the 1bit plan
-    flagged: bool  # a non-finite flag travels with the payload
-    n: int  # the bucket's elements
-    sent: int  # how many of them this rank's collective carries (its shard; all when flat)
+    def __init__(self, inner: g.Pending | MajorityVote, plan: Plan, part: int, flagged: bool, world: int, dtype):
+        self.inner, self.plan, self.part, self.flagged = inner, plan, part, flagged
+        self.world, self.dtype = world, dtype
+        self._pending: g.Waitable | None = None
+        self._result: torch.Tensor | None = None
+        self._bad: torch.Tensor | None = None
 
-    @property
-    def vote(self) -> MajorityVote:
-        """The handle of a ``1bit`` bucket: its majority vote."""
-        return cast(MajorityVote, self.handle)
+    def gather(self) -> _Directions:
+        if self._pending is None:
+            self._pending = cast(MajorityVote, self.inner).gather() if self.plan.mode == "1bit" else self.inner
+        return self
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            result = self.gather()._pending.wait()  # type: ignore[union-attr]
+            n = self.part  # where a flag follows
+            if self.plan.mode == "1bit":
+                if self.flagged:
+                    flags = cast(MajorityVote, self.inner).flags  # every rank's flag, set by gather()
+                    if flags is None:
+                        raise RuntimeError("a flagged majority vote has no flags after its all-to-all")
+                    self._bad = flags.sum() > 0
+                self._result = result
+            else:
+                if self.flagged:
+                    self._bad = result[n] > 0
+                result = result[:n]
+                if self.plan.mode == "sign":
+                    result = 2 * result - self.world
+                self._result = torch.sign(result).to(self.dtype)
+        return self._result
+
+    def nonfinite(self) -> torch.Tensor:
+        if self._bad is None:
+            raise RuntimeError("_Directions.nonfinite() needs a flagged collective, after wait()")
+        return self._bad
 
 
 class LionCommunicator:
@@ -106,7 +133,13 @@ class LionCommunicator:
     bucket order, never from a future's callback.
     """
 
-    def __init__(self, config: LowBitConfig | None = None, group=None, topology: Topology | None = None):
+    def __init__(
+        self,
+        config: LowBitConfig | None = None,
+        group=None,
+        topology: Topology | None = None,
+        spec: ShardSpec | None = None,
+    ):
         if config is None:  # the default config, imported here: lowbit_strategy.config imports the algorithms
             from lowbit_strategy.config import LowBitConfig
 
@@ -116,9 +149,11 @@ class LionCommunicator:
             raise ValueError(f"LionCommunicator needs algorithm='lion', got {self.config.algorithm!r}")
         self.group = group  # agreements and momentum sync: every rank
         self.topology = topology if topology is not None and topology.hierarchical else None
+        #: which part of each payload this rank sends and how its directions come back
+        self.spec: ShardSpec = spec if spec is not None else spec_for(group, self.topology)
         # the compressed collectives: the cross-node group of this local rank, or every rank
-        self.sync_group = self.topology.inter if self.topology else group
-        self.world_size = g.world_size(self.sync_group)  # the workers: N nodes, or P ranks
+        self.sync_group = self.spec.group
+        self.world_size = self.spec.world_size  # the workers: N nodes, or P ranks
         lion = _lion(config)
         if lion.mode in ("sign", "lp") and lion.bits is not None:
             try:  # a lane too narrow for this world size: say so now, not at the first backward
@@ -126,10 +161,9 @@ class LionCommunicator:
             except OverflowError as e:
                 raise ConfigError(lion.field_name("bits"), lion.bits, f"at world size {self.world_size}: {e}") from None
         self.traffic = wire.TrafficLog()
-        self._side = SideStream()
         self.plan: Plan | None = None
         self.last_audit: dict[str, float] | None = None
-        self._inflight: dict[tuple[int, ...], _InFlight] = {}
+        self._flight: InFlight[Launched] = InFlight()
         self.codec_seconds: dict[str, float] | None = None
         self.momentum_sync_every: int | None = None
         self.plan_numel: int | None = None
@@ -174,56 +208,60 @@ class LionCommunicator:
         launched = [self.start([updates[synced[j]] for j in idx], step, plan) for idx in index]
         flats, _ = self.finish(launched, audit)
         for idx, flat, job in zip(index, flats, launched):
-            for j, d in zip(idx, buckets.unflatten(flat, job.chunk)):
+            for j, d in zip(idx, buckets.unflatten(flat, job.extra["chunk"])):
                 out[synced[j]] = d
         return out
 
     # ---- the update direction, overlapped with backward ----------------------------------
     def launch(
-        self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], step: int, nonfinite: torch.Tensor
+        self,
+        params: Sequence[torch.Tensor],
+        updates: Sequence[torch.Tensor],
+        step: int,
+        nonfinite: torch.Tensor,
+        key: Hashable | None = None,
     ) -> None:
-        """Start the collective of one DDP bucket (called from the communication hook):
-        ``updates`` are this rank's c for ``params`` (non-empty ones), ``nonfinite`` a
-        device-side bool saying whether this rank's gradients in the bucket have NaN/Inf."""
-        key = tuple(id(p) for p in params)
-        stale = self._inflight.pop(key, None)
-        if stale is not None:  # a second backward before step() (accumulation without no_sync)
-            self.finish([stale])
-        # Defer-one rule: the majority vote's second collective (the all-gather of the votes)
-        # needs the first one's data. Every bucket's hook first starts the second phase of
-        # the buckets launched before it, in launch order, so it overlaps the rest of
-        # backward instead of waiting for step(); the order of collectives stays the same
-        # on every rank (the previous bucket's all-to-all is usually done by then: it had
-        # a bucket's worth of backward to finish in).
-        for job in self._inflight.values():  # (on CUDA on a side stream: backward does not wait for it)
-            if job.plan.mode == "1bit":
-                self._side.run(job.chunk[0].device, job.vote, job.vote.gather)
+        """Start the collective of one bucket (called while backward runs): ``updates`` are
+        this rank's c for ``params`` (non-empty ones), ``nonfinite`` a device-side bool
+        saying whether this rank's gradients in the bucket have NaN/Inf, ``key`` the bucket's
+        name (default: its parameters), which a second backward before ``step()`` relaunches.
+
+        Through the shared engine (:class:`~lowbit_strategy.collectives.inflight.InFlight`):
+        a stale launch of the bucket is finished and dropped, and the majority vote's second
+        collective (the all-gather of the votes, which needs the first one's data) of every
+        bucket launched before this one starts now, in launch order, so it overlaps the rest
+        of backward instead of waiting for step() (the previous bucket's all-to-all is
+        usually done by then: it had a bucket's worth of backward to finish in)."""
+        name = key if key is not None else tuple(id(p) for p in params)
         plan = self._plan(step, sum(c.numel() for c in updates))
-        self._inflight[key] = self.start(list(updates), step, plan, nonfinite, list(params))
+        start = lambda: self.start(list(updates), step, plan, nonfinite, list(params))  # noqa: E731
+
+        def drop(stale: Launched) -> None:
+            self.finish([stale])  # its collectives complete on every rank; the result is superseded
+
+        self._flight.launch(name, start, drop)
 
     def pending(self) -> bool:
         """Whether buckets were launched since the last :meth:`collect`."""
-        return bool(self._inflight)
+        return self._flight.pending()
 
     def collect(self, audit: bool = False) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
         """Finish every launched bucket: ``({id(param): direction}, any rank non-finite)``,
         the verdict a 0-d bool tensor on the device (None when no bucket carried a flag)."""
-        launched, self._inflight = list(self._inflight.values()), {}
-        for device in {job.chunk[0].device for job in launched}:
-            self._side.join(device)  # second phases started from the hook, on CUDA's side stream
+        launched = self._flight.drain()
         flats, nonfinite = self.finish(launched, audit)
         out: dict[int, torch.Tensor] = {}
         for flat, job in zip(flats, launched):
-            for p, d in zip(job.params, buckets.unflatten(flat, job.chunk)):
+            for p, d in zip(job.extra["params"], buckets.unflatten(flat, job.extra["chunk"])):
                 out[id(p)] = d
         return out, nonfinite
 
     # ---- one bucket: encode + launch, then wait + decode ----------------------------------
     def start(
         self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None, params: list | None = None
-    ) -> _InFlight:
-        """Encode one bucket of update vectors and launch its (first) collective: over all
-        ranks, or across nodes on this local rank's shard of the payload."""
+    ) -> Launched:
+        """Encode one bucket of update vectors and launch its (first) collective over the
+        spec's group, on this rank's part of the payload (all of it when flat)."""
         check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
         kw: dict[str, Any] = dict(check=check, traffic=traffic)
         group = self.sync_group
@@ -232,12 +270,10 @@ class LionCommunicator:
             payload = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk])
         else:
             payload = buckets.flatten(chunk)
-        n = sent = payload.numel()
-        if self.topology is not None:
-            lo, hi = self.topology.shard(n)
-            sent = hi - lo
-            # an empty shard still takes part (one zero element, dropped after): the flag rides along
-            payload = payload[lo:hi] if sent else payload.new_zeros(1)
+        n = payload.numel()
+        lo, hi = self.spec.part(n)
+        # an empty part still takes part (one zero element, dropped after): the flag rides along
+        payload = pad_empty(payload[lo:hi]) if (lo, hi) != (0, n) else payload
         handle: g.Pending | MajorityVote
         if plan.mode == "1bit":
             flag = nonfinite.to(torch.uint8) if nonfinite is not None else None
@@ -258,40 +294,33 @@ class LionCommunicator:
                 # that they can never carry into the flag's
                 codes[:-1].clamp_(-plan.levels, plan.levels)
             handle = summed_allreduce_start(codes, plan.levels, group, lane_bits=plan.bits, validate=False, **kw)
-        return _InFlight(params or [], chunk, plan, handle, flagged, n, sent)
+        directions = _Directions(handle, plan, max(hi - lo, 1), flagged, self.world_size, chunk[0].dtype)
+        # the flag covers the whole bucket on every rank that shares it (a node's ranks hold
+        # the node's gradient): the spec need not agree it again
+        return Launched(
+            None,
+            directions,
+            chunk[0].device,
+            n,
+            64,
+            two_phase=plan.mode == "1bit",
+            whole_verdict=True,
+            flagged=flagged,
+            extra={"params": params or [], "chunk": chunk},
+        )
 
     def finish(
-        self, launched: Sequence[_InFlight], audit: bool = False
+        self, launched: Sequence[Launched], audit: bool = False
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Wait for launched buckets (second collectives launched first, in order): their
-        flat directions, and whether any rank flagged a non-finite gradient, as a 0-d bool
-        tensor on the device (None when no bucket carried a flag; no host read here)."""
-        handles = [job.vote.gather() if job.plan.mode == "1bit" else job.handle for job in launched]
-        flats, verdicts = [], []
-        for job, handle in zip(launched, handles):
-            result = handle.wait()
-            n = max(job.sent, 1) if self.topology is not None else job.n  # where a flag follows
-            if job.plan.mode == "1bit":
-                flat = result
-                if job.flagged:
-                    flags = job.vote.flags  # every rank's flag, set by gather()
-                    if flags is None:
-                        raise RuntimeError("a flagged majority vote has no flags after its all-to-all")
-                    verdicts.append(flags.sum() > 0)
-            else:
-                if job.flagged:
-                    verdicts.append(result[n] > 0)
-                result = result[:n]
-                if job.plan.mode == "sign":
-                    result = 2 * result - self.world_size
-                flat = torch.sign(result).to(job.chunk[0].dtype)
-            if self.topology is not None:  # this shard's directions -> the node's whole bucket
-                flat = self.topology.gather_async(flat[: job.sent], job.n, self.traffic).wait()[0]
-            flats.append(flat)
-        bad = torch.stack(verdicts).any() if verdicts else None
+        """Wait for launched buckets (:func:`~lowbit_strategy.collectives.inflight.finish`:
+        second collectives launched first, in order; each part's directions restored to the
+        whole bucket through the spec): their flat directions, and whether any rank flagged a
+        non-finite gradient, as a 0-d bool tensor on the device (None when no bucket carried
+        a flag; no host read here)."""
+        flats, bad = finish(launched, self.spec, self.traffic)
         # the audit (a diagnostic, on request) reads the verdict and its counts on the host
         if audit and (bad is None or not bool(bad)):
-            audits = [self._audit(job.chunk, flat) for job, flat in zip(launched, flats)]
+            audits = [self._audit(job.extra["chunk"], flat) for job, flat in zip(launched, flats)]
             total = sum(a[2] for a in audits)
             self.last_audit = {
                 "sign_match": sum(a[0] for a in audits) / total,
@@ -325,13 +354,9 @@ class LionCommunicator:
         if self.world_size == 1 or not tensors:
             return
         flat = buckets.flatten(tensors).float()
-        if self.topology is None:
-            mean = full_allreduce(flat, self.group, traffic=self.traffic) / self.world_size
-        else:
-            n = flat.numel()
-            lo, hi = self.topology.shard(n)
-            part = flat[lo:hi] if hi > lo else flat.new_zeros(1)  # an empty shard still takes part
-            part = full_allreduce(part, self.sync_group, traffic=self.traffic) / self.world_size
-            mean, _ = self.topology.gather_async(part[: hi - lo], n, self.traffic).wait()
+        n = flat.numel()
+        part = take(self.spec, flat)  # an empty part still takes part
+        part = full_allreduce(part, self.sync_group, traffic=self.traffic) / self.world_size
+        mean, _ = self.spec.restore_async(part, n, self.traffic).wait()
         for t, v in zip(tensors, buckets.unflatten(mean, tensors)):
             t.copy_(v)

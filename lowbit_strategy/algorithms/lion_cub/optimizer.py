@@ -29,13 +29,15 @@ count optimizer steps taken, whichever groups had gradients.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import cast
 
 import torch
 from torch.optim import Optimizer
 
+from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
+from lowbit_strategy.layout import Layout, local_view
 from lowbit_strategy.validation import check_number, short
 
 
@@ -64,14 +66,26 @@ class Lion(Optimizer):
         check_number("Lion", "weight_decay", weight_decay, 0.0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.communicator: LionCommunicator | None = None
+        self.param_layout: Layout | None = None
         self.skipped_steps = 0
         self.momentum_syncs = 0
         self.audit_next_step = False
         self._momentum_sync: tuple[int, list[torch.Tensor]] | None = None
 
-    def attach_communicator(self, communicator: LionCommunicator | None) -> None:
-        """Make this optimizer distributed Lion Cub (or plain Lion again with None)."""
+    def attach_communicator(
+        self, communicator: LionCommunicator | None, names: Mapping[int, str] | None = None
+    ) -> None:
+        """Make this optimizer distributed Lion Cub (or plain Lion again with None). Its
+        :class:`~lowbit_strategy.layout.Layout` (slots, parameter ``names`` for checkpoints:
+        ``id(param) -> name``) is built here, once, from the local tensors. Lion's buckets are
+        whatever a launch site hands over together (and, at the step, the layout's order cut
+        at ``bucket_size_mb``): every mode's code is per element and its L_p scale per
+        parameter, so which parameters share a collective changes no result."""
         self.communicator = communicator
+        self.param_layout = None
+        if communicator is not None:
+            size = buckets.bucket_numel(communicator.config.bucket_size_mb)
+            self.param_layout = Layout(self.param_groups, size, names)
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """The momentum buffer of ``p`` (created as zeros on first use)."""
@@ -148,14 +162,15 @@ class Lion(Optimizer):
         parameters (called from the communication hook during backward) and hand them to
         the communicator, which starts their collective at once; :meth:`step` finishes it.
         ``nonfinite``: a device-side flag, whether this rank's bucket holds NaN/Inf."""
-        group_of = {id(p): grp for grp in self.param_groups for p in grp["params"]}
-        updates = []
-        for p, gr in zip(params, grads):
-            beta1 = group_of[id(p)]["betas"][0]
-            updates.append(self.momentum(p).mul(beta1).add_(gr.view_as(p), alpha=1 - beta1))
-        if self.communicator is None:
+        if self.communicator is None or self.param_layout is None:
             raise RuntimeError("Lion.launch_bucket needs a communicator (see attach_communicator)")
-        self.communicator.launch(params, updates, self.global_step + 1, nonfinite)
+        slots = self.param_layout.slots
+        key = tuple(cast(int, self.param_layout.index_of(p)) for p in params)  # the layout's parameters
+        updates = []
+        for i, p, gr in zip(key, params, grads):
+            beta1 = slots[i].group["betas"][0]
+            updates.append(local_view(self.momentum(p).mul(beta1).add_(gr.view_as(p), alpha=1 - beta1)))
+        self.communicator.launch(params, updates, self.global_step + 1, nonfinite, key=key)
 
     @staticmethod
     def _has_grad(params: list) -> list[bool]:

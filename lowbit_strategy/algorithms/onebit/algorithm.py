@@ -33,6 +33,7 @@ class OneBitSync(StagedSync):
             self.config.debug,
             block=self.section.scale_block,
             topology=self.topology,
+            spec=self.spec,
         )
 
 

@@ -26,25 +26,41 @@ collective: it makes every rank's server scales non-finite, and every rank sees 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, cast
+
 import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
+from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.codecs.scaled_signs import check_block
 from lowbit_strategy.collectives.compensated import (
     compensated_allreduce_start,
     compensated_error_buffers,
 )
 from lowbit_strategy.collectives.hierarchy import Topology
+from lowbit_strategy.collectives.shards import ShardSpec
 
-__all__ = ["Key", "OneBitCommunicator"]
+__all__ = ["Key", "OneBitCommunicator", "OneBitState"]
+
+
+@dataclass
+class OneBitState(BucketState):
+    """A bucket's error buffers: ``worker`` (this rank's part of the bucket: e ← v − C[v]) and
+    ``server`` (the chunk this rank averages as the server: its re-compression error)."""
+
+    server: torch.Tensor
+
+    legacy_fields: ClassVar[tuple[str, ...]] = ("worker", "server")
 
 
 class OneBitCommunicator(BucketCommunicator):
     """Process group + error buffers: synchronizes momenta with the compensated 1-bit allreduce.
 
-    Per-bucket state (``errors[key]``): the ``(worker, server)`` error buffers."""
+    Per-bucket state (``errors[key]``): its :class:`OneBitState`."""
 
     label = "1-bit allreduce"
+    state_class = OneBitState
 
     def __init__(
         self,
@@ -53,9 +69,10 @@ class OneBitCommunicator(BucketCommunicator):
         debug: bool = False,
         block: int | None = None,
         topology: Topology | None = None,
+        spec: ShardSpec | None = None,
     ):
         check_block(block, "OneBitCommunicator")
-        super().__init__(group, bucket_size_mb, debug, topology)
+        super().__init__(group, bucket_size_mb, debug, topology, spec)
         #: elements per scale block of the compressed allreduce (None: one scale per bucket)
         self.block = block
         #: per bucket: a free server error buffer (the one the committed state replaced)
@@ -66,7 +83,8 @@ class OneBitCommunicator(BucketCommunicator):
         if saved is None:
             worker, server = compensated_error_buffers(flat, self.group)
         else:
-            worker, server = saved
+            own = cast(OneBitState, saved)  # (state_class)
+            worker, server = own.worker, own.server
         # v = x + e is symmetric: the committed worker error goes in as the vector and the
         # buffer holding this step's momenta as the error buffer, which becomes the new error
         # (the same floats: fl(x + e) = fl(e + x)); the server's new error is a new buffer too.
@@ -83,10 +101,10 @@ class OneBitCommunicator(BucketCommunicator):
             keep_server_error=True,
             server_out=self._take(self._server_spare, key, server.numel(), server.device),
         )
-        return (flat, server), handle
+        return OneBitState(flat, server), handle
 
     def _released(self, key, state):
-        self._spare[key], self._server_spare[key] = state
+        self._spare[key], self._server_spare[key] = state.worker, state.server
 
     def _settled(self, state, handle):
-        return (state[0], handle.server_error)
+        return OneBitState(state.worker, handle.server_error)

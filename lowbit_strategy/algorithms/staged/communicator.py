@@ -6,40 +6,41 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lowbit_strategy import buckets
+from lowbit_strategy.algorithms.staged import state as bucket_state
+from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.hierarchy import Topology
-from lowbit_strategy.collectives.streams import SideStream
+from lowbit_strategy.collectives.inflight import InFlight, Launched, finish
+from lowbit_strategy.collectives.shards import ShardSpec, spec_for
+from lowbit_strategy.layout import Key, Layout
 
 logger = logging.getLogger(__name__)
 
-#: a bucket of the optimizer's layout: the indices of its parameters in ``param_groups`` order
-Key = tuple[int, ...]
+__all__ = ["BucketCommunicator", "Job", "Key"]
 
 
 @dataclass
-class Job:
-    """One bucket's collective in flight."""
+class Job(Launched):
+    """One bucket's collective in flight (:class:`~lowbit_strategy.collectives.inflight.Launched`:
+    ``handle.gather() -> .wait()`` gives this rank's part of the flat mean, ``nonfinite()``
+    after it)."""
 
-    key: Key
-    like: list  # the momenta sent (shapes and dtypes of the results)
-    state: tuple  # this step's rank-local state of the bucket, committed on success
-    handle: g.Flagging  # .gather() -> .wait() -> the flat mean; .nonfinite() after it
-    n: int = 0  # the bucket's elements
-    sent: int = 0  # those this rank's collective carries (its shard across nodes; all when flat)
+    like: list = field(default_factory=list)  # the momenta sent (shapes and dtypes of the results)
+    state: BucketState | None = None  # this step's rank-local state of the bucket, committed on success
     buf: torch.Tensor | None = None  # the buffer the momenta were written to (the communicator's)
-    prior: tuple | None = None  # the bucket's committed state when the step started
+    prior: BucketState | None = None  # the bucket's committed state when the step started
 
 
 class BucketCommunicator:
     """Process group + per-bucket rank-local state: the mean over ranks of each bucket's
     momenta through a compressed collective (subclasses: :meth:`_start_bucket`,
-    :meth:`_non_finite`).
+    :meth:`_settled`, :meth:`_released` and :attr:`state_class`).
 
     Two ways in, with the same result bit for bit: :meth:`launch` from the DDP hook, one
     bucket at a time as backward makes its gradients ready, then :meth:`collect` in
@@ -50,11 +51,14 @@ class BucketCommunicator:
     (:meth:`commit`) once the optimizer applies the step; a skipped step keeps the old one
     (:meth:`discard`).
 
-    Across nodes (``topology`` hierarchical, :mod:`lowbit_strategy.collectives.hierarchy`)
-    the ranks of a node hold the same momenta (the hook averaged their gradients); each
-    sends only its shard of a bucket over its cross-node group, with that shard's state, and
-    the node all-gathers the shards' means and their non-finite verdicts. ``group`` and
-    ``world_size`` are then the cross-node group and N.
+    Where a bucket's part comes from is the :class:`~lowbit_strategy.collectives.shards.ShardSpec`'s
+    business (``spec``; by default the DDP run's, from ``topology``): flat, every rank sends
+    the whole bucket; across nodes (:mod:`lowbit_strategy.collectives.hierarchy`) the ranks
+    of a node hold the same momenta (the hook averaged their gradients), each sends only its
+    shard over its cross-node group, with that shard's state, and the node all-gathers the
+    shards' means and their non-finite verdicts. ``group`` and ``world_size`` are then the
+    cross-node group and N. The communicator itself only computes a compressed mean of a
+    flat buffer over ``spec.group``.
 
     Buffers persist across steps (a full-size allocation per step costs page faults and
     allocator churn that dwarf the codec's passes on CPU): each bucket's momenta are
@@ -70,20 +74,32 @@ class BucketCommunicator:
     label = "compressed"
     #: elements that must stay together in one shard across nodes (a scale block)
     shard_align = 64
+    #: the per-bucket state this communicator keeps (:mod:`.state`)
+    state_class: type[BucketState] = BucketState
 
-    def __init__(self, group=None, bucket_size_mb: float = 25.0, debug: bool = False, topology: Topology | None = None):
+    def __init__(
+        self,
+        group=None,
+        bucket_size_mb: float = 25.0,
+        debug: bool = False,
+        topology: Topology | None = None,
+        spec: ShardSpec | None = None,
+    ):
         self.topology = topology if topology is not None and topology.hierarchical else None
+        #: which part of each bucket this rank sends, over which group, and the way back
+        self.spec: ShardSpec = spec if spec is not None else spec_for(group, self.topology)
         #: the group of the compressed collectives: every rank, or this local rank's across nodes
-        self.group = self.topology.inter if self.topology else group
-        self.world_size = g.world_size(self.group)
+        self.group = self.spec.group
+        self.world_size = self.spec.world_size
         #: elements per bucket of the optimizer's fixed layout
         self.bucket_numel = buckets.bucket_numel(bucket_size_mb)
         self.debug = debug
         self.traffic = wire.TrafficLog()
-        #: per bucket: the committed rank-local state (a tuple of tensors)
-        self.errors: dict[Key, tuple] = {}
-        self._inflight: dict[Key, Job] = {}
-        self._side = SideStream()
+        #: the optimizer's layout (set when it attaches this communicator): checkpoint names
+        self.layout: Layout | None = None
+        #: per bucket: the committed rank-local state
+        self.errors: dict[Key, BucketState] = {}
+        self._flight: InFlight[Job] = InFlight()
         self._finished: list[Job] = []
         #: every bucket synchronizes with the exact mean (decided at setup, the same on every
         #: rank): then the DDP hook averages the gradients as DDP does, overlapping backward,
@@ -96,7 +112,7 @@ class BucketCommunicator:
         self._results: dict[Key, torch.Tensor] = {}
 
     # ---- subclass hooks ----------------------------------------------------------------
-    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: tuple | None) -> tuple[tuple, g.Flagging]:
+    def _start_bucket(self, key: Key, flat: torch.Tensor, saved: BucketState | None) -> tuple[BucketState, g.Flagging]:
         """Start the collective of one bucket's flat float32 momenta. ``flat`` is the
         communicator's buffer: the subclass may overwrite it and keep it in the state it
         returns (:meth:`_released` hands it back). ``saved``: the bucket's committed state, or None
@@ -104,7 +120,7 @@ class BucketCommunicator:
         place (a skipped step keeps it)."""
         raise NotImplementedError
 
-    def _settled(self, state: tuple, handle: g.Flagging) -> tuple:
+    def _settled(self, state: BucketState, handle: g.Flagging) -> BucketState:
         """This step's state once its collective has finished (some of it is only known then)."""
         return state
 
@@ -128,28 +144,28 @@ class BucketCommunicator:
         it; the state that is no longer the bucket's hands its buffers back
         (:meth:`_released`)."""
         current = self.errors.get(job.key)
-        if job.buf is not None and not (current and any(t is job.buf for t in current)):
+        if job.buf is not None and not (current is not None and current.holds(job.buf)):
             self._spare[job.key] = job.buf
         gone = job.prior if committed else job.state
-        if gone and gone is not current:
+        if gone is not None and gone is not current:
             self._released(job.key, gone)
 
-    def _released(self, key: Key, state: tuple) -> None:
+    def _released(self, key: Key, state: BucketState) -> None:
         """``state`` is no longer bucket ``key``'s: a subclass keeps its buffers (in
         ``self._spare`` the one of ``flat``'s length) for the next step."""
 
     # ---- one bucket ----------------------------------------------------------------
     def _start(self, key: Key, momenta: Sequence[torch.Tensor]) -> Job:
         n = sum(m.numel() for m in momenta)
-        lo, hi = (0, n) if self.topology is None else self.topology.shard(n, self.shard_align)
+        lo, hi = self.spec.part(n, self.shard_align)
         sent = hi - lo
         flat = self._take(self._spare, key, max(sent, 1), momenta[0].device)
         if sent:
             buckets.flatten_range(momenta, lo, hi, out=flat)
-        else:  # an empty shard still takes part (one zero element, dropped after)
+        else:  # an empty part still takes part (one zero element, dropped after: shards.pad_empty)
             flat.zero_()
         saved = self.errors.get(key)
-        if saved is not None and (saved[0].numel() != flat.numel() or saved[0].device != flat.device):
+        if saved is not None and not saved.fits(flat):
             saved = None
         if saved is None and self.errors:
             logger.info(
@@ -158,50 +174,49 @@ class BucketCommunicator:
                 key[:4] + ((...,) if len(key) > 4 else ()),
             )
         state, handle = self._start_bucket(key, flat, saved)
-        return Job(key, list(momenta), state, handle, n, sent, flat, self.errors.get(key))
+        return Job(
+            key,
+            handle,
+            momenta[0].device,
+            n,
+            self.shard_align,
+            like=list(momenta),
+            state=state,
+            buf=flat,
+            prior=self.errors.get(key),
+        )
 
     def _finish(self, jobs: Sequence[Job]) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
-        """Wait for ``jobs`` (second phases launched first, in order): their mean momenta and
-        whether any rank's input to any of them was non-finite, a 0-d bool tensor on the
-        device (None for no jobs): the caller reads it once per step."""
-        pending = [job.handle.gather() for job in jobs]
-        results, verdicts = [], []
-        for job, handle in zip(jobs, pending):
-            flat, bad = handle.wait(), job.handle.nonfinite()
-            if self.topology is not None:  # this shard -> the node's whole bucket, and the node's verdict
-                part = flat.view(-1)[: job.sent]
-                flat, node_bad = self.topology.gather_async(part, job.n, self.traffic, bad, self.shard_align).wait()
-                bad = bad if node_bad is None else node_bad
-            verdicts.append(bad)
-            results.append(buckets.unflatten(flat.view(-1), job.like))
-            job.state = self._settled(job.state, job.handle)
+        """Wait for ``jobs`` (:func:`~lowbit_strategy.collectives.inflight.finish`): their
+        mean momenta and whether any rank's input to any of them was non-finite, a 0-d bool
+        tensor on the device (None for no jobs): the caller reads it once per step."""
+        flats, bad = finish(jobs, self.spec, self.traffic)
+        results = [buckets.unflatten(flat.view(-1), job.like) for job, flat in zip(jobs, flats)]
+        for job in jobs:
+            job.state = self._settled(job.state, job.handle)  # type: ignore[arg-type]
         self._finished.extend(jobs)
-        return results, (torch.stack(verdicts).any() if verdicts else None)
+        return results, bad
 
     # ---- overlapped with backward --------------------------------------------------
     def launch(self, key: Key, momenta: Sequence[torch.Tensor]) -> None:
-        """Start one bucket's collective (from the communication hook)."""
-        stale = self._inflight.pop(key, None)
-        if stale is not None:  # a second backward before step(): its result is superseded
+        """Start one bucket's collective (from the communication hook), through the shared
+        engine (:class:`~lowbit_strategy.collectives.inflight.InFlight`: stale buckets,
+        defer-one)."""
+
+        def drop(stale: Job) -> None:
             self._finish([stale])
             self._finished.remove(stale)
             self._release(stale, committed=False)
-        # Defer-one rule: start the second phase of the buckets launched before this one, in
-        # launch order (the same on every rank), so it overlaps the rest of backward; on CUDA
-        # on a side stream, so its wait for the first phase does not stall backward's kernels.
-        for job in self._inflight.values():
-            self._side.run(job.like[0].device, job.handle, job.handle.gather)
-        self._inflight[key] = self._start(key, momenta)
+
+        self._flight.launch(key, lambda: self._start(key, momenta), drop)
 
     def pending(self) -> bool:
-        return bool(self._inflight)
+        return self._flight.pending()
 
     def collect(self) -> tuple[dict[Key, list[torch.Tensor]], torch.Tensor | None]:
         """Finish every launched bucket: ``({key: mean momenta}, any rank non-finite)`` (the
         verdict as :meth:`_finish` returns it)."""
-        jobs, self._inflight = list(self._inflight.values()), {}
-        for device in {job.like[0].device for job in jobs}:
-            self._side.join(device)  # second phases started from the hook, on CUDA's side stream
+        jobs = self._flight.drain()
         results, bad = self._finish(jobs)
         return {job.key: r for job, r in zip(jobs, results)}, bad
 
@@ -216,7 +231,7 @@ class BucketCommunicator:
     def commit(self) -> None:
         """The step was applied: this step's per-bucket state becomes the state."""
         for job in self._finished:
-            self.errors[job.key] = job.state
+            self.errors[job.key] = job.state  # type: ignore[assignment]
             self._release(job, committed=True)
         self._finished = []
 
@@ -228,24 +243,11 @@ class BucketCommunicator:
 
     # ---- rank-local state --------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {
-            "world_size": self.world_size,
-            "errors": {
-                ",".join(map(str, k)): tuple(t.detach().cpu().clone() for t in v) for k, v in self.errors.items()
-            },
-        }
+        """Format 2, keyed by parameter names (:mod:`.state`)."""
+        return bucket_state.state_dict(self.errors, self.layout, self.world_size, self.spec.describe())
 
     def load_state_dict(self, state: dict, device) -> None:
-        if state.get("world_size", self.world_size) != self.world_size:
-            logger.warning(
-                "lowbit: %s state was saved at world size %s, running %d: it starts afresh",
-                self.label,
-                state.get("world_size"),
-                self.world_size,
-            )
-            self.errors = {}
-            return
-        self.errors = {
-            tuple(int(i) for i in k.split(",")): tuple(t.to(device) for t in v)
-            for k, v in state.get("errors", {}).items()
-        }
+        """Format 2 or 1; state saved for other buffers is not loaded, with the reason logged."""
+        self.errors = bucket_state.load_state_dict(
+            state, self.state_class, self.layout, self.world_size, self.spec.describe(), device, self.label
+        )

@@ -5,15 +5,15 @@ the fixed bucket layout, the overlap entry from the DDP hook, the NaN/Inf rule;
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import cast
 
 import torch
 from torch.optim import Optimizer
 
-from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.staged import adam
-from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Key
+from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
+from lowbit_strategy.layout import Key, Layout, local_view
 from lowbit_strategy.validation import check_number
 
 
@@ -82,10 +82,17 @@ class StagedOptimizer(Optimizer):
         """``"warmup"`` or ``"compression"``: the stage of the *next* step."""
         return "warmup" if self.global_step < self._warmup_steps else "compression"
 
-    def attach_communicator(self, communicator: BucketCommunicator | None) -> None:
-        """Make this optimizer distributed (or single-process again with None)."""
+    def attach_communicator(
+        self, communicator: BucketCommunicator | None, names: Mapping[int, str] | None = None
+    ) -> None:
+        """Make this optimizer distributed (or single-process again with None). Its
+        :class:`~lowbit_strategy.layout.Layout` (slots, fixed buckets, parameter ``names``
+        for checkpoints: ``id(param) -> name``) is built here, once, from the local tensors."""
         self.communicator = communicator
-        self._layout: list[Key] | None = None
+        self.param_layout: Layout | None = None
+        if communicator is not None:
+            self.param_layout = Layout(self.param_groups, communicator.bucket_numel, names)
+            communicator.layout = self.param_layout
         self._ready: set[int] = set()
         self._launched: set[Key] = set()
 
@@ -109,20 +116,11 @@ class StagedOptimizer(Optimizer):
     def layout(self) -> list[Key]:
         """The fused momentum buffers: parameter indices (in ``param_groups`` order), last
         parameter first — the order backward produces gradients — cut into buckets of the
-        config's ``bucket_size_mb``. Fixed for the optimizer's life, on every rank: each
+        config's ``bucket_size_mb`` (:class:`~lowbit_strategy.layout.Layout`, built at
+        :meth:`attach_communicator`). Fixed for the optimizer's life, on every rank: each
         bucket's compressed result depends on which elements share its scale."""
-        if self._layout is None:
-            # (parameter, its group) by index and index by id: built once, read by every hook call
-            self._slots = [(p, grp) for grp in self.param_groups for p in grp["params"]]
-            self._index_of = {id(p): i for i, (p, _) in enumerate(self._slots)}
-            order = [
-                i
-                for i in reversed(range(len(self._slots)))
-                if self._slots[i][0].requires_grad and self._slots[i][0].numel()
-            ]
-            numels = [self._slots[i][0].numel() for i in order]
-            self._layout = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, self._attached().bucket_numel)]
-        return self._layout
+        self._attached()
+        return cast(Layout, self.param_layout).buckets  # set with the communicator
 
     # ---- the DDP hook's entry (compression stage, overlap) ---------------------------------
     @torch.no_grad()
@@ -133,7 +131,7 @@ class StagedOptimizer(Optimizer):
         starts the same buckets in the same order); :meth:`step` finishes them and
         synchronizes the rest."""
         layout, comm = self.layout(), self._attached()
-        now = {self._index_of[id(p)] for p in params if id(p) in self._index_of}
+        now = cast(Layout, self.param_layout).indices(params)
         if now & self._ready:  # a second backward before step(): its gradients supersede the first's
             self._ready, self._launched = set(), set()
         self._ready |= now
@@ -143,11 +141,13 @@ class StagedOptimizer(Optimizer):
                 comm.launch(key, self._momenta(key))
 
     def _momenta(self, key: Key) -> list[torch.Tensor]:
+        """This rank's momenta of bucket ``key``: local tensors (a ``DTensor``'s shard)."""
         out = []
+        slots = cast(Layout, self.param_layout).slots
         for i in key:
-            p, group = self._slots[i]
+            p, group = slots[i].param, slots[i].group
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
-            out.append(self._local_momentum(group, p, grad))
+            out.append(local_view(self._local_momentum(group, p, grad)))
         return out
 
     def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.reference import mean_allreduce_async
+from lowbit_strategy.collectives.shards import Whole, take
+from lowbit_strategy.layout import parameter_names
 from lowbit_strategy.rank_state import to_cpu
 
 logger = logging.getLogger(__name__)
@@ -46,36 +48,39 @@ class StagedSync(Sync):
         self.optimizers: list[StagedOptimizer] = []
         self._owner: dict[int, StagedOptimizer] = {}
         self._hook_traffic = wire.TrafficLog()
+        #: parameter names, for checkpoints keyed by name
+        self._names = parameter_names(module)
 
     def make_communicator(self, optimizer: StagedOptimizer) -> BucketCommunicator:
         raise NotImplementedError
 
-    def bucket_ready(self, bucket):
-        params = bucket.parameters()
+    def gradients_ready(self, params, flat):
+        """During warm-up (or when every bucket is exact) the mean of ``flat``; afterwards the
+        gradients stay local and, with ``overlap``, each owning optimizer starts the buckets
+        of its layout that are now complete."""
         owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
         if not owners or any(opt.stage == "warmup" or getattr(opt.communicator, "exact", False) for opt in owners):
             # DDP's mean: the warm-up's gradients, or a communicator whose every bucket is exact
-            return self._warmup_mean(bucket.buffer())
+            return self._warmup_mean(flat)
         if self.overlap:
             for opt in owners:  # the same order on every rank
                 if opt._distributed:
                     opt.grads_ready([p for p in params if self._owner.get(id(p)) is opt])
-        return super().bucket_ready(bucket)
+        return None
 
     def _warmup_mean(self, buf: torch.Tensor) -> torch.futures.Future:
         """The bucket's exact mean over ranks, as DDP computes it. Across nodes the hook has
-        averaged it over the node already: each local rank averages its shard over its
-        cross-node group (DDP's arithmetic, N workers) and the node all-gathers the shards."""
-        topology = self.topology
-        if topology is None or not topology.hierarchical:
+        averaged it over the node already: each rank averages its part (:attr:`spec`) over
+        the spec's group (DDP's arithmetic, N workers) and the spec restores the bucket."""
+        spec = self.spec
+        if isinstance(spec, Whole):
             return mean_allreduce_async(buf, self.group, "staged.warmup.allreduce", self._hook_traffic)
-        lo, hi = topology.shard(buf.numel())
-        shard = buf[lo:hi] if hi > lo else buf.new_zeros(1)
+        part = take(spec, buf)
         # waited here, not chained: the node's all-gather is a second collective, launched
         # in hook order on every rank, never from a future's callback
-        mean_allreduce_async(shard, topology.inter, "staged.warmup.allreduce", self._hook_traffic).wait()
-        gathered = topology.gather_async(shard[: hi - lo], buf.numel(), self._hook_traffic)
-        return gathered.then(lambda f: buf.copy_(f.value()[0]))
+        mean_allreduce_async(part, spec.group, "staged.warmup.allreduce", self._hook_traffic).wait()
+        restored = spec.restore_async(part, buf.numel(), self._hook_traffic)
+        return restored.then(lambda f: buf.copy_(f.value()[0]))
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:
@@ -99,7 +104,7 @@ class StagedSync(Sync):
         self.optimizers = cast(list[StagedOptimizer], list(optimizers))  # each is optimizer_class: checked above
         self._owner = {id(p): opt for opt in self.optimizers for grp in opt.param_groups for p in grp["params"]}
         for opt in self.optimizers:
-            opt.attach_communicator(self.make_communicator(opt))
+            opt.attach_communicator(self.make_communicator(opt), self._names)
 
     def detach(self) -> None:
         self._owner = {}
@@ -149,5 +154,14 @@ def check_local_gradient_precision(precision: str | None) -> None:
 
 def rank0_state_without_errors(states: list[dict]) -> dict:
     """Another world size: the optimizer state of rank 0 and no per-bucket communicator state
-    (it describes chunks of the old world size; error feedback restarts from 0)."""
+    (it describes parts of buckets at the old world size; error feedback restarts from 0).
+    Rank 0's optimizer state stands for every rank's only when every saved rank had the same
+    layout (whole parameters, a replicated run): per-shard state (the saved ranks' layouts
+    differ) is refused, naming why."""
+    layouts = [[(own.get("errors") or {}).get("layout") for own in s["optimizers"]] for s in states]
+    if any(lay != layouts[0] for lay in layouts[1:]):
+        raise ValueError(
+            "the optimizer state was saved by ranks holding different shards of the parameters: it cannot be "
+            "merged into another world size; resume at the world size and sharding it was saved with"
+        )
     return {"optimizers": [{"state": own["state"], "errors": {}} for own in states[0]["optimizers"]]}

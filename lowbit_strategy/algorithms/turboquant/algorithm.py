@@ -44,6 +44,7 @@ class TurboQuantSync(StagedSync):
             scale_decay=optimizer.scale_decay,
             link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9),
             topology=self.topology,
+            spec=self.spec,
         )
 
     def attach(self, optimizers, who: str = "") -> None:

@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import ClassVar, cast
 
 import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
+from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.reference import ExactMean
+from lowbit_strategy.collectives.shards import ShardSpec
 from lowbit_strategy.collectives.turboquant import (
     TurboQuantAllgather,
     TurboQuantTwoStage,
@@ -65,11 +69,33 @@ def group_rms(v: torch.Tensor, padded: int, size: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+@dataclass
+class TurboQuantState(BucketState):
+    """A bucket's state (module docstring): ``worker`` error (this rank's part's length;
+    empty in the ``fp32`` form), ``server`` error (two-stage form only, else empty),
+    ``scale`` EMA (empty when ``scale_decay`` is 0) and the ``form`` it was kept for."""
+
+    server: torch.Tensor
+    scale: torch.Tensor
+    form: str
+
+    legacy_fields: ClassVar[tuple[str, ...]] = ("worker", "server", "scale")
+
+    @classmethod
+    def from_tuple(cls, values: tuple, device) -> TurboQuantState:
+        """Format 1 stored no form: a server error means the two-stage form, a worker error
+        alone the all-gather form, neither the exact ``fp32`` mean."""
+        worker, server, scale = (v.to(device) for v in values)
+        form = "two_stage" if server.numel() else "allgather" if worker.numel() else "fp32"
+        return cls(worker, server, scale, form)
+
+
 class TurboQuantCommunicator(BucketCommunicator):
-    """Process group + per-bucket ``(worker error, server error, scale EMA)``: synchronizes
-    momenta as TurboQuant codes (module docstring)."""
+    """Process group + per-bucket :class:`TurboQuantState`: synchronizes momenta as
+    TurboQuant codes (module docstring)."""
 
     label = "TurboQuant"
+    state_class = TurboQuantState
 
     def __init__(
         self,
@@ -84,8 +110,9 @@ class TurboQuantCommunicator(BucketCommunicator):
         scale_decay: float = 0.0,
         link: tuple[float, float] = (50e-6, 1e9),
         topology: Topology | None = None,
+        spec: ShardSpec | None = None,
     ):
-        super().__init__(group, bucket_size_mb, debug, topology)
+        super().__init__(group, bucket_size_mb, debug, topology, spec)
         self.codec = TurboQuantCodec(bits, seed=seed, block=block)
         self.shard_align = block  # whole rotation blocks in each shard across nodes
         self.form = form
@@ -116,7 +143,7 @@ class TurboQuantCommunicator(BucketCommunicator):
         bucket is ``fp32``, :attr:`exact`: the hook then averages gradients as DDP does,
         overlapping backward, instead of a mean of momenta after it."""
         for key, n in zip(layout, numels):
-            size = n if self.topology is None else self.topology.shard_length(n, self.shard_align)
+            size = self.spec.part_length(n, self.shard_align)
             self.form_of(key, size)
         self.exact = bool(self.forms) and all(self.forms.get(key) == "fp32" for key in layout)
 
@@ -143,9 +170,10 @@ class TurboQuantCommunicator(BucketCommunicator):
         form = self.form_of(key, n)
         if form == "fp32":  # the exact mean in place: no error to feed back; a saved state waits
             empty = flat.new_zeros(0)
-            return saved or (empty, empty, empty), ExactMean(flat, self.group, "turboquant.fp32", self.traffic)
+            fresh = TurboQuantState(empty, empty, empty, form)
+            return saved or fresh, ExactMean(flat, self.group, "turboquant.fp32", self.traffic)
         two_stage = form == "two_stage"
-        if saved is not None and (saved[1].numel() > 0) != two_stage:
+        if saved is not None and cast(TurboQuantState, saved).form != form:
             saved = None  # saved under the other form
         if saved is None:
             worker = torch.zeros_like(flat)
@@ -153,7 +181,8 @@ class TurboQuantCommunicator(BucketCommunicator):
             scale = None
         else:  # the step may still be skipped, and then the state must not move: the worker
             # error is only read (below), the server's and the scale EMA are copied (1/P, tiny)
-            worker, server, scale = saved[0], saved[1].clone(), saved[2].clone()
+            own = cast(TurboQuantState, saved)  # (state_class)
+            worker, server, scale = own.worker, own.server.clone(), own.scale.clone()
         if self.scale_decay == 0:
             # each step's own RMS: the codec computes it from the rotated vector it encodes
             # anyway, so no extra pass here; nothing to keep for the next step
@@ -185,8 +214,8 @@ class TurboQuantCommunicator(BucketCommunicator):
             handle = turboquant_allgather_mean_start(
                 worker, self.codec, self.group, scale=scale, worker_error=flat, check=self.debug, traffic=self.traffic
             )
-        return (flat, server, kept), handle
+        return TurboQuantState(flat, server, kept, form), handle
 
     def _released(self, key, state):
-        if state[0].numel():  # the worker error: ``flat``'s length (empty in the fp32 form)
-            self._spare[key] = state[0]
+        if state.worker.numel():  # the worker error: ``flat``'s length (empty in the fp32 form)
+            self._spare[key] = state.worker

@@ -90,7 +90,7 @@ def _check_adam(rank, world_size):
 
         def count(step, model, o):
             _same_on_every_rank(model)
-            buffers.append({k: (w.data_ptr(), s.data_ptr()) for k, (w, s) in o.communicator.errors.items()})
+            buffers.append({k: (st.worker.data_ptr(), st.server.data_ptr()) for k, st in o.communicator.errors.items()})
             if step == FREEZE:
                 switch.extend([copy.deepcopy(model.module.state_dict()), copy.deepcopy(o.state_dict())])
             sent.append(sum(b for op, b in o.communicator.traffic.by_op().items() if op.startswith("compensated.")))
@@ -103,7 +103,7 @@ def _check_adam(rank, world_size):
         params, worker, server = _simulate(world_size, OneBitAdam, layout, STEPS, switch, block=16)
         for a, b in zip(model.parameters(), params):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
-        for key, (w, s) in comm.errors.items():  # this rank's error buffers are the simulation's
+        for key, (w, s) in ((k, (st.worker, st.server)) for k, st in comm.errors.items()):  # this rank's error buffers are the simulation's
             assert torch.equal(w, worker[key][rank]) and torch.equal(s, server[key][rank])
         # bytes per compression step: the formula, ~1/32 of an fp32 ring allreduce plus scales
         per_step = sent[-1] - sent[-2]
@@ -127,7 +127,7 @@ def _check_adam(rank, world_size):
 
     def snapshot(step, model, o):
         if step == STEPS - 1:
-            errors.update({k: (w.clone(), s.clone()) for k, (w, s) in o.communicator.errors.items()})
+            errors.update({k: (st.worker.clone(), st.server.clone()) for k, st in o.communicator.errors.items()})
             errors["weights"] = [p.detach().clone() for p in model.parameters()]
 
     with pytest.warns(RuntimeWarning, match="non-finite"):
@@ -135,7 +135,7 @@ def _check_adam(rank, world_size):
                                after_step=snapshot)
     assert opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), errors.pop("weights")))
-    assert all(torch.equal(opt.communicator.errors[k][0], w) and torch.equal(opt.communicator.errors[k][1], s)
+    assert all(torch.equal(opt.communicator.errors[k].worker, w) and torch.equal(opt.communicator.errors[k].server, s)
                for k, (w, s) in errors.items())
 
     # two backward passes before one step: the second launch supersedes the first, as in step()

@@ -144,7 +144,7 @@ def _check_against_simulation(rank, world_size):
                 params, state = _simulate(world_size, layout, STEPS, switch, form == "two_stage", variance)
                 for a, b in zip(model.parameters(), params[rank]):
                     torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0, msg=where)
-                for key, (w, s, sc) in comm.errors.items():  # this rank's state is the simulation's
+                for key, (w, s, sc) in ((k, (st.worker, st.server, st.scale)) for k, st in comm.errors.items()):  # this rank's state is the simulation's
                     assert torch.equal(w, state[key][0][rank]) and torch.equal(sc, state[key][2][rank]), where
                     if form == "two_stage":
                         assert torch.equal(s, state[key][1][rank]), where
@@ -170,7 +170,7 @@ def _check_safety(rank, world_size):
 
     def snapshot(step, model, o):
         if step == STEPS - 1:
-            saved.update({k: tuple(t.clone() for t in v) for k, v in o.communicator.errors.items()})
+            saved.update({k: (v.worker.clone(), v.server.clone(), v.scale.clone()) for k, v in o.communicator.errors.items()})
             saved["weights"] = [p.detach().clone() for p in model.parameters()]
 
     for form, decay in (("allgather", DECAY), ("two_stage", DECAY), ("allgather", 0.0), ("two_stage", 0.0)):
@@ -179,7 +179,7 @@ def _check_safety(rank, world_size):
             model, opt, _ = _train(rank, _config(form), STEPS, nan_at=STEPS, after_step=snapshot, scale_decay=decay)
         assert opt.skipped_steps == 1
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved.pop("weights")))
-        assert all(all(torch.equal(a, b) for a, b in zip(opt.communicator.errors[k], v)) for k, v in saved.items())
+        assert all(all(torch.equal(a, b) for a, b in zip((opt.communicator.errors[k].worker, opt.communicator.errors[k].server, opt.communicator.errors[k].scale), v)) for k, v in saved.items())
 
     # bf16 parameters and momenta: both stages, replicas identical, weights finite
     model, _, _ = _train(
