@@ -42,6 +42,7 @@ import math
 import torch
 
 from lowbit_strategy.codecs.streaming import SLICE, sliced
+from lowbit_strategy.validation import is_int
 
 #: default block size of the rotation (elements)
 DEFAULT_BLOCK = 1024
@@ -51,7 +52,7 @@ MAX_BLOCK = 2**20
 
 def check_block(block) -> int:
     """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block > MAX_BLOCK or block & (block - 1):
+    if not is_int(block, 2, MAX_BLOCK) or block & (block - 1):
         raise ValueError(f"block must be a power of two in [2, {MAX_BLOCK}], got {block!r}")
     return block
 
@@ -61,7 +62,7 @@ MAX_SEED = 2**63 - 1
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")

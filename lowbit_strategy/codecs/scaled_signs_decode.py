@@ -15,6 +15,7 @@ import torch
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.signs import signs_from_bits
 from lowbit_strategy.codecs.streaming import SLICE, slices
+from lowbit_strategy.validation import is_int
 
 _PM1_TABLES: dict[torch.device, torch.Tensor] = {}
 
@@ -30,7 +31,7 @@ def _pm1_table(device: torch.device) -> torch.Tensor:
 
 def check_block(block, what: str) -> None:
     """``ValueError`` naming ``block`` unless it is None or a positive multiple of 8."""
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8):
+    if block is not None and (not is_int(block, 8) or block % 8):
         raise ValueError(
             f"{what}: block must be None or a positive multiple of 8 (elements per scale; a byte of "
             f"sign bits must not straddle two blocks), got {block!r}"

@@ -87,6 +87,7 @@ from lowbit_strategy.codecs.scaled_signs import (
 )
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.majority import chunk_bytes
+from lowbit_strategy.validation import check_int
 
 _WHAT = "compensated_allreduce"
 
@@ -97,8 +98,7 @@ def server_chunk_length(n: int, world_size: int) -> int:
     ``8·ceil(n / (8·world_size))``: P chunks of whole bytes of sign bits.
     """
     for name, value in (("n", n), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"server_chunk_length: {name} must be a positive int, got {value!r}")
+        check_int("server_chunk_length", name, value, 1)
     return 8 * chunk_bytes(n, world_size)
 
 

@@ -22,11 +22,7 @@ import torch
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.collectives import group as g
-
-
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels must be a positive int (codes lie in [-levels, levels]), got {levels!r}")
+from lowbit_strategy.validation import check_int
 
 
 def lane_for(world_size: int, levels: int, *, signed: bool = True, lane_bits: int | None = None) -> lanes.Lane:
@@ -35,7 +31,7 @@ def lane_for(world_size: int, levels: int, *, signed: bool = True, lane_bits: in
     Raises ``OverflowError`` if the fixed ``lane_bits`` (or every supported lane) is too
     narrow, with the largest ``levels`` that would fit.
     """
-    _check_levels(levels)
+    check_int("lane_for", "levels", levels, 1, what=" (codes lie in [-levels, levels])")
     span = 2 * levels if signed else levels
     need = span * world_size
     rng = f"[-{levels}, {levels}]" if signed else f"[0, {levels}]"
