@@ -65,8 +65,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_block
+from lowbit_strategy.codecs.lloyd_max import check_bits
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
-from lowbit_strategy.validation import check_int, short
+from lowbit_strategy.validation import check_int
 
 #: smallest per-token block the default rule accepts (below it: blocks of DEFAULT_BLOCK)
 MIN_ROW_BLOCK = 64
@@ -85,8 +86,7 @@ def default_block(in_features: int) -> int:
 def check_layer_settings(who: str, bits: int, block: int | None, seed: int) -> None:
     """``bits``, ``block`` and ``seed`` as :class:`TurboQuantLinear` takes them, checked where
     they enter (a model without linear layers would never build one to check them)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ValueError(f"{who}: bits must be an int in [2, 8] (4 is the paper's), got {short(bits)}")
+    check_bits(who, bits, what=" (4 is the paper's)")
     if block is not None:
         try:
             check_block(block)
