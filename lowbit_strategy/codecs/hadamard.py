@@ -50,8 +50,10 @@ DEFAULT_BLOCK = 1024
 MAX_BLOCK = 2**20
 
 
-def check_block(block) -> int:
-    """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]."""
+def check_rotation_block(block) -> int:
+    """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]:
+    the rotation block, which the Walsh–Hadamard transform needs a power of two for (the
+    scale block of the 1-bit codecs has its own rule, :func:`~.scaled_signs_decode.check_scale_block`)."""
     if not is_int(block, 2, MAX_BLOCK) or block & (block - 1):
         raise ValueError(f"block must be a power of two in [2, {MAX_BLOCK}], got {block!r}")
     return block
@@ -182,7 +184,7 @@ def hadamard_rotate(
     ``signs``: the ``D`` of :func:`hadamard_signs` for ``(x.numel(), seed)`` on ``x``'s
     device, to skip drawing them again (``seed`` is then unused).
     """
-    block = check_block(block)
+    block = check_rotation_block(block)
     v = _flat_float32(x, "x", "hadamard_rotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
     return _blocked_fwht(v * d, block)
@@ -194,7 +196,7 @@ def hadamard_unrotate(
 ) -> torch.Tensor:
     """``x = D·H·y``, the inverse of :func:`hadamard_rotate` with the same ``seed``/``block``:
     a flat float32 tensor (reshape it to the original shape)."""
-    block = check_block(block)
+    block = check_rotation_block(block)
     v = _flat_float32(y, "y", "hadamard_unrotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
     return _blocked_fwht(v, block).mul_(d)

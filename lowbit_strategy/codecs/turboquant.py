@@ -77,7 +77,7 @@ import torch
 
 from lowbit_strategy.codecs import turboquant_torch
 from lowbit_strategy.codecs.bits import unpack
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_block, hadamard_signs
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_rotation_block, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import check_bits, lloyd_max_codebook
 
 #: accepted values of ``backend``
@@ -181,7 +181,7 @@ class TurboQuantCodec:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.bits = bits
         self.seed = seed
-        self.block = check_block(block)
+        self.block = check_rotation_block(block)
         self.backend = backend
         self.rotate = bool(rotate)
         self.lane_bits = _lane_bits(bits)

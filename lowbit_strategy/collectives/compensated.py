@@ -78,9 +78,9 @@ from __future__ import annotations
 import torch
 
 from lowbit_strategy.codecs.scaled_signs import (
-    check_block,
     check_error_buffer,
     check_input,
+    check_scale_block,
     scaled_sign_compress,
     scaled_sign_decode,
     scaled_sign_mean,
@@ -245,7 +245,7 @@ class CompensatedAllreduce(g.TwoPhase):
 
 
 def _validate(x, worker_error, server_error, out, p: int, block) -> None:
-    check_block(block, _WHAT)
+    check_scale_block(block, _WHAT)
     check_input(x, "x", _WHAT)
     n = x.numel()
     if n == 0:

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_block
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_rotation_block
 from lowbit_strategy.codecs.lloyd_max import check_bits
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
 from lowbit_strategy.validation import check_int
@@ -89,7 +89,7 @@ def check_layer_settings(who: str, bits: int, block: int | None, seed: int) -> N
     check_bits(who, bits, what=" (4 is the paper's)")
     if block is not None:
         try:
-            check_block(block)
+            check_rotation_block(block)
         except ValueError as e:
             raise ValueError(f"{who}: {e}; or pass block=None for the default rule") from None
     check_int(who, "seed", seed, 0, MAX_SEED)

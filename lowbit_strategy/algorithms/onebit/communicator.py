@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
-from lowbit_strategy.codecs.scaled_signs import check_block
+from lowbit_strategy.codecs.scaled_signs import check_scale_block
 from lowbit_strategy.collectives.compensated import (
     compensated_allreduce_start,
     compensated_error_buffers,
@@ -54,7 +54,7 @@ class OneBitCommunicator(BucketCommunicator):
         block: int | None = None,
         topology: Topology | None = None,
     ):
-        check_block(block, "OneBitCommunicator")
+        check_scale_block(block, "OneBitCommunicator")
         super().__init__(group, bucket_size_mb, debug, topology)
         #: elements per scale block of the compressed allreduce (None: one scale per bucket)
         self.block = block
