@@ -41,12 +41,12 @@ from torchmetrics.aggregation import MeanMetric
 from lowbit_strategy.collectives import full_allreduce
 from lowbit_strategy.collectives.group import all_reduce_max, broadcast
 from lowbit_strategy.selection import param_names
+from lowbit_strategy.validation import check_int
 
 
 class DivergenceMonitor(pl.Callback):
     def __init__(self, every: int = 50, sign_agreement: bool = False):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"DivergenceMonitor: every must be an int >= 1, got {every!r}")
+        check_int("DivergenceMonitor", "every", every, 1)
         self.every = every
         self.sign_agreement = sign_agreement
         self.match: MeanMetric | None = None

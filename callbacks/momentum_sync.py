@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lowbit_strategy import Lion
+from lowbit_strategy.validation import check_int
 
 
 class MomentumSync(pl.Callback):
@@ -28,8 +29,7 @@ class MomentumSync(pl.Callback):
     (fnmatch; each must match)."""
 
     def __init__(self, every: int = 10, layers: str | Sequence[str] = "auto"):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"MomentumSync: every must be an int >= 1, got {every!r}")
+        check_int("MomentumSync", "every", every, 1)
         self.every = every
         self.layers = layers if isinstance(layers, str) else tuple(layers)
         self._optimizers: list[Lion] = []

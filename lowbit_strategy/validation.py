@@ -158,11 +158,31 @@ def check_number(
     return float(value)
 
 
-def check_int(cls: str, name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
-    """``value`` as an int; ``ValueError`` naming ``cls`` and ``name`` unless it is exactly an
-    integer (:func:`exact_int`) in ``[low, high]``. ``what`` explains the argument."""
-    out = exact_int(value)
-    if out is None or out < low or (high is not None and out > high):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{cls}: {name} must be an integer {span}{what}, got {short(value)}")
-    return out
+def is_int(value: Any, low: int | None = None, high: int | None = None) -> bool:
+    """Whether ``value`` is a Python int in ``[low, high]`` (either bound None: open). Strict,
+    for function and constructor arguments: a bool, float (8.0), string or numpy integer is
+    a caller's mistake there (config fields, which may come from strings, use :func:`as_int`)."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+    )
+
+
+def _bound(value: int) -> str:
+    """``value`` as written in a message: ``2**63 - 1`` rather than its 19 digits."""
+    return f"2**{value.bit_length()} - 1" if value >= 2**16 and (value + 1) & value == 0 else str(value)
+
+
+def check_int(cls: str, name: str, value: Any, low: int, high: int | None = None, *, what: str = "") -> int:
+    """``value`` if :func:`is_int` in ``[low, high]``, else ``ValueError`` naming ``cls`` (the
+    class or function), ``name``, the value and the range; ``what`` (e.g. ``" (4 is the
+    paper's)"``) explains the argument."""
+    if not is_int(value, low, high):
+        if high is not None:
+            span = f"an int in [{low}, {_bound(high)}]"
+        else:
+            span = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{cls}: {name} must be {span}{what}, got {short(value)}")
+    return value

@@ -42,6 +42,7 @@ import math
 import torch
 
 from lowbit_strategy.codecs.streaming import SLICE, sliced
+from lowbit_strategy.validation import is_int
 
 #: default block size of the rotation (elements)
 DEFAULT_BLOCK = 1024
@@ -49,9 +50,11 @@ DEFAULT_BLOCK = 1024
 MAX_BLOCK = 2**20
 
 
-def check_block(block) -> int:
-    """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block > MAX_BLOCK or block & (block - 1):
+def check_rotation_block(block) -> int:
+    """``block`` as an int; ``ValueError`` naming ``block`` unless a power of two in [2, 2**20]:
+    the rotation block, which the Walsh–Hadamard transform needs a power of two for (the
+    scale block of the 1-bit codecs has its own rule, :func:`~.scaled_signs_decode.check_scale_block`)."""
+    if not is_int(block, 2, MAX_BLOCK) or block & (block - 1):
         raise ValueError(f"block must be a power of two in [2, {MAX_BLOCK}], got {block!r}")
     return block
 
@@ -61,7 +64,7 @@ MAX_SEED = 2**63 - 1
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
@@ -181,7 +184,7 @@ def hadamard_rotate(
     ``signs``: the ``D`` of :func:`hadamard_signs` for ``(x.numel(), seed)`` on ``x``'s
     device, to skip drawing them again (``seed`` is then unused).
     """
-    block = check_block(block)
+    block = check_rotation_block(block)
     v = _flat_float32(x, "x", "hadamard_rotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
     return _blocked_fwht(v * d, block)
@@ -193,7 +196,7 @@ def hadamard_unrotate(
 ) -> torch.Tensor:
     """``x = D·H·y``, the inverse of :func:`hadamard_rotate` with the same ``seed``/``block``:
     a flat float32 tensor (reshape it to the original shape)."""
-    block = check_block(block)
+    block = check_rotation_block(block)
     v = _flat_float32(y, "y", "hadamard_unrotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
     return _blocked_fwht(v, block).mul_(d)

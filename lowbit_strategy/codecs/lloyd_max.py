@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from lowbit_strategy.validation import check_int
+
 #: supported code widths
 CODEBOOK_BITS = tuple(range(2, 9))
 
@@ -44,10 +46,11 @@ _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in CODEBOOK_BITS:
-        raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
-    return bits
+def check_bits(cls: str, bits, *, what: str = "") -> int:
+    """``bits`` if it is one of :data:`CODEBOOK_BITS` (an int in [2, 8]), else a ``ValueError``
+    naming ``cls``: the one rule for a TurboQuant code width, wherever it enters (codebook,
+    codec, optimizer, layers), since every width needs its codebook here."""
+    return check_int(cls, "bits", bits, CODEBOOK_BITS[0], CODEBOOK_BITS[-1], what=what)
 
 
 def _pdf(t: float) -> float:
@@ -95,7 +98,7 @@ def lloyd_max_codebook(bits: int) -> torch.Tensor:
     ``bits`` is an int in 2..8 (``ValueError`` naming ``bits`` otherwise). Symmetric:
     ``levels[i] == -levels[-1 - i]`` exactly.
     """
-    return torch.tensor(_codebook(_check_bits(bits)), dtype=torch.float32)
+    return torch.tensor(_codebook(check_bits("lloyd_max_codebook", bits)), dtype=torch.float32)
 
 
 def lloyd_max_mse(levels) -> float:

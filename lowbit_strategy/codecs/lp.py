@@ -34,14 +34,14 @@ import torch
 
 from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
+from lowbit_strategy.validation import check_int
 
 SUPPORTED_P = (0.0, 1.0, 2.0, math.inf)
 
 
 def levels_for_bits(bits: int) -> int:
     """The largest code magnitude L = 2**(bits-1) - 1 of a signed ``bits``-bit code."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
-        raise ValueError(f"bits must be an int in [2, 16] (L = 2**(bits-1) - 1 >= 1), got {bits!r}")
+    check_int("levels_for_bits", "bits", bits, 2, 16, what=" (L = 2**(bits-1) - 1 >= 1)")
     return 2 ** (bits - 1) - 1
 
 
@@ -142,8 +142,7 @@ def lp_quantize_levels(x: torch.Tensor, levels: int, p: float = 1.0, *, validate
     host sync) for callers that have excluded non-finite input already; nothing else
     here waits for the device.
     """
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 2**15 - 1:
-        raise ValueError(f"levels must be an int in [1, 32767], got {levels!r}")
+    check_int("lp_quantize_levels", "levels", levels, 1, 2**15 - 1)
     if compiled.compiled_enabled():  # opt-in: the same codes, compiled (compiled.py)
         codes = compiled.lp_quantize(x, levels, p, validate, lp_norm_mean, all_finite)
         if codes is not None:

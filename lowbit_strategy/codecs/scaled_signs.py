@@ -57,15 +57,16 @@ import torch
 
 from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.bits import pack_bools, pack_bytes_into_lanes
-from lowbit_strategy.codecs.scaled_signs_decode import check_block, scaled_sign_decode, scaled_sign_mean
+from lowbit_strategy.codecs.scaled_signs_decode import check_scale_block, scaled_sign_decode, scaled_sign_mean
 from lowbit_strategy.codecs.signs import compare_bytes
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
+from lowbit_strategy.validation import is_int
 
 __all__ = [
     "INPUT_DTYPES",
-    "check_block",
     "check_error_buffer",
     "check_input",
+    "check_scale_block",
     "scaled_sign_compress",
     "scaled_sign_decode",
     "scaled_sign_mean",
@@ -262,13 +263,13 @@ def _check_compress(x, error, nbytes: int | None, block: int | None, chunk: int 
     need = -(-n // 8)
     if nbytes is None:
         nbytes = need
-    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < need:
+    elif not is_int(nbytes, need):
         raise ValueError(f"{what}: nbytes must be an int of at least ceil(n / 8) = {need}, got {nbytes!r}")
-    check_block(block, what)
+    check_scale_block(block, what)
     if chunk is not None:
         if block is None:
             raise ValueError(f"{what}: chunk needs block (blocks restart at every chunk)")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8 or (8 * nbytes) % chunk:
+        if not is_int(chunk, 8) or chunk % 8 or (8 * nbytes) % chunk:
             raise ValueError(
                 f"{what}: chunk must be a positive multiple of 8 dividing 8 * nbytes = {8 * nbytes}, got {chunk!r}"
             )

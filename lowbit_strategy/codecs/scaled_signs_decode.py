@@ -15,6 +15,7 @@ import torch
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.signs import signs_from_bits
 from lowbit_strategy.codecs.streaming import SLICE, slices
+from lowbit_strategy.validation import is_int
 
 _PM1_TABLES: dict[torch.device, torch.Tensor] = {}
 
@@ -28,9 +29,11 @@ def _pm1_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def check_block(block, what: str) -> None:
-    """``ValueError`` naming ``block`` unless it is None or a positive multiple of 8."""
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8):
+def check_scale_block(block, what: str) -> None:
+    """``ValueError`` naming ``block`` unless it is None or a positive multiple of 8: the scale
+    block (elements per scale) of the 1-bit codecs, whole bytes of sign bits (the rotation
+    block has its own rule, :func:`~.hadamard.check_rotation_block`)."""
+    if block is not None and (not is_int(block, 8) or block % 8):
         raise ValueError(
             f"{what}: block must be None or a positive multiple of 8 (elements per scale; a byte of "
             f"sign bits must not straddle two blocks), got {block!r}"
@@ -42,7 +45,7 @@ def _check_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``bits`` as (k, c) uint8 rows and ``scales`` as (k,) float32, or as (k, nb) with
     ``nb = ceil(8c / block)`` block scales per row."""
-    check_block(block, what)
+    check_scale_block(block, what)
     if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or bits.dim() not in (1, 2):
         raise TypeError(f"{what}: bits must be a 1-D or (k, c) uint8 tensor, got {getattr(bits, 'dtype', bits)!r}")
     rows = bits.view(1, -1) if bits.dim() == 1 else bits

@@ -17,11 +17,12 @@ import torch
 
 from lowbit_strategy.codecs.bits import pack_bools, pack_bytes_into_lanes
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
+from lowbit_strategy.validation import is_int
 
 
 def tie_is_positive(step: int) -> bool:
     """Whether a tie at ``step`` resolves to +1 (odd steps) or -1 (even steps)."""
-    if isinstance(step, bool) or not isinstance(step, int):
+    if not is_int(step):
         raise TypeError(f"step must be an int (the optimizer step, from 1), got {step!r}")
     return step % 2 == 1
 

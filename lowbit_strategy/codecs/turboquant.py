@@ -77,8 +77,8 @@ import torch
 
 from lowbit_strategy.codecs import turboquant_torch
 from lowbit_strategy.codecs.bits import unpack
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_block, hadamard_signs
-from lowbit_strategy.codecs.lloyd_max import lloyd_max_codebook
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_rotation_block, hadamard_signs
+from lowbit_strategy.codecs.lloyd_max import check_bits, lloyd_max_codebook
 
 #: accepted values of ``backend``
 BACKENDS = ("auto", "torch", "triton")
@@ -175,14 +175,13 @@ class TurboQuantCodec:
         *,
         rotate: bool = True,
     ) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
+        check_bits("TurboQuantCodec", bits)
         _check_seed(seed)  # an int in [0, 2**63 - 1]: checked here, not at the first encode
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.bits = bits
         self.seed = seed
-        self.block = check_block(block)
+        self.block = check_rotation_block(block)
         self.backend = backend
         self.rotate = bool(rotate)
         self.lane_bits = _lane_bits(bits)

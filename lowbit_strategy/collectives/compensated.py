@@ -78,15 +78,16 @@ from __future__ import annotations
 import torch
 
 from lowbit_strategy.codecs.scaled_signs import (
-    check_block,
     check_error_buffer,
     check_input,
+    check_scale_block,
     scaled_sign_compress,
     scaled_sign_decode,
     scaled_sign_mean,
 )
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.majority import chunk_bytes
+from lowbit_strategy.validation import check_int
 
 _WHAT = "compensated_allreduce"
 
@@ -97,8 +98,7 @@ def server_chunk_length(n: int, world_size: int) -> int:
     ``8·ceil(n / (8·world_size))``: P chunks of whole bytes of sign bits.
     """
     for name, value in (("n", n), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"server_chunk_length: {name} must be a positive int, got {value!r}")
+        check_int("server_chunk_length", name, value, 1)
     return 8 * chunk_bytes(n, world_size)
 
 
@@ -245,7 +245,7 @@ class CompensatedAllreduce(g.TwoPhase):
 
 
 def _validate(x, worker_error, server_error, out, p: int, block) -> None:
-    check_block(block, _WHAT)
+    check_scale_block(block, _WHAT)
     check_input(x, "x", _WHAT)
     n = x.numel()
     if n == 0:

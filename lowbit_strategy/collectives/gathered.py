@@ -46,6 +46,7 @@ from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.validation import is_int
 
 REDUCTIONS = ("mean", "paper")
 assert (TERNARY_ZERO, TERNARY_PLUS) == (0, 1), "_signs relies on 2-bit codes 0 -> 0 and 1 -> +1"
@@ -73,7 +74,7 @@ def check_chunk_rows(chunk_rows: int | None) -> int | None:
     """``chunk_rows`` if it is None (no chunking) or a positive int, else a ``ValueError``."""
     if chunk_rows is None:
         return None
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+    if not is_int(chunk_rows, 1):
         raise ValueError(
             f"chunk_rows: got {chunk_rows!r}; pass a positive number of rows decoded at a time "
             "(or None to decode whole matrices at once)"

@@ -71,6 +71,7 @@ from lowbit_strategy.collectives.gathered import (
     decode_reduce,
     pack_payload,
 )
+from lowbit_strategy.validation import check_int
 
 _WHAT = "gathered_two_stage_mean"
 
@@ -78,8 +79,7 @@ _WHAT = "gathered_two_stage_mean"
 def row_bounds(rows: int, world_size: int) -> tuple[int, ...]:
     """The ``P + 1`` row boundaries of one matrix of ``rows`` rows (module docstring, "Chunk
     split"): rank r owns rows ``[⌊r·rows/P⌋, ⌊(r+1)·rows/P⌋)``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"row_bounds: world_size must be a positive int, got {world_size!r}")
+    check_int("row_bounds", "world_size", world_size, 1)
     return tuple(r * rows // world_size for r in range(world_size + 1))
 
 

@@ -307,13 +307,14 @@ def check_consistent(x: torch.Tensor, group, what: str, problem: str | None = No
 
 
 def validated(validate, x, group, what: str, check: bool, traffic=None) -> None:
-    """Run ``validate()`` (argument checks that raise ``TypeError``/``ValueError``). Without
-    ``check`` its error propagates on this rank alone; with ``check`` every rank learns about
-    a bad rank or a length mismatch (:func:`check_consistent`: one small all-gather) and all
-    of them raise together, this rank's own error first."""
+    """Run ``validate()`` (argument checks that raise ``TypeError``/``ValueError``, or
+    ``OverflowError`` for a range no lane holds). Without ``check`` its error propagates on
+    this rank alone; with ``check`` every rank learns about a bad rank or a length mismatch
+    (:func:`check_consistent`: one small all-gather) and all of them raise together, this
+    rank's own error first."""
     try:
         validate()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         if not check:
             raise
         problem: Exception | None = e

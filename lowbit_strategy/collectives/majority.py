@@ -100,16 +100,19 @@ def majority_vote_start(
     the chunks, one extra byte per peer, so that every rank learns every rank's flag from
     the all-to-all without another collective (:attr:`MajorityVote.flags`).
     """
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"majority_vote needs a floating-point tensor, got dtype {x.dtype}")
+
+    def check_args() -> None:
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"majority_vote needs a floating-point tensor, got dtype {x.dtype}")
+        if x.numel() == 0:
+            raise ValueError("majority_vote got an empty tensor")
+        tie_is_positive(step)
+        if check and bool(torch.isnan(x).any()):
+            raise ValueError("majority_vote: input contains NaN; its sign is undefined")
+
+    g.validated(check_args, x, group, "majority_vote", check, traffic)  # with check, a bad rank never raises alone
     n = x.numel()
-    if n == 0:
-        raise ValueError("majority_vote got an empty tensor")
-    tie_is_positive(step)
     p = g.world_size(group)
-    if check:
-        problem = "input contains NaN; its sign is undefined" if bool(torch.isnan(x).any()) else None
-        g.check_consistent(x, group, "majority_vote", problem, traffic)
 
     c = chunk_bytes(n, p)
     packed = torch.zeros(c * p, dtype=torch.uint8, device=x.device)

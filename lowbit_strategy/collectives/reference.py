@@ -41,14 +41,16 @@ def full_allreduce_start(
     traffic=None,
 ) -> g.Pending:
     """:func:`full_allreduce` launched asynchronously; ``.wait()`` returns the sum."""
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"full_allreduce needs a floating-point tensor, got dtype {x.dtype}")
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype}")
-    if x.numel() == 0:
-        raise ValueError("full_allreduce got an empty tensor")
-    if check:
-        g.check_consistent(x, group, "full_allreduce", None, traffic)
+
+    def validate() -> None:
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"full_allreduce needs a floating-point tensor, got dtype {x.dtype}")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype}")
+        if x.numel() == 0:
+            raise ValueError("full_allreduce got an empty tensor")
+
+    g.validated(validate, x, group, "full_allreduce", check, traffic)  # with check, a bad rank never raises alone
     buf = x.reshape(-1).to(wire_dtype, copy=True)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
     fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)

@@ -22,11 +22,7 @@ import torch
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.collectives import group as g
-
-
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels must be a positive int (codes lie in [-levels, levels]), got {levels!r}")
+from lowbit_strategy.validation import check_int
 
 
 def lane_for(world_size: int, levels: int, *, signed: bool = True, lane_bits: int | None = None) -> lanes.Lane:
@@ -35,7 +31,7 @@ def lane_for(world_size: int, levels: int, *, signed: bool = True, lane_bits: in
     Raises ``OverflowError`` if the fixed ``lane_bits`` (or every supported lane) is too
     narrow, with the largest ``levels`` that would fit.
     """
-    _check_levels(levels)
+    check_int("lane_for", "levels", levels, 1, what=" (codes lie in [-levels, levels])")
     span = 2 * levels if signed else levels
     need = span * world_size
     rng = f"[-{levels}, {levels}]" if signed else f"[0, {levels}]"
@@ -100,23 +96,24 @@ def summed_allreduce_start(
 ) -> g.Pending:
     """:func:`summed_allreduce` launched asynchronously: packs and starts the allreduce;
     ``.wait()`` returns the sums. Launch on every rank in the same order."""
-    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
-        raise TypeError(f"summed_allreduce needs integer codes, got dtype {codes.dtype}")
-    n = codes.numel()
-    if n == 0:
-        raise ValueError("summed_allreduce got an empty tensor")
     p = g.world_size(group)
+
+    def check_codes() -> None:
+        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            raise TypeError(f"summed_allreduce needs integer codes, got dtype {codes.dtype}")
+        if codes.numel() == 0:
+            raise ValueError("summed_allreduce got an empty tensor")
+        lane_for(p, levels, signed=signed, lane_bits=lane_bits)  # ValueError or OverflowError
+        low = -levels if signed else 0
+        if validate:
+            lo, hi = int(codes.min()), int(codes.max())
+            if lo < low or hi > levels:
+                raise ValueError(f"summed_allreduce: codes must lie in [{low}, {levels}], got values in [{lo}, {hi}]")
+
+    g.validated(check_codes, codes, group, "summed_allreduce", check, traffic)  # with check, never one rank alone
+    n = codes.numel()
     spec = lane_for(p, levels, signed=signed, lane_bits=lane_bits)
     low = -levels if signed else 0
-    problem = None
-    if validate:
-        lo, hi = int(codes.min()), int(codes.max())
-        if lo < low or hi > levels:
-            problem = f"codes must lie in [{low}, {levels}], got values in [{lo}, {hi}]"
-    if check:
-        g.check_consistent(codes, group, "summed_allreduce", problem, traffic)
-    if problem:
-        raise ValueError(f"summed_allreduce: {problem}")
 
     flat = codes.reshape(-1)
     if spec.word_dtype == torch.uint8:

@@ -64,9 +64,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_block
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, MAX_SEED, check_rotation_block
+from lowbit_strategy.codecs.lloyd_max import check_bits
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
-from lowbit_strategy.validation import short
+from lowbit_strategy.validation import check_int
 
 #: smallest per-token block the default rule accepts (below it: blocks of DEFAULT_BLOCK)
 MIN_ROW_BLOCK = 64
@@ -85,15 +86,13 @@ def default_block(in_features: int) -> int:
 def check_layer_settings(who: str, bits: int, block: int | None, seed: int) -> None:
     """``bits``, ``block`` and ``seed`` as :class:`TurboQuantLinear` takes them, checked where
     they enter (a model without linear layers would never build one to check them)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ValueError(f"{who}: bits must be an int in [2, 8] (4 is the paper's), got {short(bits)}")
+    check_bits(who, bits, what=" (4 is the paper's)")
     if block is not None:
         try:
-            check_block(block)
+            check_rotation_block(block)
         except ValueError as e:
             raise ValueError(f"{who}: {e}; or pass block=None for the default rule") from None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{who}: seed must be an int in [0, 2**63 - 1], got {short(seed)}")
+    check_int(who, "seed", seed, 0, MAX_SEED)
 
 
 def shared_codec(bits: int, block: int, seed: int) -> TurboQuantCodec:
@@ -200,11 +199,8 @@ class TurboQuantLinear(nn.Linear):
         dtype=None,
     ) -> None:
         for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"TurboQuantLinear: {name} must be an int >= 1 (its input is compressed for backward; "
-                    f"use nn.Linear for an empty layer), got {short(value)}"
-                )
+            why = " (its input is compressed for backward; use nn.Linear for an empty layer)"
+            check_int("TurboQuantLinear", name, value, 1, what=why)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(bits, block, seed)
 

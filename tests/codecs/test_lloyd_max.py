@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lowbit_strategy.codecs import lloyd_max_codebook, lloyd_max_mse
+from lowbit_strategy.codecs.lloyd_max import CODEBOOK_BITS, check_bits
 
 FAST_BITS = [2, 3, 4, 5, 6]  # 7 and 8 bits take seconds (slow tier)
 
@@ -56,6 +57,20 @@ def test_callers_cannot_corrupt_the_cache():
 def test_bad_bits_raise(bad):
     with pytest.raises(ValueError, match="bits"):
         lloyd_max_codebook(bad)
+
+
+def test_check_bits_is_the_codebooks_range():
+    """The one bits rule of the codec, optimizer and layers: exactly the widths with a codebook."""
+    assert [b for b in range(-1, 12) if _accepts(b)] == list(CODEBOOK_BITS) == [2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match=r"^Who: bits must be an int in \[2, 8\] \(why\), got 4.0$"):
+        check_bits("Who", 4.0, what=" (why)")
+
+
+def _accepts(bits) -> bool:
+    try:
+        return check_bits("t", bits) == bits
+    except ValueError:
+        return False
 
 
 @pytest.mark.slow

@@ -2,10 +2,15 @@
 
 Every rank rebuilds all ranks' inputs from a seed, runs the collective on its own input,
 and compares the result with a single-process reference computed from all inputs; the
-traffic it recorded must equal the formula.
+traffic it recorded must equal the formula. With ``check=True``, a bad argument on one rank
+makes every rank raise, in seconds.
 """
+import time
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.collectives.majority import majority_vote_start
@@ -127,6 +132,9 @@ def _check_errors(rank, world_size):
         majority_vote(torch.zeros(0), 1)
     with pytest.raises(TypeError, match="floating-point"):
         majority_vote(torch.zeros(3, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="NaN"):
+        majority_vote(torch.tensor([float("nan"), 1.0]), 1)
+    assert majority_vote(torch.tensor([float("nan"), 1.0]), 1, validate=False).shape == (2,)  # no NaN scan
     # debug mode: lengths that differ across ranks are caught on every rank
     n = 10 + (rank if world_size > 1 else 0)
     if world_size > 1:
@@ -144,6 +152,63 @@ def _check_errors(rank, world_size):
             summed_allreduce(codes, 1, check=True)
     else:
         assert majority_vote(torch.ones(n), 1, check=True).eq(1).all()
+
+
+#: the rank whose argument is bad in :func:`_check_one_bad_rank` (not rank 0, nothing special)
+BAD_RANK = 1
+#: the timeout of the group :func:`_check_one_bad_rank` runs on: a rank left waiting for a peer
+#: that raised alone fails after this many seconds (with a CollectiveError), not the default 60
+BAD_INPUT_TIMEOUT_S = 10
+_I32, _F32 = torch.int32, torch.float32
+
+#: (exception on the bad rank, its message, call(bad, group)): one bad argument per call
+BAD_INPUTS = [
+    (ValueError, "majority_vote got an empty tensor",
+     lambda bad, group: majority_vote(torch.ones(0 if bad else 10), 1, group, check=True)),
+    (TypeError, "majority_vote needs a floating-point tensor",
+     lambda bad, group: majority_vote(torch.ones(10, dtype=_I32 if bad else _F32), 1, group, check=True)),
+    (ValueError, "majority_vote: input contains NaN",
+     lambda bad, group: majority_vote(torch.full((10,), float("nan") if bad else 1.0), 1, group, check=True)),
+    (TypeError, "step must be an int",
+     lambda bad, group: majority_vote(torch.ones(10), 1.0 if bad else 1, group, check=True)),
+    (ValueError, "summed_allreduce got an empty tensor",
+     lambda bad, group: summed_allreduce(torch.zeros(0 if bad else 10, dtype=_I32), 1, group, check=True)),
+    (TypeError, "summed_allreduce needs integer codes",
+     lambda bad, group: summed_allreduce(torch.zeros(10, dtype=_F32 if bad else _I32), 1, group, check=True)),
+    (ValueError, "levels must be",
+     lambda bad, group: summed_allreduce(torch.zeros(10, dtype=_I32), 0 if bad else 1, group, check=True)),
+    (OverflowError, "more than any supported lane",
+     lambda bad, group: summed_allreduce(torch.zeros(10, dtype=_I32), 2**30 if bad else 1, group, check=True)),
+    (ValueError, "full_allreduce got an empty tensor",
+     lambda bad, group: full_allreduce(torch.ones(0 if bad else 10), group, check=True)),
+    (TypeError, "full_allreduce needs a floating-point tensor",
+     lambda bad, group: full_allreduce(torch.ones(10, dtype=_I32 if bad else _F32), group, check=True)),
+    (ValueError, "wire_dtype must be one of",
+     lambda bad, group: full_allreduce(torch.ones(10), group, wire_dtype=torch.float64 if bad else _F32, check=True)),
+]
+
+
+def _check_one_bad_rank(rank, world_size):
+    """``check=True`` and a bad argument on one rank only: that rank raises its own error and
+    every other rank a ValueError naming it, well before the group's timeout; then the
+    ranks are still in step (a good call agrees everywhere)."""
+    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=BAD_INPUT_TIMEOUT_S))
+    for exc, match, call in BAD_INPUTS:
+        start = time.monotonic()
+        if rank == BAD_RANK:
+            with pytest.raises(exc, match=match):
+                call(True, group)
+        else:
+            with pytest.raises(ValueError, match=rf"invalid input on rank\(s\) \[{BAD_RANK}\]"):
+                call(False, group)
+        assert time.monotonic() - start < BAD_INPUT_TIMEOUT_S / 2, match
+    assert majority_vote(torch.ones(10), 1, group, check=True).eq(1).all()
+
+
+@pytest.mark.slow
+def test_a_bad_argument_on_one_rank_raises_on_every_rank():
+    """Majority vote, summed lanes and the full allreduce with ``check=True`` (3 gloo ranks)."""
+    run_ranks(3, _check_one_bad_rank)
 
 
 SUITES = {"majority": _check_majority, "summed": _check_summed, "full": _check_full, "errors": _check_errors}

@@ -89,6 +89,7 @@ from lowbit_strategy.collectives.gathered import (
 from lowbit_strategy.collectives.gathered_two_stage import chunk_plan, gathered_two_stage_start
 from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.selection import check_patterns
+from lowbit_strategy.validation import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class BitDPState:
             raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise _bad("process_group", process_group, "pass a torch.distributed ProcessGroup or None (default group)")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
+        if not is_int(start_iter, 2):
             raise _bad(
                 "start_iter",
                 start_iter,
@@ -180,9 +181,7 @@ class BitDPState:
             )
         if reduction not in REDUCTIONS:
             raise _bad("reduction", reduction, "use 'mean' (exact mean of dequantized gradients) or 'paper' (Eq. 10)")
-        if chunk_rows is not None and (
-            isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
-        ):
+        if chunk_rows is not None and not is_int(chunk_rows, 1):
             raise _bad("chunk_rows", chunk_rows, "pass a positive number of rows decoded at a time, or None")
         if not isinstance(error_feedback, bool):
             raise _bad("error_feedback", error_feedback, "pass True or False")

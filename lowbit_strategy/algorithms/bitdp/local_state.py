@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowbit_strategy.collectives.gathered_two_stage import ChunkPlan
+from lowbit_strategy.validation import check_int
 
 if TYPE_CHECKING:  # (hook.py imports this module)
     from lowbit_strategy.algorithms.bitdp.hook import BitDPState
@@ -33,9 +34,7 @@ def load_state_dict(state: BitDPState, sd: dict) -> None:
     (written before the two-stage form existed) starts them at zero."""
     if not state.params:
         raise RuntimeError("BitDPState.load_state_dict: call attach(model) first, so parameter names resolve")
-    it = sd.get("iter") if isinstance(sd, dict) else None
-    if isinstance(it, bool) or not isinstance(it, int) or it < 0:
-        raise ValueError(f"BitDPState.load_state_dict: 'iter' must be an int >= 0, got {it!r}")
+    it = check_int("BitDPState.load_state_dict", "'iter'", sd.get("iter") if isinstance(sd, dict) else None, 0)
     by_name = {name: (k, info) for k, info in state.params.items() for name in info.names}
     residuals = {}
     for name, tensor in sd.get("residuals", {}).items():

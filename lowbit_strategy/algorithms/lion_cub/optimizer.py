@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 from lowbit_strategy.layout import Layout, local_view
-from lowbit_strategy.validation import check_number, short
+from lowbit_strategy.validation import check_int, check_number, short
 
 
 class Lion(Optimizer):
@@ -183,8 +183,7 @@ class Lion(Optimizer):
     def set_momentum_sync(self, every: int, params: Iterable[torch.Tensor]) -> None:
         """Average the momentum of ``params`` across ranks after every ``every``-th
         optimizer step (:attr:`global_step`; Lion Cub Sec. 5); ``every=0`` turns it off."""
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"Lion.set_momentum_sync: every must be an int >= 0, got {every!r}")
+        check_int("Lion.set_momentum_sync", "every", every, 0)
         self._momentum_sync = (every, list(params)) if every else None
 
     def _update(

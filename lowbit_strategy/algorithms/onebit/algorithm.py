@@ -1,14 +1,11 @@
 """1-bit Adam and 1-bit LAMB behind the algorithm interface: one optimizer-level
 :class:`~..base.Sync` for both.
 
-The DDP hook does what the optimizer's stage needs: during warm-up it averages the bucket in
-full precision exactly as DDP does (``torch.optim.AdamW`` on DDP gradients, bit for bit);
-in the compression stage it keeps the gradients local and, with ``overlap`` (the default),
-tells the optimizer which gradients are ready; the optimizer forms this rank's momenta of
-every fused buffer of its own layout that is complete and starts its compressed allreduce
-while backward goes on. Rank-local state in checkpoints: each
-optimizer's ``state`` (the same on every rank, but cheap) and its communicator's worker
-and server errors (different on every rank).
+The DDP hook is the staged optimizers' (:mod:`lowbit_strategy.algorithms.staged`, "The DDP
+hook": DDP's mean during warm-up, then the compressed allreduce of the momenta, started
+during backward with ``overlap``). Rank-local state in checkpoints: each optimizer's
+``state`` (the same on every rank, but cheap) and its communicator's worker and server
+errors (different on every rank).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.algorithms.staged.state import BucketState
-from lowbit_strategy.codecs.scaled_signs import check_block
+from lowbit_strategy.codecs.scaled_signs import check_scale_block
 from lowbit_strategy.collectives.compensated import (
     compensated_allreduce_start,
     compensated_error_buffers,
@@ -71,7 +71,7 @@ class OneBitCommunicator(BucketCommunicator):
         topology: Topology | None = None,
         spec: ShardSpec | None = None,
     ):
-        check_block(block, "OneBitCommunicator")
+        check_scale_block(block, "OneBitCommunicator")
         super().__init__(group, bucket_size_mb, debug, topology, spec)
         #: elements per scale block of the compressed allreduce (None: one scale per bucket)
         self.block = block

@@ -7,7 +7,18 @@ stay local; each rank forms its momentum from its own gradient, ``m_i = β1·m +
 and a compressed collective returns the mean of the ``m_i`` (the same on every rank); the
 optimizer then applies its update. What differs is the collective (error-compensated
 1-bit signs; Hadamard + Lloyd–Max codes) and the update (frozen or live variance), which
-the subclasses and their communicators supply. Shared here, one module each:
+the subclasses and their communicators supply.
+
+**The DDP hook** (:class:`StagedSync`) does what the optimizer's stage needs. During
+warm-up it averages each bucket in full precision exactly as DDP does, so the warm-up is
+the plain optimizer on DDP's gradients, bit for bit. In the compression stage it keeps the
+gradients local and, with the section's ``overlap`` (the default), tells the optimizer
+which gradients are ready (:meth:`StagedOptimizer.grads_ready`): the optimizer forms this
+rank's momentum of every fused buffer of its own layout that is complete and starts its
+compressed collective while backward goes on; ``step()`` finishes those and synchronizes
+the rest (everything, without ``overlap``: the same result bit for bit).
+
+Shared here, one module each:
 
 * :mod:`.optimizer` — :class:`StagedOptimizer`: the stage switch, the fixed bucket layout
   of the fused momentum buffers, the overlap entry from the DDP hook

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from lowbit_strategy.algorithms.staged import adam
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.layout import Key, Layout, local_view
-from lowbit_strategy.validation import check_number
+from lowbit_strategy.validation import check_int, check_number
 
 
 def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
@@ -52,11 +52,7 @@ class StagedOptimizer(Optimizer):
         self, params: Iterable, defaults: dict, warmup: int, warmup_name: str, step_key: str, min_warmup: int = 1
     ):
         name = type(self).__name__
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < min_warmup:
-            raise ValueError(
-                f"{name}: {warmup_name} must be an int >= {min_warmup} (full-precision steps before "
-                f"compression), got {warmup!r}"
-            )
+        check_int(name, warmup_name, warmup, min_warmup, what=" (full-precision steps before compression)")
         betas = defaults["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")

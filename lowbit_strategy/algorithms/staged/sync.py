@@ -25,12 +25,10 @@ logger = logging.getLogger(__name__)
 class StagedSync(Sync):
     """One optimizer-level :class:`~.base.Sync` for every :class:`StagedOptimizer`.
 
-    The DDP hook does what the optimizer's stage needs: during warm-up it averages the bucket
-    in full precision exactly as DDP does; in the compression stage it keeps the gradients
-    local and, with ``overlap``, tells the optimizer which gradients are ready, so the
-    optimizer starts the collective of every complete bucket of its own layout while
-    backward goes on. Rank-local state in checkpoints: each optimizer's ``state`` and its
-    communicator's per-bucket state. Subclasses set :attr:`optimizer_class`,
+    Its DDP hook is the one the package docstring describes (:mod:`lowbit_strategy.algorithms.staged`,
+    "The DDP hook": DDP's mean during warm-up, then local gradients and, with ``overlap``,
+    collectives started during backward). Rank-local state in checkpoints: each optimizer's
+    ``state`` and its communicator's per-bucket state. Subclasses set :attr:`optimizer_class`,
     :attr:`algorithm_name` and implement :meth:`make_communicator`.
     """
 

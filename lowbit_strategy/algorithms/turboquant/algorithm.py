@@ -1,12 +1,12 @@
 """TurboQuant-Adam behind the algorithm interface: the optimizer-level
 :class:`~lowbit_strategy.algorithms.staged.StagedSync` for :class:`TurboQuantAdamW`.
 
-During warm-up the DDP hook averages gradients in full precision, exactly as DDP does;
-afterwards it keeps them local and (with ``overlap``) starts each fused momentum buffer's
-TurboQuant collective as soon as backward has made it complete. Rank-local state in
-checkpoints: each optimizer's ``state`` (``exp_avg`` the same on every rank; ``exp_avg_sq``
-too under ``variance="synchronized"``, per rank under ``"local"``) and its communicator's
-per-bucket worker error, server error and scale EMA.
+The DDP hook is the staged optimizers' (:mod:`lowbit_strategy.algorithms.staged`, "The DDP
+hook": DDP's mean during warm-up, then each fused momentum buffer's TurboQuant collective,
+started during backward with ``overlap``). Rank-local state in checkpoints: each
+optimizer's ``state`` (``exp_avg`` the same on every rank; ``exp_avg_sq`` too under
+``variance="synchronized"``, per rank under ``"local"``) and its communicator's per-bucket
+worker error, server error and scale EMA.
 """
 
 from __future__ import annotations

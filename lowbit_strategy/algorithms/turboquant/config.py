@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lowbit_strategy.codecs.hadamard import check_block
+from lowbit_strategy.codecs.hadamard import check_rotation_block
 from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int
 
@@ -54,7 +54,7 @@ class TurboQuantConfig(Section):
         self._set("form", as_choice(self.field_name("form"), self.form, FORMS))
         block = as_int(self.field_name("block"), self.block, 2)
         try:
-            check_block(block)
+            check_rotation_block(block)
         except ValueError:
             raise ConfigError(self.field_name("block"), self.block, "a power of two in [2, 2**20]") from None
         self._set("block", block)

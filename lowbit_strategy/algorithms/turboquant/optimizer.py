@@ -56,6 +56,7 @@ from collections.abc import Iterable
 import torch
 
 from lowbit_strategy.algorithms.staged import StagedOptimizer, adam
+from lowbit_strategy.codecs.lloyd_max import check_bits
 from lowbit_strategy.validation import check_number
 
 #: accepted values of ``variance``
@@ -98,8 +99,7 @@ class TurboQuantAdamW(StagedOptimizer):
         scale_decay: float = 0.0,
     ):
         name = type(self).__name__
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise ValueError(f"{name}: bits must be an int in [2, 8] (4: the paper's 4-bit codes), got {bits!r}")
+        check_bits(name, bits, what=" (4: the paper's 4-bit codes)")
         if variance not in VARIANCES:
             raise ValueError(
                 f"{name}: variance must be one of {VARIANCES} ('synchronized' keeps replicas "

@@ -10,6 +10,7 @@ from lowbit_strategy.codecs.scaled_signs import check_error_buffer, check_input
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec, TurboQuantPayload
 from lowbit_strategy.codecs.turboquant_rows import decode_rows
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.validation import check_int
 
 
 def turboquant_server_chunk_length(n: int, world_size: int, block: int) -> int:
@@ -17,8 +18,7 @@ def turboquant_server_chunk_length(n: int, world_size: int, block: int) -> int:
     of ``server_error``): ``block·ceil(n/(P·block))`` if ``n ≥ P·block``, else
     ``8·ceil(n/(8P))`` (module docstring, "Layout and padding")."""
     for name, value in (("n", n), ("world_size", world_size), ("block", block)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"turboquant_server_chunk_length: {name} must be a positive int, got {value!r}")
+        check_int("turboquant_server_chunk_length", name, value, 1)
     if n >= world_size * block:
         return block * -(-n // (world_size * block))
     return 8 * -(-n // (8 * world_size))

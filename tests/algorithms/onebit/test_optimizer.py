@@ -190,7 +190,7 @@ def test_nan_step_is_skipped(cls):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(freeze_step=0), "freeze_step must be an int >= 1"),
+    (dict(freeze_step=0), "freeze_step must be a positive int"),
     (dict(freeze_step=2.5), "freeze_step"),
     (dict(lr=-1.0), "lr must be"),
     (dict(betas=(0.9,)), "betas must be a pair"),
