@@ -21,6 +21,7 @@ from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
+from lowbit_strategy.integrations.sharded import attach_sharded, node_mesh
 from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
 
@@ -43,9 +44,11 @@ __all__ = [
     "Sync",
     "TurboQuantAdamW",
     "attach",
+    "attach_sharded",
     "bitdp_hook",
     "keep_local_gradients",
     "nn",
+    "node_mesh",
     "load_rank_states",
     "save_rank_states",
     "__version__",

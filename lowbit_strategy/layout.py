@@ -23,14 +23,16 @@ names are ``param<i>``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lowbit_strategy import buckets
 
-__all__ = ["Key", "Layout", "Slot", "local_view", "parameter_names"]
+__all__ = ["Key", "Layout", "Slot", "is_dtensor", "local_step", "local_view", "parameter_names"]
 
 #: a bucket of a layout: the indices of its parameters in ``param_groups`` order
 Key = tuple[int, ...]
@@ -41,6 +43,79 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     sharded parameters and gradients), ``t`` itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor`` (without importing ``torch.distributed.tensor``)."""
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
+
+
+@contextmanager
+def local_step(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Tensor]]:
+    """Run an optimizer step on the local shards of ``DTensor`` parameters (FSDP2).
+
+    For the duration of the block every ``DTensor`` parameter in ``param_groups`` is replaced
+    by its local tensor (which shares its storage: in-place updates land in the parameter),
+    with the local gradient as its ``.grad``, and ``optimizer.state`` by the same state keyed
+    by those local tensors, its ``DTensor`` entries by their local tensors. So the step's
+    arithmetic, the layout's buckets and the collectives see plain tensors of the shard's
+    size. On exit everything is put back; state created during the step in a parameter's
+    local shape becomes a ``DTensor`` like its parameter (``DTensor.from_local`` with the
+    parameter's mesh, placements, global shape and stride, as torchao's optimizers do), so
+    ``torch.distributed.checkpoint``'s state-dict helpers save and reshard it. Yields
+    ``id(local) -> parameter`` (to map selections made on the parameters). With no
+    ``DTensor`` parameter it changes nothing."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for k, p in enumerate(params):
+            if is_dtensor(p):
+                local = p.to_local()
+                local.grad = None if p.grad is None else p.grad.to_local()
+                swapped.append((p, local))
+                params[k] = local
+    if not swapped:
+        yield {}
+        return
+    saved_state: Any = optimizer.state
+    local_state: Any = type(saved_state)(dict)
+    for p, local in swapped:
+        if p in saved_state:
+            local_state[local] = {k: local_view(v) for k, v in saved_state[p].items()}
+    for p, st in saved_state.items():  # plain parameters keep theirs
+        if not is_dtensor(p):
+            local_state[p] = st
+    optimizer.state = local_state
+    try:
+        yield {id(local): p for p, local in swapped}
+    finally:
+        by_local = {id(local): (p, local) for p, local in swapped}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for k, t in enumerate(params):
+                if id(t) in by_local:
+                    params[k] = by_local[id(t)][0]
+        for p, local in swapped:
+            local.grad = None
+            st = local_state.get(local)
+            if st is not None:
+                saved_state[p] = {
+                    k: _as_dtensor_like(v, p, local, saved_state.get(p, {}).get(k)) for k, v in st.items()
+                }
+        optimizer.state = saved_state
+
+
+def _as_dtensor_like(v, p, local: torch.Tensor, before) -> object:
+    """State value ``v`` of the step back in ``p``'s terms: the ``DTensor`` it was a local
+    view of, or a new ``DTensor`` like ``p`` for a tensor of the local shape; anything else
+    (a 0-d statistic, a flag) as it is."""
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(local.shape) or v.dim() == 0:
+        return v
+    if before is not None and is_dtensor(before) and before.to_local() is v:
+        return before
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def parameter_names(module: torch.nn.Module | None) -> dict[int, str]:

@@ -171,6 +171,8 @@ class Algorithm:
     hierarchical: whether its :class:`Sync` runs the hierarchical (node-aware) form when
         :attr:`Sync.topology` says so (:mod:`lowbit_strategy.collectives.hierarchy`); without
         it, ``topology='auto'`` stays flat and ``'hierarchical'`` is refused at setup.
+    sharded: whether it runs on a model ``fully_shard``-ed inside each node
+        (:func:`lowbit_strategy.attach_sharded`: its state per shard, its exchange across nodes).
     """
 
     name: str
@@ -183,3 +185,4 @@ class Algorithm:
     optimizer: type[torch.optim.Optimizer] | None = None
     warmup_argument: str | None = None
     hierarchical: bool = False
+    sharded: bool = False

@@ -32,7 +32,7 @@ import torch
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.hierarchy import Topology
 
-__all__ = ["NodeShard", "ShardSpec", "Whole", "pad_empty", "spec_for"]
+__all__ = ["LocalShard", "NodeShard", "ShardSpec", "Whole", "pad_empty", "spec_for", "take"]
 
 
 def pad_empty(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,13 @@ class ShardSpec(Protocol):
         """One line for checkpoints and logs (a layout of another shape is recognised on load)."""
         ...
 
+    def agree(self, bad: bool) -> bool:
+        """A step's verdict (this rank's, read on the host once per step) -> the verdict every
+        rank of the run acts on. Called once per step on every rank. Where every rank that
+        must decide alike already sees the same verdict (its collectives carried it), this is
+        the identity and costs nothing."""
+        ...
+
 
 class Whole:
     """The flat form: every rank sends the whole bucket over ``group``; nothing comes back."""
@@ -94,6 +101,9 @@ class Whole:
 
     def describe(self) -> str:
         return f"whole over {self.world_size} ranks"
+
+    def agree(self, bad: bool) -> bool:
+        return bad  # every rank holds the same buckets and sees every rank's verdict
 
 
 class NodeShard:
@@ -118,6 +128,46 @@ class NodeShard:
 
     def describe(self) -> str:
         return f"node shard {self.topology.local_rank} of {self.topology.ranks_per_node}, over {self.world_size} nodes"
+
+    def agree(self, bad: bool) -> bool:
+        return bad  # the node's gather ORed its shards' verdicts: every rank already agrees
+
+
+class LocalShard:
+    """A sharded data path (FSDP2 inside each node): this rank already holds only its shard
+    of every parameter (and the node's mean gradient of it, from FSDP's reduce-scatter), so
+    all of a bucket of local tensors is its part, synchronized across nodes over
+    ``replicate_group`` (the ranks holding the same shard on every node), and nothing comes
+    back: the optimizer steps its shard and FSDP all-gathers the parameters at the next
+    forward.
+
+    The ranks of a node hold different shards, so their buckets (and even their number of
+    buckets) differ: a step's verdict cannot ride on a per-bucket collective of the node.
+    :meth:`agree` ORs it once per step over every rank (``everyone``: one one-element MAX
+    allreduce), so a NaN in one rank's shard skips the step on every rank."""
+
+    def __init__(self, replicate_group, everyone=None):
+        self.group = replicate_group
+        self.world_size = g.world_size(replicate_group)
+        #: the ranks that must skip a step together: every rank of the run (None: the world)
+        self.everyone = everyone
+
+    def part(self, n: int, align: int = 64) -> tuple[int, int]:
+        return 0, n
+
+    def part_length(self, n: int, align: int = 64) -> int:
+        return n
+
+    def restore_async(self, part, n, traffic=None, flag=None, align=64):
+        return _done((part.reshape(-1)[:n], flag))
+
+    def describe(self) -> str:
+        return f"local shard across {self.world_size} nodes"
+
+    def agree(self, bad: bool) -> bool:
+        flag = torch.tensor([int(bad)], dtype=torch.int32)
+        g.all_reduce_max(flag, g.cpu_group(self.everyone), "shard.agree")  # a host value: a CPU group
+        return bool(flag.item())
 
 
 def spec_for(group, topology: Topology | None) -> Whole | NodeShard:

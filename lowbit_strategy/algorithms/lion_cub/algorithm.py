@@ -25,7 +25,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
-from lowbit_strategy.layout import parameter_names
+from lowbit_strategy.layout import local_view, parameter_names
 from lowbit_strategy.rank_state import to_cpu
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,9 @@ class LionSync(Sync):
             params = [p for grp in opt.param_groups for p in grp["params"]]
             # every rank, same order: auto measures its codecs once and plans with them
             comm.calibrate(
-                sum(p.numel() for p in params), section.momentum_sync_every, params[0].device if params else "cpu"
+                sum(local_view(p).numel() for p in params),  # what this rank holds (a DTensor's shard)
+                section.momentum_sync_every,
+                params[0].device if params else "cpu",
             )
 
     def detach(self) -> None:
@@ -188,4 +190,5 @@ ALGORITHM = Algorithm(
     summary="Lion Cub (lowbit_strategy.Lion)",
     optimizer=Lion,
     hierarchical=True,
+    sharded=True,
 )

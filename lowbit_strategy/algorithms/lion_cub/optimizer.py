@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
-from lowbit_strategy.layout import Layout, local_view
+from lowbit_strategy.layout import Layout, local_step, local_view
 from lowbit_strategy.validation import check_int, check_number, short
 
 
@@ -71,6 +71,7 @@ class Lion(Optimizer):
         self.momentum_syncs = 0
         self.audit_next_step = False
         self._momentum_sync: tuple[int, list[torch.Tensor]] | None = None
+        self._global_of: dict[int, torch.Tensor] = {}
 
     def attach_communicator(
         self, communicator: LionCommunicator | None, names: Mapping[int, str] | None = None
@@ -105,6 +106,13 @@ class Lion(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # DTensor parameters (FSDP2): the step runs on their local shards
+        with local_step(self) as self._global_of:
+            self._step()
+        self._global_of = {}
+        return loss
+
+    def _step(self) -> None:
         # the communicator when there are other ranks to talk to, else None
         comm = self.communicator if self.communicator is not None and self.communicator.world_size > 1 else None
         distributed = comm is not None
@@ -129,19 +137,21 @@ class Lion(Optimizer):
             has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
         else:
             bad_somewhere = bool(bad) if bad is not None else False
+            if self.communicator is not None:  # one worker, ranks holding different shards: one verdict
+                bad_somewhere = self.communicator.spec.agree(bad_somewhere)
         if bad_somewhere:
             self.skipped_steps += 1
             warnings.warn(
                 "Lion: non-finite gradient (NaN/Inf) on at least one rank; step skipped in every "
                 "parameter group, weights and momentum unchanged",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            return loss
+            return
         chosen = {id(p) for p, h in zip(rest, has_grad) if h}
         chosen.update(id(p) for p in params if id(p) in given and p.grad is not None)
         if not chosen:
-            return loss
+            return
         step = self.global_step + 1
         for group in self.param_groups:
             active = [p for p in group["params"] if id(p) in chosen]
@@ -154,7 +164,6 @@ class Lion(Optimizer):
             every, selected = self._momentum_sync
             if step % every == 0:
                 self.sync_momentum(selected)
-        return loss
 
     @torch.no_grad()
     def launch_bucket(self, params: list, grads: list, nonfinite: torch.Tensor) -> None:
@@ -230,7 +239,10 @@ class Lion(Optimizer):
         """Average the momentum of ``params`` across ranks (Lion Cub Sec. 5). Returns how
         many momenta were averaged; a no-op without a distributed communicator."""
         selected = {id(p) for p in params}
-        tensors = [self.momentum(p) for grp in self.param_groups for p in grp["params"] if id(p) in selected]
+        of = self._global_of  # inside a local_step: local tensor -> its DTensor parameter
+        tensors = [
+            self.momentum(p) for grp in self.param_groups for p in grp["params"] if id(of.get(id(p), p)) in selected
+        ]
         if self.communicator is not None:
             self.communicator.average_(tensors)
             self.momentum_syncs += 1

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.staged import adam
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
-from lowbit_strategy.layout import Key, Layout, local_view
+from lowbit_strategy.layout import Key, Layout, local_step, local_view
 from lowbit_strategy.validation import check_int, check_number
 
 
@@ -139,9 +139,9 @@ class StagedOptimizer(Optimizer):
     def _momenta(self, key: Key) -> list[torch.Tensor]:
         """This rank's momenta of bucket ``key``: local tensors (a ``DTensor``'s shard)."""
         out = []
-        slots = cast(Layout, self.param_layout).slots
+        slots, params = cast(Layout, self.param_layout).slots, self._params()  # (local ones in a local_step)
         for i in key:
-            p, group = slots[i].param, slots[i].group
+            p, group = params[i], slots[i].group
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
             out.append(local_view(self._local_momentum(group, p, grad)))
         return out
@@ -158,13 +158,20 @@ class StagedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self.global_step + 1
-        applied = self._warmup_step(step) if step <= self._warmup_steps else self._compressed_step(step)
-        if applied:
-            for group in self.param_groups:
-                group[self._step_key] = step
-            if step == self._warmup_steps:
-                self._end_warmup()
+        with local_step(self):  # DTensor parameters (FSDP2): the step runs on their local shards
+            applied = self._warmup_step(step) if step <= self._warmup_steps else self._compressed_step(step)
+            if applied:
+                for group in self.param_groups:
+                    group[self._step_key] = step
+                if step == self._warmup_steps:
+                    self._end_warmup()
         return loss
+
+    def _agreed(self, bad: bool) -> bool:
+        """This rank's verdict on the step -> the one every rank acts on (the shard spec's
+        :meth:`~lowbit_strategy.collectives.shards.ShardSpec.agree`: free where the
+        collectives already carried it, one small OR when ranks hold different shards)."""
+        return self.communicator.spec.agree(bad) if self.communicator is not None else bad
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
@@ -186,7 +193,7 @@ class StagedOptimizer(Optimizer):
         without a gradient are skipped, as torch's optimizers do."""
         active = [(grp, p) for grp in self.param_groups for p in grp["params"] if p.grad is not None]
         self._check_dense(p for _, p in active)
-        if any_nonfinite([p.grad for _, p in active]):
+        if self._agreed(any_nonfinite([p.grad for _, p in active])):
             return self._skip()
         self._warmup_all(active, step)
         return bool(active)
@@ -202,7 +209,7 @@ class StagedOptimizer(Optimizer):
         # averaged the gradients as DDP does, so the local momentum is the mean momentum
         if not self._distributed or self._attached().exact:
             grads = [p.grad for p in params if p.grad is not None]
-            if any_nonfinite(grads):
+            if self._agreed(any_nonfinite(grads)):
                 return self._skip()
             means = {
                 i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params) if p.grad is not None
@@ -216,7 +223,8 @@ class StagedOptimizer(Optimizer):
             by_key.update(zip(rest, results))
             self._ready, self._launched = set(), set()
             verdicts = [v for v in (bad, bad_rest) if v is not None]
-            if verdicts and bool(torch.stack(verdicts).any()):  # the step's one host read
+            # the step's one host read (and, for ranks holding different shards, one small OR)
+            if self._agreed(bool(torch.stack(verdicts).any()) if verdicts else False):
                 comm.discard()
                 return self._skip()
             comm.commit()

@@ -23,6 +23,7 @@ from lowbit_strategy.algorithms.staged import (
 from lowbit_strategy.algorithms.turboquant.communicator import TurboQuantCommunicator
 from lowbit_strategy.algorithms.turboquant.config import TurboQuantConfig
 from lowbit_strategy.algorithms.turboquant.optimizer import TurboQuantAdamW
+from lowbit_strategy.layout import Layout
 
 
 class TurboQuantSync(StagedSync):
@@ -55,7 +56,7 @@ class TurboQuantSync(StagedSync):
             comm.calibrate(params[0].device if params else "cpu")
             if comm.world_size > 1:
                 layout = opt.layout()
-                comm.plan_forms(layout, [sum(params[i].numel() for i in key) for key in layout])
+                comm.plan_forms(layout, [cast(Layout, opt.param_layout).numel(key) for key in layout])
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -75,5 +76,6 @@ ALGORITHM = Algorithm(
     summary="TurboQuant-Adam: 4-bit Hadamard + Lloyd-Max momentum (lowbit_strategy.TurboQuantAdamW)",
     optimizer=TurboQuantAdamW,
     hierarchical=True,
+    sharded=True,
     warmup_argument="warmup_steps",
 )

@@ -1,0 +1,215 @@
+"""The sharded front end: FSDP2 inside each node, the algorithm's low-bit exchange across nodes.
+
+::
+
+    mesh = lowbit_strategy.node_mesh("cuda")               # ("replicate", "shard"): nodes x ranks per node
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])            # shard inside the node only
+    fully_shard(model, mesh=mesh["shard"])
+    opt = lowbit_strategy.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=1000)
+    sync = lowbit_strategy.attach_sharded(model, [opt], LowBitConfig(algorithm="onebit_adam"), mesh=mesh)
+    ...                                                    # train as usual: loss.backward(); opt.step()
+
+The hierarchical form's three stages, with the shards coming from FSDP2 (HSDP, with the
+replicate all-reduce replaced by the algorithm's own collective):
+
+1. inside the node, FSDP2's reduce-scatter averages the gradients: each rank holds the node's
+   mean gradient of its shard (dim-0 rows of every parameter);
+2. across nodes, the algorithm's collective runs over ``mesh["replicate"]`` (the ranks that
+   hold the same shard on every node) on this rank's shards only — from FSDP's per-unit
+   all-reduce hook when it averages gradients (the staged optimizers' warm-up: the exact mean,
+   as HSDP would), in ``optimizer.step()`` when it forms what it sends from the node's
+   gradient (Lion Cub's update vectors, the compressed momenta); the optimizer steps the
+   shard, so its state, and every error buffer, is 1/L of the replicated form's;
+3. FSDP2's all-gather of the parameters at the next forward replaces the node's all-gather.
+
+The node is the worker: the result is the flat algorithm's over N workers that see their
+node's mean gradient, in the sharded layout (each bucket of the optimizer's layout holds
+local shards). The ranks of a node hold different shards, so a step's NaN/Inf verdict is
+agreed once per step over every rank (:class:`~lowbit_strategy.collectives.shards.LocalShard`).
+
+Why not FSDP2's native HSDP (a 2-D mesh given to ``fully_shard``): its replicate all-reduce
+is a hard-coded ``all_reduce`` whose hook cannot replace it (``set_requires_all_reduce(False)``
+also skips the hook and assigns no gradients). So the model is sharded over the node only,
+and :func:`attach_sharded` refuses a 2-D or node-spanning mesh, naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy import algorithms
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives import hierarchy
+from lowbit_strategy.collectives.shards import LocalShard
+from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync
+from lowbit_strategy.layout import is_dtensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["attach_sharded", "node_mesh", "sharded_units"]
+
+#: the dimension names of :func:`node_mesh`
+DIMS = ("replicate", "shard")
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def node_mesh(device_type: str = "cuda", config: LowBitConfig | Mapping[str, Any] | str | None = None):
+    """A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``: one row per node (N), one
+    column per rank of a node (L), from the node layout the launcher exported
+    (``LOCAL_WORLD_SIZE``; ``LowBitConfig.ranks_per_node`` overrides it; nodes are contiguous
+    rank blocks, checked on every rank together by
+    :func:`~lowbit_strategy.collectives.hierarchy.resolve`). ``fully_shard`` the model over
+    ``mesh["shard"]`` and hand the mesh to :func:`attach_sharded`. Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = LowBitConfig.coerce(config)
+    topo = hierarchy.resolve(cfg.replace(topology="flat"), None)  # the layout only: no groups of its own
+    return init_device_mesh(device_type, (topo.nodes, topo.ranks_per_node), mesh_dim_names=DIMS)
+
+
+def sharded_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
+    """Every ``fully_shard``-ed module of ``model`` with the parameters it manages itself (its
+    own, not those of a nested unit), in module order."""
+    cls = _fsdp_module_class()
+    if cls is None:
+        return []
+    units = [m for m in model.modules() if isinstance(m, cls)]
+    out: list[tuple[torch.nn.Module, list[torch.Tensor]]] = []
+    for unit in units:
+        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, cls) for p in sub.parameters()}
+        out.append((unit, [p for p in unit.parameters() if id(p) not in nested]))
+    return out
+
+
+def _ranks(mesh) -> list[int]:
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
+def _problem(model: torch.nn.Module, mesh) -> str | None:
+    """Why ``model`` / ``mesh`` cannot run sharded here, with the fix; None when they can."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return (
+            "attach_sharded takes a model sharded with torch.distributed.fsdp.fully_shard over mesh['shard'], "
+            "not a DistributedDataParallel model; for a replicated model use lowbit_strategy.attach(ddp_model, ...)"
+        )
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != DIMS:
+        return f"mesh must be 2-D with dims {DIMS} (lowbit_strategy.node_mesh), got dims {mesh.mesh_dim_names}"
+    units = sharded_units(model)
+    fix = (
+        "shard each block and then the root over the node: mesh = lowbit_strategy.node_mesh(device_type); "
+        "fully_shard(block, mesh=mesh['shard']) for each block; fully_shard(model, mesh=mesh['shard'])"
+    )
+    if not units:
+        return f"the model has no fully_shard-ed module: {fix}"
+    if not all(hasattr(unit, "set_all_reduce_hook") for unit, _ in units):
+        return f"this torch ({torch.__version__}) has no FSDPModule.set_all_reduce_hook: use torch >= 2.6"
+    node = _ranks(mesh["shard"])
+    plain = [n for n, p in model.named_parameters() if not is_dtensor(p)]
+    if plain:
+        return f"parameters {plain[:4]} are not sharded (plain tensors: no node reduce-scatter): {fix}"
+    for name, p in model.named_parameters():
+        pm = cast(Any, p).device_mesh  # a DTensor (checked above)
+        if pm.ndim != 1:
+            return (
+                f"parameter {name!r} is sharded over a {pm.ndim}-D mesh: FSDP2's native HSDP hard-codes its "
+                f"replicate all-reduce, which the low-bit exchange replaces; {fix}"
+            )
+        if _ranks(pm) != node:
+            return (
+                f"parameter {name!r} is sharded over ranks {_ranks(pm)}, not this node's {node}: an FSDP group "
+                f"spanning nodes sends every reduce-scatter across the network; {fix}"
+            )
+    return None
+
+
+def _agreed_problem(problem: str | None) -> None:
+    """Raise the same :class:`LowBitSetupError` on every rank when any rank found a problem."""
+    world = dist.get_world_size()
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, problem, group=g.cpu_group(None))
+    bad = [(r, p) for r, p in enumerate(seen) if p is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise LowBitSetupError(f"attach_sharded (rank(s) {ranks[:8]}): {bad[0][1]}")
+
+
+def _unit_hook(sync: Sync, params: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    """FSDP's all-reduce hook of one unit: ``reduce_output`` is the unit's flat padded
+    gradient shard, the node's mean, after the reduce-scatter. The launch site of the
+    algorithm interface (:meth:`Sync.gradients_ready`): when the algorithm averages now (a
+    warm-up) the cross-node mean is written into it in place, before FSDP makes the
+    gradients from it; else it stays the node's and the optimizer exchanges at the step."""
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        averaged = sync.gradients_ready(params, reduce_output)
+        if averaged is not None:
+            averaged.wait()  # FSDP reads the buffer when the hook returns
+
+    return hook
+
+
+def attach_sharded(
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    config: LowBitConfig | Mapping[str, Any] | str | None = None,
+    mesh=None,
+    **overrides: Any,
+) -> Sync:
+    """Run ``config.algorithm`` across nodes on a model ``fully_shard``-ed inside each node
+    (module docstring). ``mesh``: :func:`node_mesh`'s (made here when None, on the parameters'
+    device type). Checks the model and mesh (one error on every rank, naming the fix: a DDP
+    model, a native-HSDP 2-D mesh, an FSDP group spanning nodes, unsharded parameters), runs
+    the same configuration handshake and optimizer checks as :func:`~lowbit_strategy.attach`,
+    registers each unit's all-reduce hook and wires the optimizers."""
+    cfg = LowBitConfig.coerce(config, **overrides)
+    if mesh is None:
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = node_mesh(device, cfg)
+    _agreed_problem(_problem(model, mesh))
+    algo = algorithms.get(cfg.algorithm)
+    if not algo.sharded:
+        raise LowBitSetupError(
+            f"{cfg.algorithm} has no sharded form yet (attach_sharded runs "
+            f"{', '.join(a.name for a in algorithms.REGISTRY.values() if a.sharded)}); "
+            "use it with DDP (lowbit_strategy.attach) or pick one of those"
+        )
+    sync = build_sync(cfg, model, None, ranks_per_node=mesh["shard"].size())
+    # the DDP node stages (node mean, node all-gather) are FSDP's here: the topology only describes
+    topology = cast(hierarchy.Topology, sync.topology)  # (build_sync sets it)
+    sync.topology = dataclasses.replace(topology, hierarchical=False, intra=None, inter=None)
+    sync.spec = LocalShard(mesh["replicate"].get_group())
+    # what an optimizer-level algorithm sends is formed from p.grad, which FSDP assigns only
+    # after the hook returns: the exchange runs at the step
+    sync.disable_overlap(
+        "the sharded path forms what it sends in optimizer.step() (FSDP assigns gradients after its hook)"
+    )
+    for unit, params in sharded_units(model):
+        if params:
+            unit.set_all_reduce_hook(_unit_hook(sync, params))  # type: ignore[operator]
+    attach_optimizers(sync, list(optimizers))
+    logger.info(
+        "lowbit: %s sharded: FSDP2 inside %d node(s) of %d rank(s), the low-bit exchange across nodes",
+        cfg.algorithm,
+        mesh["replicate"].size(),
+        mesh["shard"].size(),
+    )
+    return sync
