@@ -32,7 +32,7 @@ import torch
 
 from lowbit_strategy import buckets
 
-__all__ = ["Key", "Layout", "Slot", "is_dtensor", "local_step", "local_view", "parameter_names"]
+__all__ = ["Key", "Layout", "Slot", "dtensor_state_", "is_dtensor", "local_step", "local_view", "parameter_names"]
 
 #: a bucket of a layout: the indices of its parameters in ``param_groups`` order
 Key = tuple[int, ...]
@@ -105,11 +105,25 @@ def local_step(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Ten
         optimizer.state = saved_state
 
 
+def dtensor_state_(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict`` of rank-local state saved as local shards (what
+    :func:`~lowbit_strategy.rank_state.to_cpu` writes for ``DTensor`` state): every state
+    tensor of its ``DTensor`` parameter's local shape becomes a ``DTensor`` like the
+    parameter again, so ``torch.distributed.checkpoint`` sees sharded state. A no-op for
+    plain parameters."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st and is_dtensor(p):
+                local = p.to_local()
+                optimizer.state[p] = {k: _as_dtensor_like(v, p, local, None) for k, v in st.items()}
+
+
 def _as_dtensor_like(v, p, local: torch.Tensor, before) -> object:
     """State value ``v`` of the step back in ``p``'s terms: the ``DTensor`` it was a local
     view of, or a new ``DTensor`` like ``p`` for a tensor of the local shape; anything else
     (a 0-d statistic, a flag) as it is."""
-    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(local.shape) or v.dim() == 0:
+    if not isinstance(v, torch.Tensor) or is_dtensor(v) or tuple(v.shape) != tuple(local.shape) or v.dim() == 0:
         return v
     if before is not None and is_dtensor(before) and before.to_local() is v:
         return before

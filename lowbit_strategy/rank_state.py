@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.collectives.group import cpu_group
+from lowbit_strategy.layout import local_view
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ KEY = "lowbit_rank_states"
 
 
 def to_cpu(obj: Any) -> Any:
-    """Copies of every tensor in nested dicts/lists, on CPU."""
+    """Copies of every tensor in nested dicts/lists, on CPU; a ``DTensor`` (FSDP2's sharded
+    optimizer state) as this rank's local shard: rank-local state is each rank's own."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        return local_view(obj).detach().cpu().clone()
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

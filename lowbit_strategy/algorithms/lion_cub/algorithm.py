@@ -25,7 +25,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
-from lowbit_strategy.layout import local_view, parameter_names
+from lowbit_strategy.layout import dtensor_state_, local_view, parameter_names
 from lowbit_strategy.rank_state import to_cpu
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class LionSync(Sync):
                 _check_shapes(layout["shapes"], opt.param_layout.describe()["shapes"])
             # torch's load_state_dict moves each buffer to its parameter's device
             opt.load_state_dict({**opt.state_dict(), "state": own})
+            dtensor_state_(opt)  # sharded: local shards back to DTensors like their parameters
 
 
 def _check_shapes(saved: dict, mine: dict) -> None:

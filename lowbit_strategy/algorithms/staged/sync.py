@@ -16,7 +16,7 @@ from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.collectives.shards import Whole, take
-from lowbit_strategy.layout import parameter_names
+from lowbit_strategy.layout import dtensor_state_, parameter_names
 from lowbit_strategy.rank_state import to_cpu
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class StagedSync(Sync):
             )
         for opt, own in zip(self.optimizers, saved):
             opt.load_state_dict({**opt.state_dict(), "state": own["state"]})
+            dtensor_state_(opt)  # sharded: local shards back to DTensors like their parameters
             if opt.communicator is not None:
                 device = next((p.device for grp in opt.param_groups for p in grp["params"]), "cpu")
                 opt.communicator.load_state_dict(own.get("errors") or {}, device)
