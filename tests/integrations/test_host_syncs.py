@@ -114,3 +114,26 @@ def _check(rank, world_size):
 @pytest.mark.slow
 def test_no_host_reads_during_backward_and_at_most_one_per_step():
     run_ranks(2, _check)
+
+
+def _check_sharded(rank, world_size):
+    from tests.integrations.test_sharded import CASES as SHARDED, PER_NODE, _sharded_model
+
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    with HostReads() as reads:
+        for name, (kw, make, _) in SHARDED.items():
+            net = _sharded_model(mesh)
+            opt = make(net.parameters())
+            lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**kw, ranks_per_node=PER_NODE), mesh=mesh)
+            for step in range(1, STEPS + 1):
+                opt.zero_grad()
+                out = loss(net, rank, step)
+                reads.run("backward", out.backward)  # FSDP's hooks and the warm-up's cross-node mean
+                opt.step()
+                n, where = reads.take("backward")
+                assert n == 0, f"sharded {name} step {step}: {n} host reads during backward, first at:\n{where[0]}"
+
+
+@pytest.mark.slow
+def test_sharded_path_reads_nothing_on_the_host_during_backward():
+    run_ranks(4, _check_sharded)

@@ -46,21 +46,31 @@ def _rows(d0: int, local: int) -> tuple[int, int]:
     return min(d0, local * c), min(d0, (local + 1) * c)
 
 
-def _sharded_model(mesh):
-    from torch.distributed.fsdp import fully_shard
+def _sharded_model(mesh, bf16: bool = False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
     net = model()
     for i in (0, 2, 4):  # the embedding and both linears are units; the root has no parameters
-        fully_shard(net[i], mesh=mesh["shard"])
-    fully_shard(net, mesh=mesh["shard"])
+        fully_shard(net[i], mesh=mesh["shard"], **kw)
+    fully_shard(net, mesh=mesh["shard"], **kw)
     return net
+
+
+def _backward(net, rank, step, micro: int, bf16: bool = False) -> None:
+    """``micro`` micro-batches (step's data, then step + 100's, ...): gradients accumulate
+    and only the last one synchronizes (FSDP2's ``set_requires_gradient_sync``)."""
+    for i in range(micro):
+        if hasattr(net, "set_requires_gradient_sync"):
+            net.set_requires_gradient_sync(i == micro - 1)
+        loss(net, rank, step + 100 * i).backward()
 
 
 def _full(net) -> list[torch.Tensor]:
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()]
 
 
-def _oracle(rank, cfg, make_opt, steps, warmup, groups):
+def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
     intra, inter = groups
     local = rank % PER_NODE
     replica = model()
@@ -73,9 +83,15 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups):
     attach_optimizers(sync, [opt])
     for step in range(1, steps + 1):
         replica.zero_grad()
-        loss(replica, rank, step).backward()
-        for p, s in zip(replica.parameters(), shards):
-            g = p.grad.mul(0.5)
+        computed = replica
+        if bf16:  # what FSDP computes with: the parameters cast to bf16; gradients reduced in fp32
+            computed = model().to(torch.bfloat16)
+            with torch.no_grad():
+                for c, p in zip(computed.parameters(), replica.parameters()):
+                    c.copy_(p)
+        _backward(computed, rank, step, micro)
+        for p, c, s in zip(replica.parameters(), computed.parameters(), shards):
+            g = c.grad.float().mul(0.5)
             dist.all_reduce(g, group=intra)  # the node's mean (two halves: exact)
             s.grad = g[slice(*_rows(p.shape[0], local))].clone()
             if step <= warmup:  # a staged optimizer's warm-up: DDP's mean over the nodes
@@ -93,13 +109,13 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups):
     return [p.detach() for p in replica.parameters()], opt
 
 
-def _sharded(rank, cfg, make_opt, steps, mesh):
-    net = _sharded_model(mesh)
+def _sharded(rank, cfg, make_opt, steps, mesh, micro=1, bf16=False):
+    net = _sharded_model(mesh, bf16)
     opt = make_opt(net.parameters())
     sync = lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
     for step in range(1, steps + 1):
         opt.zero_grad()
-        loss(net, rank, step).backward()
+        _backward(net, rank, step, micro, bf16)
         opt.step()
     return net, opt, sync
 
@@ -144,6 +160,27 @@ def _check_against_oracle(rank, world_size):
         logs = sync.traffic_logs()
         assert sum(log.bytes_sent for log in logs) > 0, name
         del oracle_opt
+
+
+def _check_accumulation_and_mixed_precision(rank, world_size):
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    groups = (mesh["shard"].get_group(), mesh["replicate"].get_group())
+    for name in ("lion_1bit", "onebit_adam"):
+        cfg, make_opt, _ = CASES[name]
+        warmup = 2 if cfg["algorithm"] == "onebit_adam" else 0
+        for micro, bf16 in ((2, False), (1, True)):
+            net, _, sync = _sharded(rank, cfg, make_opt, STEPS, mesh, micro=micro, bf16=bf16)
+            want, _ = _oracle(rank, cfg, make_opt, STEPS, warmup, groups, micro=micro, bf16=bf16)
+            assert all(torch.equal(a, b) for a, b in zip(_full(net), want)), f"{name} micro={micro} bf16={bf16}"
+            if micro > 1:  # one exchange per optimizer step: the bytes of the run without accumulation
+                _, _, once = _sharded(rank, cfg, make_opt, STEPS, mesh)
+                sent = [sum(log.bytes_sent for log in s.traffic_logs()) for s in (sync, once)]
+                assert sent[0] == sent[1] > 0, (name, sent)
+
+
+@pytest.mark.slow
+def test_accumulation_and_bf16_mixed_precision_equal_the_oracle():
+    run_ranks(2 * PER_NODE, _check_accumulation_and_mixed_precision)
 
 
 @pytest.mark.slow
