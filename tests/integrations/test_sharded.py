@@ -295,3 +295,38 @@ def _check_resume(rank, world_size, tmp):
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
     run_ranks(2 * PER_NODE, _check_resume, str(tmp_path))
+
+
+def _check_clipping(rank, world_size):
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    intra = mesh["shard"].get_group()
+    cfg, make_opt, _ = CASES["lion_1bit"]
+    net = _sharded_model(mesh)
+    opt = make_opt(net.parameters())
+    lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
+    replica = model()  # the node's mean gradient, to check the norm clip_grad_norm_ sees
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss(net, rank, step).backward()
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        with torch.no_grad():
+            for r, p in zip(replica.parameters(), net.parameters()):
+                r.copy_(p.full_tensor())
+        replica.zero_grad()
+        loss(replica, rank, step).backward()
+        grads = [p.grad.mul(0.5) for p in replica.parameters()]
+        for gr in grads:
+            dist.all_reduce(gr, group=intra)
+        node_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(gr) for gr in grads]))
+        # the node is the worker: its gradient is clipped by its own norm
+        assert torch.allclose(norm.full_tensor(), node_norm, rtol=1e-5), (float(norm.full_tensor()), float(node_norm))
+        opt.step()
+    full = torch.cat([t.reshape(-1) for t in _full(net)])
+    every = [torch.empty_like(full) for _ in range(world_size)]
+    dist.all_gather(every, full)
+    assert all(torch.equal(every[0], e) for e in every) and bool(torch.isfinite(full).all())
+
+
+@pytest.mark.slow
+def test_clipping_clips_each_nodes_gradient_by_its_norm_and_replicas_stay_identical():
+    run_ranks(2 * PER_NODE, _check_clipping)
