@@ -25,7 +25,7 @@ so every rank launches the same collectives in the same order and carries its fl
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -51,7 +51,7 @@ class ShardSpec(Protocol):
     """This rank's part of a bucket, the group it is synchronized over, and the way back."""
 
     #: the group of the compressed collective (the workers)
-    group: object
+    group: Any
     #: the number of workers: ranks of :attr:`group`
     world_size: int
 

@@ -17,10 +17,11 @@ replicate all-reduce replaced by the algorithm's own collective):
    mean gradient of its shard (dim-0 rows of every parameter);
 2. across nodes, the algorithm's collective runs over ``mesh["replicate"]`` (the ranks that
    hold the same shard on every node) on this rank's shards only — from FSDP's per-unit
-   all-reduce hook when it averages gradients (the staged optimizers' warm-up: the exact mean,
-   as HSDP would), in ``optimizer.step()`` when it forms what it sends from the node's
-   gradient (Lion Cub's update vectors, the compressed momenta); the optimizer steps the
-   shard, so its state, and every error buffer, is 1/L of the replicated form's;
+   all-reduce hook when it averages gradients (BitDP's 1/2-bit rows; the staged optimizers'
+   warm-up: the exact mean, as HSDP would), in ``optimizer.step()`` when it forms what it
+   sends from the node's gradient (Lion Cub's update vectors, the compressed momenta); the
+   optimizer steps the shard, so its state, and every error buffer, is 1/L of the
+   replicated form's;
 3. FSDP2's all-gather of the parameters at the next forward replaces the node's all-gather.
 
 The node is the worker: the result is the flat algorithm's over N workers that see their

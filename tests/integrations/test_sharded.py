@@ -231,8 +231,9 @@ def _check_bad_inputs(rank, world_size):
     net = _sharded_model(mesh)
     with pytest.raises(LowBitSetupError, match="drives lowbit_strategy.Lion"):
         lowbit_strategy.attach_sharded(net, [torch.optim.AdamW(net.parameters())], cfg, mesh=mesh)
-    with pytest.raises(LowBitSetupError, match="bitdp has no sharded form yet"):
-        lowbit_strategy.attach_sharded(net, [], LowBitConfig(algorithm="bitdp", ranks_per_node=PER_NODE), mesh=mesh)
+    with pytest.raises(LowBitSetupError, match="onebit_lamb has no sharded form yet"):
+        lowbit_strategy.attach_sharded(net, [lowbit_strategy.OneBitLamb(net.parameters())],
+                                       LowBitConfig(algorithm="onebit_lamb", ranks_per_node=PER_NODE), mesh=mesh)
 
 
 @pytest.mark.slow
@@ -330,3 +331,82 @@ def _check_clipping(rank, world_size):
 @pytest.mark.slow
 def test_clipping_clips_each_nodes_gradient_by_its_norm_and_replicas_stay_identical():
     run_ranks(2 * PER_NODE, _check_clipping)
+
+
+class _OneBucket:
+    """Every shard gradient of the oracle's model as one DDP-like bucket (BitDP's codes and
+    scales are per row, its full-precision part an exact mean: bucketing changes nothing)."""
+
+    def __init__(self, params):
+        self._params = params
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self):
+        return self._buf
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        out, at = [], 0
+        for p in self._params:
+            out.append(self._buf[at: at + p.numel()].view(p.shape))
+            at += p.numel()
+        return out
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def _check_bitdp(rank, world_size):
+    from lowbit_strategy import BitDPState, bitdp_hook
+
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    intra, inter = mesh["shard"].get_group(), mesh["replicate"].get_group()
+    local = rank % PER_NODE
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)  # noqa: E731
+    for form, feedback in (("allgather", False), ("two_stage", True)):
+        cfg = dict(algorithm="bitdp", bitdp_bits=2, form=form, error_feedback=feedback)
+        net, _, sync = _sharded(rank, cfg, adamw, STEPS, mesh)
+        # the oracle: BitDP's DDP hook over the N = 2 workers of this local rank, on the rows
+        replica, shard_model = model(), model()
+        for p in shard_model.parameters():
+            p.data = p.data[slice(*_rows(p.shape[0], local))].clone()
+        shards = list(shard_model.parameters())
+        state = BitDPState(bits=2, process_group=inter, start_iter=2, form=form, error_feedback=feedback,
+                           model=shard_model)
+        opt = adamw(shards)
+        for step in range(1, STEPS + 1):
+            replica.zero_grad()
+            loss(replica, rank, step).backward()
+            for p, s in zip(replica.parameters(), shards):
+                g = p.grad.mul(0.5)
+                dist.all_reduce(g, group=intra)
+                s.grad = g[slice(*_rows(p.shape[0], local))].clone()
+            bucket = _OneBucket(shards)
+            mean = bitdp_hook(state, bucket).wait()
+            for s, v in zip(shards, bucket.gradients()):
+                s.grad.copy_(v)
+            del mean
+            opt.step()
+            with torch.no_grad():
+                for p, s in zip(replica.parameters(), shards):
+                    c = -(-p.shape[0] // PER_NODE)
+                    block = torch.zeros((c, *p.shape[1:]))
+                    block[: s.shape[0]] = s
+                    every = [torch.empty_like(block) for _ in range(PER_NODE)]
+                    dist.all_gather(every, block, group=intra)
+                    p.copy_(torch.cat(every)[: p.shape[0]])
+        got = _full(net)
+        assert all(torch.equal(a, b.detach()) for a, b in zip(got, replica.parameters())), f"bitdp {form} rank {rank}"
+        assert sum(log.bytes_sent for log in sync.traffic_logs()) > 0
+        if feedback:  # its rank-local state round-trips in local shapes
+            sync.load_state_dict(sync.state_dict())
+
+
+@pytest.mark.slow
+def test_bitdp_sharded_equals_its_oracle_in_both_forms():
+    run_ranks(2 * PER_NODE, _check_bitdp)

@@ -3,13 +3,17 @@ hook is :func:`.hook.bitdp_hook`, for any optimizer."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from lowbit_strategy.algorithms.base import Algorithm, Sync
 from lowbit_strategy.algorithms.bitdp.config import BitDPConfig
 from lowbit_strategy.algorithms.bitdp.hierarchical import hierarchical_hook
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook
+from lowbit_strategy.algorithms.bitdp.sharded import sharded_ready
 from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.layout import local_view
 
 
 class BitDPSync(Sync):
@@ -34,6 +38,10 @@ class BitDPSync(Sync):
             form=section.form,
             link=(config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9),
         ).attach(module)
+        self._module = module
+        #: the sharded path's units (by their parameters) and those seen in this backward pass
+        self._units: dict[tuple[int, ...], int] = {}
+        self._seen: set[int] = set()
 
     @property
     def hierarchical(self) -> bool:
@@ -51,6 +59,15 @@ class BitDPSync(Sync):
     @property
     def comm_hook(self):
         return hierarchical_hook if self.hierarchical else bitdp_hook
+
+    def gradients_ready(self, params, flat):
+        """The sharded path's launch site (FSDP2's per-unit hook; DDP uses :attr:`comm_hook`):
+        the unit's gradient shard through BitDP across nodes (:mod:`.sharded`), in place."""
+        self.state.process_group = self.spec.group  # the ranks holding the same shard on every node
+        if not self.state.local_shapes:
+            self.state.local_shapes = {id(p): tuple(local_view(p).shape) for p in self._module.parameters()}
+        per_node = cast(Any, params[0]).device_mesh.size() if params else 1
+        return sharded_ready(self.state, self._units, self._seen, params, flat, per_node)
 
     def traffic_logs(self) -> list[TrafficLog]:
         return [self.state.traffic, self.node_traffic]
@@ -86,4 +103,5 @@ ALGORITHM = Algorithm(
     merge_states=merge_states,
     summary="BitDP channel-wise 1/2-bit gradients (any optimizer)",
     hierarchical=True,
+    sharded=True,
 )

@@ -150,6 +150,7 @@ class BitDPState:
         "residuals",
         "forms",
         "server_errors",
+        "local_shapes",
     )
 
     def __init__(
@@ -207,6 +208,8 @@ class BitDPState:
         # the form chosen for this run ("model" -> form); parameter name -> its server error
         self.forms: dict[str, str] = {}
         self.server_errors: dict[str, torch.Tensor] = {}
+        # id(parameter) -> the shape this rank holds of it, where sharded (FSDP2): residuals have it
+        self.local_shapes: dict[int, tuple[int, ...]] = {}
         if model is not None:
             self.attach(model)
 

@@ -41,7 +41,7 @@ def load_state_dict(state: BitDPState, sd: dict) -> None:
         if name not in by_name:
             raise KeyError(f"BitDPState.load_state_dict: residual for unknown parameter {name!r}")
         key, info = by_name[name]
-        if not info.quantized or tuple(tensor.shape) != info.shape:
+        if not info.quantized or tuple(tensor.shape) not in (info.shape, state.local_shapes.get(key)):
             raise ValueError(
                 f"BitDPState.load_state_dict: residual of {name!r} has shape {tuple(tensor.shape)}; "
                 f"the model's is {info.shape} and {'quantized' if info.quantized else 'not quantized'}"
