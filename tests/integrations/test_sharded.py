@@ -20,6 +20,7 @@ from torch import nn
 import lowbit_strategy
 from lowbit_strategy import LowBitConfig, LowBitSetupError
 from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync
+from tests.collectives.test_scaling import _Bucket
 from tests.distributed import run_ranks
 from tests.training import loss, model, train
 
@@ -70,6 +71,18 @@ def _full(net) -> list[torch.Tensor]:
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()]
 
 
+@torch.no_grad()
+def _rows_back(replica, shards, intra) -> None:
+    """The node's row blocks of every parameter all-gathered back into the replica."""
+    for p, s in zip(replica.parameters(), shards):
+        c = -(-p.shape[0] // PER_NODE)
+        block = torch.zeros((c, *p.shape[1:]))
+        block[: s.shape[0]] = s
+        every = [torch.empty_like(block) for _ in range(PER_NODE)]
+        dist.all_gather(every, block, group=intra)
+        p.copy_(torch.cat(every)[: p.shape[0]])
+
+
 def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
     intra, inter = groups
     local = rank % PER_NODE
@@ -98,14 +111,7 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
                 s.grad.mul_(0.5)
                 dist.all_reduce(s.grad, group=inter)
         opt.step()
-        with torch.no_grad():  # the node's rows back into the replica
-            for p, s in zip(replica.parameters(), shards):
-                c = -(-p.shape[0] // PER_NODE)
-                block = torch.zeros((c, *p.shape[1:]))
-                block[: s.shape[0]] = s
-                every = [torch.empty_like(block) for _ in range(PER_NODE)]
-                dist.all_gather(every, block, group=intra)
-                p.copy_(torch.cat(every)[: p.shape[0]])
+        _rows_back(replica, shards, intra)
     return [p.detach() for p in replica.parameters()], opt
 
 
@@ -333,29 +339,13 @@ def test_clipping_clips_each_nodes_gradient_by_its_norm_and_replicas_stay_identi
     run_ranks(2 * PER_NODE, _check_clipping)
 
 
-class _OneBucket:
-    """Every shard gradient of the oracle's model as one DDP-like bucket (BitDP's codes and
-    scales are per row, its full-precision part an exact mean: bucketing changes nothing)."""
+class _OneBucket(_Bucket):
+    """Every shard gradient of the oracle's model as one DDP-like bucket, the last of its
+    iteration (BitDP's codes and scales are per row, its full-precision part an exact mean:
+    bucketing changes nothing)."""
 
     def __init__(self, params):
-        self._params = params
-        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
-
-    def buffer(self):
-        return self._buf
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        out, at = [], 0
-        for p in self._params:
-            out.append(self._buf[at: at + p.numel()].view(p.shape))
-            at += p.numel()
-        return out
-
-    def index(self):
-        return 0
+        super().__init__(params, torch.cat([p.grad.reshape(-1) for p in params]))
 
     def is_last(self):
         return True
@@ -392,14 +382,7 @@ def _check_bitdp(rank, world_size):
                 s.grad.copy_(v)
             del mean
             opt.step()
-            with torch.no_grad():
-                for p, s in zip(replica.parameters(), shards):
-                    c = -(-p.shape[0] // PER_NODE)
-                    block = torch.zeros((c, *p.shape[1:]))
-                    block[: s.shape[0]] = s
-                    every = [torch.empty_like(block) for _ in range(PER_NODE)]
-                    dist.all_gather(every, block, group=intra)
-                    p.copy_(torch.cat(every)[: p.shape[0]])
+            _rows_back(replica, shards, intra)
         got = _full(net)
         assert all(torch.equal(a, b.detach()) for a, b in zip(got, replica.parameters())), f"bitdp {form} rank {rank}"
         assert sum(log.bytes_sent for log in sync.traffic_logs()) > 0
