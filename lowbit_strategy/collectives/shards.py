@@ -146,9 +146,12 @@ class LocalShard:
     :meth:`agree` ORs it once per step over every rank (``everyone``: one one-element MAX
     allreduce), so a NaN in one rank's shard skips the step on every rank."""
 
-    def __init__(self, replicate_group, everyone=None):
+    def __init__(self, replicate_group, node_group=None, everyone=None):
         self.group = replicate_group
         self.world_size = g.world_size(replicate_group)
+        #: this node's ranks (the FSDP group): where a parameter's shards are, for statistics of
+        #: whole parameters (:meth:`node_sum_`, :meth:`node_max_`)
+        self.node = node_group
         #: the ranks that must skip a step together: every rank of the run (None: the world)
         self.everyone = everyone
 
@@ -163,6 +166,17 @@ class LocalShard:
 
     def describe(self) -> str:
         return f"local shard across {self.world_size} nodes"
+
+    def node_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the node's ranks, in place (per-parameter statistics of shards,
+        e.g. squared norms: the whole parameter's); every rank of the node calls it alike."""
+        g.all_reduce_sum(t, self.node, "shard.node_sum")
+        return t
+
+    def node_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` maximised over the node's ranks, in place."""
+        g.all_reduce_max(t, self.node, "shard.node_max")
+        return t
 
     def agree(self, bad: bool) -> bool:
         flag = torch.tensor([int(bad)], dtype=torch.int32)

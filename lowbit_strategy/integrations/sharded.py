@@ -197,7 +197,7 @@ def attach_sharded(
     # the DDP node stages (node mean, node all-gather) are FSDP's here: the topology only describes
     topology = cast(hierarchy.Topology, sync.topology)  # (build_sync sets it)
     sync.topology = dataclasses.replace(topology, hierarchical=False, intra=None, inter=None)
-    sync.spec = LocalShard(mesh["replicate"].get_group())
+    sync.spec = LocalShard(mesh["replicate"].get_group(), mesh["shard"].get_group())
     # what an optimizer-level algorithm sends is formed from p.grad, which FSDP assigns only
     # after the hook returns: the exchange runs at the step
     sync.disable_overlap(

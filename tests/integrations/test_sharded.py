@@ -237,8 +237,8 @@ def _check_bad_inputs(rank, world_size):
     net = _sharded_model(mesh)
     with pytest.raises(LowBitSetupError, match="drives lowbit_strategy.Lion"):
         lowbit_strategy.attach_sharded(net, [torch.optim.AdamW(net.parameters())], cfg, mesh=mesh)
-    with pytest.raises(LowBitSetupError, match="onebit_lamb has no sharded form yet"):
-        lowbit_strategy.attach_sharded(net, [lowbit_strategy.OneBitLamb(net.parameters())],
+    with pytest.raises(LowBitSetupError, match=r"drives lowbit_strategy\.OneBitLamb"):
+        lowbit_strategy.attach_sharded(net, [lowbit_strategy.Lion(net.parameters())],
                                        LowBitConfig(algorithm="onebit_lamb", ranks_per_node=PER_NODE), mesh=mesh)
 
 
@@ -393,3 +393,33 @@ def _check_bitdp(rank, world_size):
 @pytest.mark.slow
 def test_bitdp_sharded_equals_its_oracle_in_both_forms():
     run_ranks(2 * PER_NODE, _check_bitdp)
+
+
+def _check_lamb(rank, world_size):
+    """1-bit LAMB sharded: its trust ratios, momentum scaling coefficients and r are the whole
+    parameters' (node reductions of the shards' norms and maxima). Its warm-up is DDP's LAMB
+    up to the order of the norms' sums; afterwards the compression buckets are the sharded
+    layout's, so there is no bit-exact DDP twin: replicas identical, the whole-parameter
+    statistics the same on every rank, finite."""
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    make = lambda ps: lowbit_strategy.OneBitLamb(ps, lr=1e-2, freeze_step=2)  # noqa: E731
+    cfg = dict(algorithm="onebit_lamb", bucket_size_mb=0.0005, scale_block=16)
+    net, _, _ = _sharded(rank, cfg, make, 2, mesh)
+    ddp, _, _ = train(rank, make, LowBitConfig(**cfg, topology="hierarchical", ranks_per_node=PER_NODE), 2)
+    for a, b in zip(_full(net), ddp.module.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+    net, opt, _ = _sharded(rank, cfg, make, STEPS, mesh)
+    full = torch.cat([t.reshape(-1) for t in _full(net)])
+    every = [torch.empty_like(full) for _ in range(world_size)]
+    dist.all_gather(every, full)
+    assert all(torch.equal(every[0], e) for e in every) and bool(torch.isfinite(full).all())
+    stats = torch.stack([opt.state[p][k].reshape(()) for p in net.parameters()
+                         for k in ("lamb_coeff_freeze", "scaling_coeff", "last_factor")])
+    every = [torch.empty_like(stats) for _ in range(world_size)]
+    dist.all_gather(every, stats)
+    assert all(torch.equal(every[0], e) for e in every), "whole-parameter statistics differ across ranks"
+
+
+@pytest.mark.slow
+def test_onebit_lamb_sharded_uses_whole_parameter_statistics():
+    run_ranks(2 * PER_NODE, _check_lamb)

@@ -70,7 +70,7 @@ def _entry(name: str, section, sync, strategy: str, summary: str, sharded: bool)
 ADAM = _entry(
     "onebit_adam", OneBitAdamConfig, OneBitAdamSync, "lowbit_adam", "1-bit Adam (lowbit_strategy.OneBitAdam)", True
 )
-# not sharded yet: LAMB's trust ratio needs each parameter's whole norm (a node reduction of the shards')
+# sharded, its trust ratios and r are the whole parameters' (node reductions of the shards')
 LAMB = _entry(
-    "onebit_lamb", OneBitLambConfig, OneBitLambSync, "lowbit_lamb", "1-bit LAMB (lowbit_strategy.OneBitLamb)", False
+    "onebit_lamb", OneBitLambConfig, OneBitLambSync, "lowbit_lamb", "1-bit LAMB (lowbit_strategy.OneBitLamb)", True
 )

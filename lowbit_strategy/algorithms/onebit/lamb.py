@@ -179,7 +179,9 @@ class OneBitLamb(_OneBitOptimizer):
                 wn.append(torch.linalg.vector_norm(p.float()))
                 un.append(torch.linalg.vector_norm(u.float()))
                 avgs.append(state["lamb_coeff_avg"])
-            c = ratio_of_norms(torch.stack(wn), torch.stack(un), group["min_coeff"], group["max_coeff"])
+            # (sharded: the whole parameters' norms, from the node's shards)
+            wn_all, un_all = self._whole_norms(torch.stack(wn)), self._whole_norms(torch.stack(un))
+            c = ratio_of_norms(wn_all, un_all, group["min_coeff"], group["max_coeff"])
             torch._foreach_lerp_(avgs, list(c.unbind()), 1 - self.coeff_beta)  # c_avg = β3·c_avg + (1-β3)·c
             _scaled_step_(ps, us, c, group["lr"])
 
@@ -190,8 +192,9 @@ class OneBitLamb(_OneBitOptimizer):
         temporaries reusing each other's buffers; empty parameters (no maximum to take) one
         by one."""
         batched = []
+        sharded = self._sharded  # every rank of the node batches every parameter: its statistics are the node's
         for group, p, mean in items:
-            if p.numel():
+            if p.numel() or sharded:
                 batched.append((group, p, mean))
             else:
                 self._compressed(group, p, mean, step)
@@ -213,7 +216,8 @@ class OneBitLamb(_OneBitOptimizer):
                 torch.sub(new, grad, out=grad).div_(1 - beta1)
                 fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 ratio = torch.sqrt(fresh, out=grad).div_((1 - beta2**step) ** 0.5).add_(eps)
-                rs.append(torch.div(frozen, ratio, out=ratio).max())
+                quotient = torch.div(frozen, ratio, out=ratio)
+                rs.append(quotient.max() if quotient.numel() else quotient.new_full((), float("-inf")))
                 m.copy_(new)
                 # lines 20-21: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in new's buffer
                 u = torch.div(m, 1 - beta1**step, out=new).div_(frozen)
@@ -224,7 +228,7 @@ class OneBitLamb(_OneBitOptimizer):
                 lasts.append(state["last_factor"])
                 coeffs.append(state["lamb_coeff_freeze"])
                 states.append(state)
-            r = torch.stack(rs).float()
+            r = self._whole_max(torch.stack(rs).float())
             for state, ri in zip(states, r.unbind()):
                 state["variance_ratio"] = ri
             r = clip_ratio(
@@ -280,9 +284,14 @@ class OneBitLamb(_OneBitOptimizer):
         r = 1, and each parameter's momentum scaling coefficient ``mean_l(rms_l) / rms_l``
         (the mean over non-empty parameters; an empty one, which has no RMS and is in no
         bucket but may still step in one process, gets 1)."""
-        states = [self._state(p) for grp in self.param_groups for p in grp["params"]]
-        sized = [s for s in states if s["exp_avg"].numel()]
-        rms = [torch.linalg.vector_norm(s["exp_avg"].float()) / s["exp_avg"].numel() ** 0.5 for s in sized]
+        params = [p for grp in self.param_groups for p in grp["params"]]
+        states = [self._state(p) for p in params]
+        whole = [(p, s) for p, s in zip(params, states) if self._global_numel(p)]
+        sized = [s for _, s in whole]
+        # (sharded: the whole parameters' norms from the node's shards, over their whole sizes)
+        norms = [torch.linalg.vector_norm(s["exp_avg"].float()) for s in sized]
+        norms = list(self._whole_norms(torch.stack(norms)).unbind()) if norms and self._sharded else norms
+        rms = [n / self._global_numel(p) ** 0.5 for n, (p, _) in zip(norms, whole)]
         united = torch.stack(rms).mean() if rms else None
         for s in states:
             s["exp_avg_sq_fresh"] = s["exp_avg_sq"].clone()

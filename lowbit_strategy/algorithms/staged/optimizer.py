@@ -158,14 +158,39 @@ class StagedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self.global_step + 1
-        with local_step(self):  # DTensor parameters (FSDP2): the step runs on their local shards
+        with local_step(self) as self._global_of:  # DTensor parameters (FSDP2): the step runs on their local shards
             applied = self._warmup_step(step) if step <= self._warmup_steps else self._compressed_step(step)
             if applied:
                 for group in self.param_groups:
                     group[self._step_key] = step
                 if step == self._warmup_steps:
                     self._end_warmup()
+        self._global_of = {}
         return loss
+
+    # ---- statistics of whole parameters (sharded: a parameter's shards span the node) ---------
+    @property
+    def _sharded(self) -> bool:
+        """Whether this rank holds shards of the parameters whose other rows are on the node's
+        other ranks (FSDP2 under :func:`lowbit_strategy.attach_sharded`)."""
+        return getattr(getattr(self.communicator, "spec", None), "node", None) is not None
+
+    def _whole_norms(self, norms: torch.Tensor) -> torch.Tensor:
+        """Per-parameter L2 norms of this rank's shards -> the whole parameters' (the node's
+        squares summed); the norms themselves when parameters are whole."""
+        if not self._sharded:
+            return norms
+        return self.communicator.spec.node_sum_(norms.square()).sqrt_()  # type: ignore[union-attr]
+
+    def _whole_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-parameter maxima over this rank's shards -> over the whole parameters."""
+        if not self._sharded:
+            return values
+        return self.communicator.spec.node_max_(values)  # type: ignore[union-attr]
+
+    def _global_numel(self, p: torch.Tensor) -> int:
+        """Elements of the whole parameter ``p`` (a local shard inside :func:`local_step`)."""
+        return getattr(self, "_global_of", {}).get(id(p), p).numel()
 
     def _agreed(self, bad: bool) -> bool:
         """This rank's verdict on the step -> the one every rank acts on (the shard spec's
