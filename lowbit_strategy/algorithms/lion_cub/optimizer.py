@@ -137,8 +137,9 @@ class Lion(Optimizer):
             has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
         else:
             bad_somewhere = bool(bad) if bad is not None else False
-            if self.communicator is not None:  # one worker, ranks holding different shards: one verdict
-                bad_somewhere = self.communicator.spec.agree(bad_somewhere)
+            spec = getattr(self.communicator, "spec", None)
+            if spec is not None:  # one worker, ranks holding different shards: one verdict
+                bad_somewhere = spec.agree(bad_somewhere)
         if bad_somewhere:
             self.skipped_steps += 1
             warnings.warn(

@@ -196,7 +196,8 @@ class StagedOptimizer(Optimizer):
         """This rank's verdict on the step -> the one every rank acts on (the shard spec's
         :meth:`~lowbit_strategy.collectives.shards.ShardSpec.agree`: free where the
         collectives already carried it, one small OR when ranks hold different shards)."""
-        return self.communicator.spec.agree(bad) if self.communicator is not None else bad
+        spec = getattr(self.communicator, "spec", None)  # (a communicator of one's own may have none)
+        return spec.agree(bad) if spec is not None else bad
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
