@@ -170,9 +170,21 @@ def _error(strategy, optimizer: str) -> str:
     return ""
 
 
-def check_lion(workdir: Path) -> dict:
+def _resume(strategy, optimizer: str, straight: torch.Tensor, workdir: Path) -> dict:
+    """1 epoch + checkpoint (a DCP directory, the rank-local state inside), then epoch 2 from
+    it: the same weights as 2 epochs straight?"""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    _fit(strategy(), optimizer, epochs=1, enable_checkpointing=True,
+         callbacks=[ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)])
+    ckpt = workdir / sorted(os.listdir(workdir))[0]
+    _, resumed = _fit(strategy(), optimizer, ckpt=str(ckpt))
+    return {"checkpoint": sorted(p.name for p in ckpt.iterdir()),
+            "rank_files": sorted(p.name for p in (ckpt / "lowbit").iterdir()),
+            "resume_bit_exact": torch.equal(straight, _full(resumed))}
+
+
+def check_lion(workdir: Path) -> dict:
     name, cfg = "lowbit_lion_fsdp", LowBitConfig(algorithm="lion", mode="1bit")
     trainer, model = _fit(_strategy(name, mode="1bit"), "lion")
     straight = _full(model)
@@ -185,14 +197,7 @@ def check_lion(workdir: Path) -> dict:
     metrics = trainer.validate(model, DataLoader(_data(), batch_size=BATCH), verbose=False)[0]
     out["val_loss_finite"] = bool(torch.isfinite(torch.tensor(metrics["val_loss"])))
     out["unchanged_by_validate"] = torch.equal(straight, _full(model))
-    # resume: 1 epoch + checkpoint (a DCP directory, the rank-local state inside), then epoch 2
-    _fit(_strategy(name, mode="1bit"), "lion", epochs=1, enable_checkpointing=True,
-         callbacks=[ModelCheckpoint(dirpath=workdir, filename="epoch{epoch}", save_top_k=-1)])
-    ckpt = workdir / sorted(os.listdir(workdir))[0]
-    out["checkpoint"] = sorted(p.name for p in ckpt.iterdir())
-    out["rank_files"] = sorted(p.name for p in (ckpt / "lowbit").iterdir())
-    _, resumed = _fit(_strategy(name, mode="1bit"), "lion", ckpt=str(ckpt))
-    out["resume_bit_exact"] = torch.equal(straight, _full(resumed))
+    out.update(_resume(lambda: _strategy(name, mode="1bit"), "lion", straight, workdir))
     # a module that shards itself in configure_model: left as it is, the same result
     _, own = _fit(_strategy(name, mode="1bit"), "lion", module=SelfSharded)
     out["self_sharded_equal"] = torch.equal(straight, _full(own))
@@ -204,12 +209,14 @@ def check_lion(workdir: Path) -> dict:
     return out
 
 
-def check_adam() -> dict:
+def check_adam(workdir: Path) -> dict:
     trainer, model = _fit("lowbit_adam_fsdp", "onebit_adam")
     flat = _full(model)
     out = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
            "global_step": trainer.global_step,
            "equals_plain": torch.equal(flat, _plain("onebit_adam", LowBitConfig(algorithm="onebit_adam")))}
+    # the checkpoint after epoch 1 is one step into compression: the error buffers are in it
+    out["resume_bit_exact"] = _resume(lambda: "lowbit_adam_fsdp", "onebit_adam", flat, workdir)["resume_bit_exact"]
     # accumulation: 1-bit Adam's warm-up averages in FSDP's hook, once per synced backward
     one, _ = _fit("lowbit_adam_fsdp", "adam_warmup", callbacks=[CommStats()])
     two, _ = _fit("lowbit_adam_fsdp", "adam_warmup", accumulate_grad_batches=2, callbacks=[CommStats()])
@@ -227,7 +234,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    result = check_lion(out / "ckpt") if args.check == "lion" else check_adam()
+    result = (check_lion if args.check == "lion" else check_adam)(out / "ckpt")
     with open(out / f"rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
