@@ -5,10 +5,11 @@ The public API::
     from lowbit_strategy import LowBitConfig, LowBitStrategy, Lion, BitDPState, bitdp_hook, attach
 
 ``import lowbit_strategy`` registers the Lightning strategy names (``lowbit_lion`` and
-family) without importing Lightning: they are registered the moment
-``lightning.pytorch`` is imported, before or after this package. :class:`LowBitStrategy`
-itself loads Lightning when first used. Importing touches no CUDA and compiles nothing
-(safe before a notebook's fork); re-importing re-registers harmlessly.
+family, and the sharded ``lowbit_lion_fsdp`` and family) without importing Lightning: they
+are registered the moment ``lightning.pytorch`` is imported, before or after this package.
+:class:`LowBitStrategy` and :class:`LowBitFSDPStrategy` load Lightning when first used.
+Importing touches no CUDA and compiles nothing (safe before a notebook's fork);
+re-importing re-registers harmlessly.
 """
 
 from lowbit_strategy import nn  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
@@ -39,6 +40,7 @@ __all__ = [
     "OneBitLamb",
     "LowBitConfig",
     "LowBitSetupError",
+    "LowBitFSDPStrategy",
     "LowBitStrategy",
     "STRATEGY_NAMES",
     "Sync",
@@ -59,7 +61,10 @@ def _strategy_names() -> tuple[str, ...]:
     from lowbit_strategy.algorithms import REGISTRY
 
     suffixes = ("", "_spawn", "_notebook")  # integrations.lightning.VARIANTS, without importing Lightning
-    return tuple(base + s for algo in REGISTRY.values() for base in algo.strategy_names for s in suffixes)
+    names = [base + s for algo in REGISTRY.values() for base in algo.strategy_names for s in suffixes]
+    # integrations.lightning_sharded.sharded_strategy_names: each algorithm's primary (first) name + "_fsdp"
+    names += [next(iter(algo.strategy_names)) + "_fsdp" for algo in REGISTRY.values() if algo.strategy_names]
+    return tuple(names)
 
 
 #: every Lightning strategy name this package registers
@@ -70,6 +75,7 @@ def _register_with_lightning() -> None:
     # importing the module registers the names (at its end, so that an import of it that
     # is itself what loaded Lightning registers once it is complete)
     import lowbit_strategy.integrations.lightning  # noqa: F401
+    import lowbit_strategy.integrations.lightning_sharded  # noqa: F401
 
 
 def __getattr__(name: str):
@@ -77,6 +83,10 @@ def __getattr__(name: str):
         from lowbit_strategy.integrations.lightning import LowBitStrategy
 
         return LowBitStrategy
+    if name == "LowBitFSDPStrategy":
+        from lowbit_strategy.integrations.lightning_sharded import LowBitFSDPStrategy
+
+        return LowBitFSDPStrategy
     raise AttributeError(f"module 'lowbit_strategy' has no attribute {name!r}")
 
 

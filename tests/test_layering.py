@@ -21,6 +21,7 @@ LAZY_UPWARD = {
     # front end on first use, without importing Lightning at `import lowbit_strategy`
     ("lowbit_strategy", "lowbit_strategy.algorithms"),
     ("lowbit_strategy", "lowbit_strategy.integrations.lightning"),
+    ("lowbit_strategy", "lowbit_strategy.integrations.lightning_sharded"),
 }
 
 
@@ -142,7 +143,8 @@ def test_codecs_are_pure_and_only_front_ends_import_frameworks():
     for module, names in _external("lowbit_strategy.codecs").items():
         assert not any(n.startswith("torch.distributed") for n in names), f"{module} talks to torch.distributed"
     frameworks = ("lightning", "pytorch_lightning", "accelerate", "transformers")
-    allowed = {"lowbit_strategy.integrations.lightning", "lowbit_strategy.integrations.accelerate",
+    allowed = {"lowbit_strategy.integrations.lightning", "lowbit_strategy.integrations.lightning_sharded",
+               "lowbit_strategy.integrations.accelerate",
                "lowbit_strategy.integrations.hf"}
     for module, names in _external("lowbit_strategy").items():
         if module not in allowed:

@@ -173,6 +173,8 @@ def attach_sharded(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     config: LowBitConfig | Mapping[str, Any] | str | None = None,
     mesh=None,
+    *,
+    root: torch.nn.Module | None = None,
     **overrides: Any,
 ) -> Sync:
     """Run ``config.algorithm`` across nodes on a model ``fully_shard``-ed inside each node
@@ -180,12 +182,22 @@ def attach_sharded(
     device type). Checks the model and mesh (one error on every rank, naming the fix: a DDP
     model, a native-HSDP 2-D mesh, an FSDP group spanning nodes, unsharded parameters), runs
     the same configuration handshake and optimizer checks as :func:`~lowbit_strategy.attach`,
-    registers each unit's all-reduce hook and wires the optimizers."""
+    registers each unit's all-reduce hook and wires the optimizers.
+
+    ``root``: the FSDP root when it is a wrapper holding ``model`` with no parameters of its
+    own (a front end's entry point whose forward runs the user's step, as Lightning's
+    :class:`~lowbit_strategy.integrations.lightning_sharded.LowBitFSDPStrategy` makes): its
+    units get the hooks, while parameter names (selection patterns, checkpoint state) stay
+    ``model``'s, as with :func:`~lowbit_strategy.attach`."""
     cfg = LowBitConfig.coerce(config, **overrides)
+    if root is None:
+        root = model
+    elif not any(m is model for m in root.modules()) or len(list(root.parameters())) != len(list(model.parameters())):
+        raise LowBitSetupError("attach_sharded: root must hold model and no parameters besides model's")
     if mesh is None:
         device = next((p.device.type for p in model.parameters()), "cpu")
         mesh = node_mesh(device, cfg)
-    _agreed_problem(_problem(model, mesh))
+    _agreed_problem(_problem(root, mesh))
     algo = algorithms.get(cfg.algorithm)
     if not algo.sharded:
         raise LowBitSetupError(
@@ -203,7 +215,7 @@ def attach_sharded(
     sync.disable_overlap(
         "the sharded path forms what it sends in optimizer.step() (FSDP assigns gradients after its hook)"
     )
-    for unit, params in sharded_units(model):
+    for unit, params in sharded_units(root):
         if params:
             unit.set_all_reduce_hook(_unit_hook(sync, params))  # type: ignore[operator]
     attach_optimizers(sync, list(optimizers))
