@@ -222,7 +222,11 @@ def check_adam(workdir: Path) -> dict:
     two, _ = _fit("lowbit_adam_fsdp", "adam_warmup", accumulate_grad_batches=2, callbacks=[CommStats()])
     out["accumulation"] = {"steps": [one.global_step, two.global_step],
                            "bytes_per_step": [_bytes_per_step(one), _bytes_per_step(two)]}
-    out["bitdp_error"] = _error("lowbit_bitdp_fsdp", "adamw")
+    # BitDP (gradient level) under the user's AdamW: its 2-bit rows from FSDP's hook
+    bitdp, bitdp_model = _fit("lowbit_bitdp_fsdp", "adamw")
+    flat = _full(bitdp_model)
+    out["bitdp"] = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
+                    "bytes": sum(log.bytes_sent for log in bitdp.strategy.traffic_logs())}
     out["wrong_optimizer_error"] = _error("lowbit_lion_fsdp", "adamw")
     return out
 
