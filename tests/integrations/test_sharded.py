@@ -32,6 +32,8 @@ CASES = {
                   lambda ps: lowbit_strategy.Lion(ps, lr=1e-2, weight_decay=0.1), None),
     "lion_lp": (dict(algorithm="lion", mode="lp", bits=8, p=1.0, warmup_steps=1, momentum_sync_every=3),
                 lambda ps: lowbit_strategy.Lion(ps, lr=1e-2), None),
+    "lion_sign": (dict(algorithm="lion", mode="sign", bits=4, warmup_steps=1),
+                  lambda ps: lowbit_strategy.Lion(ps, lr=1e-2), None),
     "onebit_adam": (dict(algorithm="onebit_adam", bucket_size_mb=0.0005, scale_block=16),
                     lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=2), None),
     "turboquant": (dict(algorithm="turboquant", bucket_size_mb=0.0005, turboquant_form="two_stage",
@@ -206,6 +208,16 @@ def _check_one_node(rank, world_size):
             ref.step()
         assert all(torch.equal(a, b) for a, b in zip(_full(net), _full(plain))), f"{name}: one node"
         assert sum(log.bytes_sent for log in sync.traffic_logs()) == 0, name  # nothing crosses a network
+    # BitDP under AdamW: nothing is quantized on one node
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)  # noqa: E731
+    net, _, sync = _sharded(rank, dict(algorithm="bitdp", warmup_steps=0), adamw, STEPS, mesh)
+    plain = _sharded_model(mesh)
+    ref = adamw(plain.parameters())
+    for step in range(1, STEPS + 1):
+        ref.zero_grad()
+        loss(plain, rank, step).backward()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(_full(net), _full(plain))), "bitdp: one node"
 
 
 @pytest.mark.slow

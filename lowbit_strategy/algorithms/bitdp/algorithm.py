@@ -63,6 +63,8 @@ class BitDPSync(Sync):
     def gradients_ready(self, params, flat):
         """The sharded path's launch site (FSDP2's per-unit hook; DDP uses :attr:`comm_hook`):
         the unit's gradient shard through BitDP across nodes (:mod:`.sharded`), in place."""
+        if self.spec.world_size == 1:  # one node: FSDP's node mean is the result, nothing is compressed
+            return None
         self.state.process_group = self.spec.group  # the ranks holding the same shard on every node
         if not self.state.local_shapes:
             self.state.local_shapes = {id(p): tuple(local_view(p).shape) for p in self._module.parameters()}
