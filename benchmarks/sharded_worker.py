@@ -245,7 +245,8 @@ def main() -> int:
             "state_error_bytes_per_rank": [int(r["state_errors"]) for r in per_rank],
             "loss_reached": sum(r["loss"] for r in per_rank) / world,
             "plan": (f"{plan.mode}{plan.bits if plan.mode in ('lp', 'sign') else ''}" if plan else
-                     "/".join(forms) if forms else None),
+                     "/".join(forms) if forms else
+                     f"1-bit, scale block {cfg.onebit_adam.scale_block}" if cfg and kind == "onebit_adam" else None),
             "per_rank": per_rank,
         }
         Path(args.out).write_text(json.dumps(rec) + "\n")
