@@ -26,6 +26,12 @@ Usage (root needed)::
     python -m benchmarks.nodes --quick        # ~10 min: 20 s per run -> results/nodes_quick.{json,md}
     python -m benchmarks.nodes                # ~20 min: 40 s per run -> results/nodes.{json,md}
     python -m benchmarks.nodes --links 100mbit --algorithms lion,bitdp --topologies flat hierarchical
+
+``--sharded``: FSDP2 inside each node, HSDP's all-reduce or a sharded algorithm across nodes
+(:mod:`benchmarks.nodes_sharded`; ``--sharded --project`` its cost-model projection)::
+
+    python -m benchmarks.nodes --sharded         # ~13 min -> results/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded --project
 """
 from __future__ import annotations
 
@@ -155,10 +161,17 @@ def write(data: dict, stem: Path) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sharded" in argv:  # its own options: benchmarks.nodes_sharded
+        from benchmarks import nodes_sharded
+
+        return nodes_sharded.main([a for a in argv if a != "--sharded"])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.nodes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['budget']:g} s per run (default {FULL['budget']:g})")
+    parser.add_argument("--sharded", action="store_true",
+                        help="FSDP2 inside each node: python -m benchmarks.nodes --sharded --help")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--links", default="1gbit,100mbit", help="tc rates between nodes")

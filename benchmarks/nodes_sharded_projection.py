@@ -1,0 +1,200 @@
+"""Projected cross-node time per step of the sharded layout on published cluster shapes, from
+the cost model (:mod:`lowbit_strategy.collectives.cost_model_sharded`, checked byte for byte
+against the traffic logs at 2 x 2 by ``tests/integrations/test_sharded_bytes.py``)::
+
+    python -m benchmarks.nodes --sharded --project    # -> results/nodes_sharded_projection.{md,png}
+
+8 nodes x 8 GPUs, 25 and 100 Gbit/s between nodes, a 1.3B GPT (GPT-3 XL shape) and an 8B
+Llama-3 shape, FSDP2 over each node's 8 GPUs (every block a unit, then the root), HSDP fp32
+and bf16 against each sharded algorithm in its default form, resolved by the package's own
+planners for the cluster (:data:`ASSUME`).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from benchmarks import sharded_cost
+from benchmarks.e2e import RESULTS
+from lowbit_strategy import LowBitConfig, buckets
+from lowbit_strategy.collectives import cost_model_sharded as cs
+from lowbit_strategy.collectives.cost_model_nodes import Cluster
+
+#: the projection's assumptions (the module docstring of :mod:`benchmarks.bytes_vs_p` uses the same)
+ASSUME = dict(nodes=8, ranks_per_node=8, links_gbps=(25.0, 100.0), latency_us=20.0, bucket_mb=25.0,
+              flops_per_s=0.4 * 312e12, tokens_per_gpu=8 * 1024, backward_share=2 / 3)
+
+
+def compute_seconds(model: sharded_cost.ShardedModel) -> float:
+    """``6·params·tokens`` FLOPs per GPU at :data:`ASSUME`'s rate (40 % of an A100's bf16 peak)."""
+    return 6 * model.numel * ASSUME["tokens_per_gpu"] / ASSUME["flops_per_s"]
+
+
+def step_seconds(kind: str, compute: float, comm: float) -> float:
+    """Compute plus the exposed cross-node time: HSDP's per-unit all-reduce runs during backward
+    (FSDP's all-reduce stream), so only what exceeds backward shows; the sharded algorithms
+    exchange in ``optimizer.step()``, after backward, so all of theirs shows."""
+    if kind.startswith("hsdp"):
+        return compute + max(0.0, comm - ASSUME["backward_share"] * compute)
+    return compute + comm
+
+
+def gpt_model(d: int, layers: int, vocab: int, context: int) -> sharded_cost.ShardedModel:
+    """``examples/gpt_lion.py``'s GPT (tied head, biases, LayerNorms), in its parameter order."""
+    block = ((d,), (d,), (d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,))
+    root = ((vocab, d), (context, d), (d,), (d,))
+    return sharded_cost.ShardedModel(root[:2] + block * layers + root[2:], (block,) * layers + (root,))
+
+
+def llama_model(d: int, layers: int, vocab: int, kv: int, ffn: int) -> sharded_cost.ShardedModel:
+    """A Llama-3 shape: grouped-query attention (``kv`` key/value features), SwiGLU, RMSNorm
+    weights, untied embedding and head."""
+    block = ((d, d), (kv, d), (kv, d), (d, d), (ffn, d), (ffn, d), (d, ffn), (d,), (d,))
+    root = ((vocab, d), (d,), (vocab, d))
+    return sharded_cost.ShardedModel(root[:1] + block * layers + root[1:], (block,) * layers + (root,))
+
+
+MODELS = {
+    "1.3B (GPT-3 XL shape)": gpt_model(2048, 24, 50257, 2048),
+    "8B (Llama-3 8B shape)": llama_model(4096, 32, 128256, 1024, 14336),
+}
+
+#: (label, configuration kind); each in its default form
+ROWS = (
+    ("HSDP fp32 all-reduce", "hsdp_fp32"),
+    ("HSDP bf16 all-reduce", "hsdp_bf16"),
+    ("Lion Cub (auto)", "lion"),
+    ("Lion Cub 1-bit", "lion_1bit"),
+    ("1-bit Adam", "onebit_adam"),
+    ("TurboQuant-Adam (auto form)", "turboquant"),
+)
+
+
+def sends(kind: str, model: sharded_cost.ShardedModel, gbps: float) -> tuple[cs.ShardedSends, str]:
+    """One compressed-stage step of ``kind`` on the cluster, and the form it runs in."""
+    from lowbit_strategy.algorithms.lion_cub.plan import resolve_mode
+    from lowbit_strategy.algorithms.turboquant.plan import choose_form
+
+    n, per_node = ASSUME["nodes"], ASSUME["ranks_per_node"]
+    numel = buckets.bucket_numel(ASSUME["bucket_mb"])
+    link = {"link_bandwidth_gbps": gbps, "link_latency_us": ASSUME["latency_us"]}
+    if kind.startswith("hsdp"):
+        return sharded_cost.step_sends(kind, model, n, per_node), "–"
+    if kind.startswith("lion"):
+        cfg = LowBitConfig(algorithm="lion", mode="1bit" if kind == "lion_1bit" else "auto", **link)
+        local = sum(math.prod(cs.local_shape(s, per_node, 0)) for s in model.shapes)
+        name = sharded_cost.lion_collective(resolve_mode(cfg, n, min(numel, local)))
+        return sharded_cost.step_sends("lion", model, n, per_node, bucket_numel=numel, collective=name), name
+    if kind == "onebit_adam":
+        block = LowBitConfig(algorithm="onebit_adam").onebit_adam.scale_block
+        out = sharded_cost.step_sends(kind, model, n, per_node, bucket_numel=numel, block=block)
+        return out, f"compensated, scale block {block}"
+    section = LowBitConfig(algorithm="turboquant").turboquant
+    chosen: set[str] = set()
+
+    def form(m: int) -> str:
+        f = choose_form(section.form, n, m, ASSUME["latency_us"] * 1e-6, gbps * 1e9)
+        chosen.add(f)
+        return cs.TURBOQUANT[f]
+
+    out = sharded_cost.step_sends(kind, model, n, per_node, bucket_numel=numel, collective=form,
+                                  block=section.block, bits=4)
+    return out, "/".join(sorted(chosen))
+
+
+def project() -> dict:
+    """``{model: {label: {gbps: (bytes per node, cross-node seconds, form, step seconds)}}}``."""
+    out: dict = {}
+    for model_name, model in MODELS.items():
+        rows = out[model_name] = {}
+        for label, kind in ROWS:
+            cells = rows[label] = {}
+            for gbps in ASSUME["links_gbps"]:
+                s, form = sends(kind, model, gbps)
+                cluster = Cluster(ASSUME["nodes"], ASSUME["ranks_per_node"], gbps,
+                                  inter_latency_us=ASSUME["latency_us"])
+                comm = cs.sharded_seconds(s, cluster)
+                cells[gbps] = (s.network_per_node, comm, form, step_seconds(kind, compute_seconds(model), comm))
+    return out
+
+
+def markdown(result: dict, plotted: str) -> str:
+    links = ASSUME["links_gbps"]
+    lines = [
+        "# Sharded layout: projected cross-node time per step",
+        "",
+        "`python -m benchmarks.nodes --sharded --project` "
+        "(`lowbit_strategy.collectives.cost_model_sharded`, via `benchmarks/sharded_cost.py`).",
+        "",
+        f"{ASSUME['nodes']} nodes × {ASSUME['ranks_per_node']} GPUs; FSDP2 over each node's GPUs (every block a "
+        "unit, then the root); across nodes HSDP's all-reduce of each unit's gradient shard, or each sharded "
+        "algorithm's exchange on every local rank's shards, in its default form as the package's planners choose "
+        f"it for the cluster's link. One link per node of the stated bandwidth, {ASSUME['latency_us']:g} µs "
+        f"latency, {ASSUME['bucket_mb']:g} MiB buckets; the compressed stage (after warm-ups, which cost what HSDP "
+        "fp32 costs); seconds = latency rounds of the slowest local rank + bytes on the node's link ÷ bandwidth. "
+        "Not counted: codec time, FSDP's own traffic inside the node (NVLink).",
+        "",
+        "**step s**: compute (`6·params·tokens`, 8 × 1024 tokens per GPU at 40 % of an A100's 312 TFLOP/s) plus "
+        "the cross-node time that shows: HSDP's all-reduce runs per unit during backward (taken as 2/3 of compute), "
+        "so only what exceeds it shows; the sharded algorithms exchange in `optimizer.step()`, after backward, so "
+        "all of it shows. **cross-node s** in brackets: HSDP fp32's ÷ this, HSDP bf16's ÷ this; **step s** in "
+        "brackets: HSDP bf16's step ÷ this (above 1: faster than HSDP bf16).",
+        "",
+    ]
+    for model_name, rows in result.items():
+        fp32, bf16 = rows["HSDP fp32 all-reduce"], rows["HSDP bf16 all-reduce"]
+        compute = compute_seconds(MODELS[model_name])
+        lines += [f"## {model_name}: {MODELS[model_name].numel / 1e9:.2f}B parameters, compute {compute:.2f} s/step",
+                  "",
+                  "| configuration | form | GB/node/step | " + " | ".join(
+                      f"{g:g} Gbit/s: cross-node s (vs fp32, bf16) | step s (vs bf16)" for g in links) + " |",
+                  "|---|---|---:|" + "---:|---:|" * len(links)]
+        for label, cells in rows.items():
+            forms = sorted({f for c in cells.values() for f in c[2].split("/")})
+            out = [f"{label}", "/".join(forms), f"{cells[links[0]][0] / 1e9:,.3f}"]
+            for g in links:
+                t, step = cells[g][1], cells[g][3]
+                out += [f"{t:.3f} ({fp32[g][1] / t:.1f}×, {bf16[g][1] / t:.1f}×)",
+                        f"{step:.2f} ({bf16[g][3] / step:.2f}×)"]
+            lines.append("| " + " | ".join(out) + " |")
+        lines.append("")
+    lines.append(plotted)
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> str:
+    """A bar chart of seconds per step (log scale); a sentence saying where it is, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "No plot: matplotlib is not installed in this environment."
+    labels = [label for label, _ in ROWS]
+    series = [(m, g) for m in result for g in ASSUME["links_gbps"]]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(series)
+    for k, (m, g) in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, [result[m][label][g][1] for label in labels], width, label=f"{m}, {g:g} Gbit/s")
+    ax.set_xticks(range(len(labels)), labels, rotation=15, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("cross-node seconds per step")
+    ax.set_title(f"Sharded layout, {ASSUME['nodes']} nodes × {ASSUME['ranks_per_node']} GPUs (cost model)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"Plot: `{path.name}`."
+
+
+def main(stem: Path | None = None) -> int:
+    stem = stem or RESULTS / "nodes_sharded_projection"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = project()
+    text = markdown(result, plot(result, stem.with_suffix(".png")))
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {stem}.md")
+    return 0
