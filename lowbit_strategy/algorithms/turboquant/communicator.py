@@ -35,6 +35,7 @@ import torch
 
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.algorithms.staged.state import BucketState
+from lowbit_strategy.algorithms.turboquant.config import FORMS
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.calibration import agreed_slowest
@@ -112,6 +113,8 @@ class TurboQuantCommunicator(BucketCommunicator):
         topology: Topology | None = None,
         spec: ShardSpec | None = None,
     ):
+        if form not in FORMS:  # (the config section validates it too; this is the class's own entry)
+            raise ValueError(f"TurboQuantCommunicator: form must be one of {FORMS}, got {form!r}")
         super().__init__(group, bucket_size_mb, debug, topology, spec)
         self.codec = TurboQuantCodec(bits, seed=seed, block=block)
         self.shard_align = block  # whole rotation blocks in each shard across nodes

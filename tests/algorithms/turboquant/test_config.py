@@ -40,3 +40,10 @@ def test_registry_entry():
     with pytest.raises(LowBitSetupError, match="bf16-mixed"):
         algo.check_precision("16-mixed")
     algo.check_precision("bf16-mixed")
+
+
+def test_communicator_refuses_an_unknown_form():
+    from lowbit_strategy.algorithms.turboquant.communicator import TurboQuantCommunicator
+
+    with pytest.raises(ValueError, match=r"form must be one of .*'two_stage'.*got 'twostage'"):
+        TurboQuantCommunicator(form="twostage")
