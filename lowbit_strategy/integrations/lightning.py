@@ -39,6 +39,7 @@ from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.integrations._factories import named_factory
 from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync, destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def register_strategies(registry=StrategyRegistry) -> list[str]:
             name = base + suffix
             registry.register(
                 name,
-                _named_factory(name),
+                named_factory(name, LowBitStrategy),
                 description=f"{algo.summary} ({detail}) with start_method '{start_method}'",
                 override=True,
                 start_method=start_method,
@@ -256,16 +257,6 @@ def register_strategies(registry=StrategyRegistry) -> list[str]:
             )
             names.append(name)
     return names
-
-
-def _named_factory(name: str):
-    def make(**kwargs: Any) -> LowBitStrategy:
-        strategy = LowBitStrategy(**kwargs)
-        strategy._lowbit_name = name
-        return strategy
-
-    make.__name__ = f"LowBitStrategy[{name}]"
-    return make
 
 
 register_strategies()  # importing this module is what registers the names

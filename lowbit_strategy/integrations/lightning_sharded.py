@@ -49,6 +49,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations import lightning as _lightning
+from lowbit_strategy.integrations._factories import named_factory
 from lowbit_strategy.integrations.ddp import destroy_process_group_at_exit
 from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, node_mesh
 
@@ -355,22 +356,12 @@ def register_sharded_strategies(registry=StrategyRegistry) -> list[str]:
     for name, (algo, cfg) in sharded_strategy_names().items():
         registry.register(
             name,
-            _named_factory(name),
+            named_factory(name, LowBitFSDPStrategy),
             description=f"{algo.summary}, FSDP2 inside each node, the low-bit exchange across nodes",
             override=True,
             **cfg,
         )
     return list(sharded_strategy_names())
-
-
-def _named_factory(name: str):
-    def make(**kwargs: Any) -> LowBitFSDPStrategy:
-        strategy = LowBitFSDPStrategy(**kwargs)
-        strategy._lowbit_name = name
-        return strategy
-
-    make.__name__ = f"LowBitFSDPStrategy[{name}]"
-    return make
 
 
 register_sharded_strategies()  # importing this module is what registers the names
