@@ -60,6 +60,10 @@ def _optimizer(name: str, params):
         return lowbit_strategy.Lion(params, lr=1e-2, weight_decay=0.01)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2)
+    if name == "lamb":
+        return lowbit_strategy.OneBitLamb(params, lr=1e-2, freeze_step=3)
+    if name == "turboquant":
+        return lowbit_strategy.TurboQuantAdamW(params, lr=1e-2, warmup_steps=3)
     freeze = 100 if name == "adam_warmup" else 3  # 4 steps an epoch: epoch 2 compresses
     return lowbit_strategy.OneBitAdam(params, lr=1e-2, freeze_step=freeze)
 
@@ -227,6 +231,14 @@ def check_adam(workdir: Path) -> dict:
     flat = _full(bitdp_model)
     out["bitdp"] = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
                     "bytes": sum(log.bytes_sent for log in bitdp.strategy.traffic_logs())}
+    # 1-bit LAMB and TurboQuant (4-bit all-gather: the link it plans for is set slow) through their names
+    for name, optimizer, extra in (("lowbit_lamb_fsdp", "lamb", {}),
+                                   ("lowbit_turboquant_fsdp", "turboquant", {"link_bandwidth_gbps": 0.1})):
+        trained, trained_model = _fit(_strategy(name, **extra) if extra else name, optimizer)
+        flat = _full(trained_model)
+        out[optimizer] = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
+                          "bytes": sum(log.bytes_sent for log in trained.strategy.traffic_logs()),
+                          "steps": trained.global_step}
     out["wrong_optimizer_error"] = _error("lowbit_lion_fsdp", "adamw")
     return out
 

@@ -128,6 +128,8 @@ def test_1bit_adam_trains_like_plain_attach_sharded_resumes_and_syncs_once_per_s
         assert acc["steps"] == [8, 4] and acc["bytes_per_step"][0][0] > 0, acc
         assert acc["bytes_per_step"][0] == acc["bytes_per_step"][1] == [acc["bytes_per_step"][0][0]] * 2, acc
         assert r["bitdp"]["finite"] and r["bitdp"]["identical"] and r["bitdp"]["bytes"] > 0, r["bitdp"]
+        for name in ("lamb", "turboquant"):  # trained into their compression stage (warm-up 3 of 8 steps)
+            assert r[name] == {**r[name], "finite": True, "identical": True, "steps": 8} and r[name]["bytes"] > 0, r
         assert "drives lowbit_strategy.Lion" in r["wrong_optimizer_error"], r["wrong_optimizer_error"]
 
 
