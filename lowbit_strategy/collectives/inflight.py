@@ -25,7 +25,7 @@ What it owns, so that no communicator keeps a copy:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -56,7 +56,6 @@ class Launched:
     whole_verdict: bool = False
     #: whether the collective carries a verdict at all
     flagged: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 J = TypeVar("J", bound=Launched)

@@ -54,6 +54,8 @@ class ShardSpec(Protocol):
     group: Any
     #: the number of workers: ranks of :attr:`group`
     world_size: int
+    #: every rank of the run (what setup agreements, e.g. codec timings, run over)
+    everyone: Any
 
     def part(self, n: int, align: int = 64) -> tuple[int, int]:
         """``(lo, hi)``: the elements of an ``n``-element bucket this rank sends, in units of
@@ -87,7 +89,7 @@ class Whole:
     """The flat form: every rank sends the whole bucket over ``group``; nothing comes back."""
 
     def __init__(self, group=None):
-        self.group = group
+        self.group = self.everyone = group
         self.world_size = g.world_size(group)
 
     def part(self, n: int, align: int = 64) -> tuple[int, int]:
@@ -115,6 +117,7 @@ class NodeShard:
         self.topology = topology
         self.group = topology.inter
         self.world_size = g.world_size(topology.inter)
+        self.everyone = topology.group
 
     def part(self, n: int, align: int = 64) -> tuple[int, int]:
         return self.topology.shard(n, align)

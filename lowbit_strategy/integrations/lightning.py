@@ -39,7 +39,7 @@ from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations._factories import named_factory
+from lowbit_strategy.integrations._factories import config_from, named_factory
 from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync, destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class LowBitStrategy(DDPStrategy):
                 f"LowBitStrategy registers its algorithm's own DDP communication hook, and a DDP model takes one; "
                 f"remove {', '.join(hooks)} (for a plain DDP hook such as PowerSGD use strategy='ddp')"
             )
-        known = set(LowBitConfig.known_keys())
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
-        self.lowbit_config = LowBitConfig.coerce(config, **overrides)
+        self.lowbit_config = config_from(config, kwargs)
         self.algorithm = algorithms.get(self.lowbit_config.algorithm)
         self.sync: Sync | None = None
         super().__init__(**kwargs)

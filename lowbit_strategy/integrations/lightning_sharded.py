@@ -49,7 +49,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations import lightning as _lightning
-from lowbit_strategy.integrations._factories import named_factory
+from lowbit_strategy.integrations._factories import config_from, named_factory
 from lowbit_strategy.integrations.ddp import destroy_process_group_at_exit
 from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, node_mesh
 
@@ -143,9 +143,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
                 f"LowBitFSDPStrategy builds its own mesh, nodes x devices (lowbit_strategy.node_mesh); remove "
                 f"{', '.join(sizes)} (set the layout with Trainer(num_nodes=..., devices=...))"
             )
-        known = set(LowBitConfig.known_keys())
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
-        self.lowbit_config = LowBitConfig.coerce(config, **overrides)
+        self.lowbit_config = config_from(config, kwargs)
         self.algorithm = algorithms.get(self.lowbit_config.algorithm)
         self.shard_modules = tuple(shard_modules) if shard_modules is not None else None
         self.sync: Sync | None = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -67,6 +68,15 @@ if TYPE_CHECKING:  # the config reads the registry, which imports this module: a
     from lowbit_strategy.config import LowBitConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _LionJob(Launched):
+    """One Lion bucket in flight: the parameters it covers (the overlap path; empty at the
+    step) and this rank's update vectors c, in bucket order."""
+
+    params: list = field(default_factory=list)
+    chunk: list = field(default_factory=list)
 
 
 class _Directions:
@@ -163,7 +173,7 @@ class LionCommunicator:
         self.traffic = wire.TrafficLog()
         self.plan: Plan | None = None
         self.last_audit: dict[str, float] | None = None
-        self._flight: InFlight[Launched] = InFlight()
+        self._flight: InFlight[_LionJob] = InFlight()
         self.codec_seconds: dict[str, float] | None = None
         self.momentum_sync_every: int | None = None
         self.plan_numel: int | None = None
@@ -208,7 +218,7 @@ class LionCommunicator:
         launched = [self.start([updates[synced[j]] for j in idx], step, plan) for idx in index]
         flats, _ = self.finish(launched, audit)
         for idx, flat, job in zip(index, flats, launched):
-            for j, d in zip(idx, buckets.unflatten(flat, job.extra["chunk"])):
+            for j, d in zip(idx, buckets.unflatten(flat, job.chunk)):
                 out[synced[j]] = d
         return out
 
@@ -236,7 +246,7 @@ class LionCommunicator:
         plan = self._plan(step, sum(c.numel() for c in updates))
         start = lambda: self.start(list(updates), step, plan, nonfinite, list(params))  # noqa: E731
 
-        def drop(stale: Launched) -> None:
+        def drop(stale: _LionJob) -> None:
             self.finish([stale])  # its collectives complete on every rank; the result is superseded
 
         self._flight.launch(name, start, drop)
@@ -252,14 +262,14 @@ class LionCommunicator:
         flats, nonfinite = self.finish(launched, audit)
         out: dict[int, torch.Tensor] = {}
         for flat, job in zip(flats, launched):
-            for p, d in zip(job.extra["params"], buckets.unflatten(flat, job.extra["chunk"])):
+            for p, d in zip(job.params, buckets.unflatten(flat, job.chunk)):
                 out[id(p)] = d
         return out, nonfinite
 
     # ---- one bucket: encode + launch, then wait + decode ----------------------------------
     def start(
         self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None, params: list | None = None
-    ) -> Launched:
+    ) -> _LionJob:
         """Encode one bucket of update vectors and launch its (first) collective over the
         spec's group, on this rank's part of the payload (all of it when flat)."""
         check, traffic, flagged = self.config.debug, self.traffic, nonfinite is not None
@@ -273,7 +283,7 @@ class LionCommunicator:
         n = payload.numel()
         lo, hi = self.spec.part(n)
         # an empty part still takes part (one zero element, dropped after): the flag rides along
-        payload = pad_empty(payload[lo:hi]) if (lo, hi) != (0, n) else payload
+        payload = pad_empty(payload[lo:hi])
         handle: g.Pending | MajorityVote
         if plan.mode == "1bit":
             flag = nonfinite.to(torch.uint8) if nonfinite is not None else None
@@ -297,7 +307,7 @@ class LionCommunicator:
         directions = _Directions(handle, plan, max(hi - lo, 1), flagged, self.world_size, chunk[0].dtype)
         # the flag covers the whole bucket on every rank that shares it (a node's ranks hold
         # the node's gradient): the spec need not agree it again
-        return Launched(
+        return _LionJob(
             None,
             directions,
             chunk[0].device,
@@ -306,11 +316,12 @@ class LionCommunicator:
             two_phase=plan.mode == "1bit",
             whole_verdict=True,
             flagged=flagged,
-            extra={"params": params or [], "chunk": chunk},
+            params=params or [],
+            chunk=chunk,
         )
 
     def finish(
-        self, launched: Sequence[Launched], audit: bool = False
+        self, launched: Sequence[_LionJob], audit: bool = False
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Wait for launched buckets (:func:`~lowbit_strategy.collectives.inflight.finish`:
         second collectives launched first, in order; each part's directions restored to the
@@ -320,7 +331,7 @@ class LionCommunicator:
         flats, bad = finish(launched, self.spec, self.traffic)
         # the audit (a diagnostic, on request) reads the verdict and its counts on the host
         if audit and (bad is None or not bool(bad)):
-            audits = [self._audit(job.extra["chunk"], flat) for job, flat in zip(launched, flats)]
+            audits = [self._audit(job.chunk, flat) for job, flat in zip(launched, flats)]
             total = sum(a[2] for a in audits)
             self.last_audit = {
                 "sign_match": sum(a[0] for a in audits) / total,

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.staged import adam
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
-from lowbit_strategy.layout import Key, Layout, local_step, local_view
+from lowbit_strategy.layout import Key, Layout, local_step
 from lowbit_strategy.validation import check_int, check_number
 
 
@@ -65,6 +65,8 @@ class StagedOptimizer(Optimizer):
         self._warmup_steps = warmup
         self._step_key = step_key
         self.skipped_steps = 0
+        #: inside a step on DTensor parameters (:func:`~lowbit_strategy.layout.local_step`): local tensor -> parameter
+        self._global_of: dict[int, torch.Tensor] = {}
         self.attach_communicator(None)
 
     # ---- stage ---------------------------------------------------------------------
@@ -136,14 +138,16 @@ class StagedOptimizer(Optimizer):
                 self._launched.add(key)
                 comm.launch(key, self._momenta(key))
 
-    def _momenta(self, key: Key) -> list[torch.Tensor]:
-        """This rank's momenta of bucket ``key``: local tensors (a ``DTensor``'s shard)."""
+    def _momenta(self, key: Key, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """This rank's momenta of bucket ``key``. ``params``: the step's ``param_groups``
+        parameters (inside a ``local_step`` the local tensors that stand for ``DTensor`` ones,
+        keys of the step's state); None: the layout's own (the DDP hook's path)."""
         out = []
-        slots, params = cast(Layout, self.param_layout).slots, self._params()  # (local ones in a local_step)
+        slots = cast(Layout, self.param_layout).slots
         for i in key:
-            p, group = params[i], slots[i].group
+            p, group = (params[i] if params is not None else slots[i].param), slots[i].group
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
-            out.append(local_view(self._local_momentum(group, p, grad)))
+            out.append(self._local_momentum(group, p, grad))
         return out
 
     def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -173,31 +177,36 @@ class StagedOptimizer(Optimizer):
     def _sharded(self) -> bool:
         """Whether this rank holds shards of the parameters whose other rows are on the node's
         other ranks (FSDP2 under :func:`lowbit_strategy.attach_sharded`)."""
-        return getattr(getattr(self.communicator, "spec", None), "node", None) is not None
+        return getattr(self._spec, "node", None) is not None
 
     def _whole_norms(self, norms: torch.Tensor) -> torch.Tensor:
         """Per-parameter L2 norms of this rank's shards -> the whole parameters' (the node's
         squares summed); the norms themselves when parameters are whole."""
         if not self._sharded:
             return norms
-        return self.communicator.spec.node_sum_(norms.square()).sqrt_()  # type: ignore[union-attr]
+        return self._spec.node_sum_(norms.square()).sqrt_()
 
     def _whole_max(self, values: torch.Tensor) -> torch.Tensor:
         """Per-parameter maxima over this rank's shards -> over the whole parameters."""
         if not self._sharded:
             return values
-        return self.communicator.spec.node_max_(values)  # type: ignore[union-attr]
+        return self._spec.node_max_(values)
 
     def _global_numel(self, p: torch.Tensor) -> int:
         """Elements of the whole parameter ``p`` (a local shard inside :func:`local_step`)."""
-        return getattr(self, "_global_of", {}).get(id(p), p).numel()
+        return self._global_of.get(id(p), p).numel()
 
     def _agreed(self, bad: bool) -> bool:
         """This rank's verdict on the step -> the one every rank acts on (the shard spec's
         :meth:`~lowbit_strategy.collectives.shards.ShardSpec.agree`: free where the
         collectives already carried it, one small OR when ranks hold different shards)."""
-        spec = getattr(self.communicator, "spec", None)  # (a communicator of one's own may have none)
+        spec = self._spec
         return spec.agree(bad) if spec is not None else bad
+
+    @property
+    def _spec(self):
+        """The communicator's shard spec, or None (no communicator, or one of one's own without a spec)."""
+        return getattr(self.communicator, "spec", None)
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
@@ -245,7 +254,7 @@ class StagedOptimizer(Optimizer):
             layout = self.layout()
             by_key, bad = comm.collect() if comm.pending() else ({}, None)
             rest = [key for key in layout if key not in by_key]
-            results, bad_rest = comm.synchronize([(key, self._momenta(key)) for key in rest])
+            results, bad_rest = comm.synchronize([(key, self._momenta(key, params)) for key in rest])
             by_key.update(zip(rest, results))
             self._ready, self._launched = set(), set()
             verdicts = [v for v in (bad, bad_rest) if v is not None]

@@ -136,9 +136,8 @@ class TurboQuantCommunicator(BucketCommunicator):
         0.71x as fast as DDP + AdamW at 1 Gbit/s). Only for ``form="auto"``."""
         if self.form != "auto" or self.world_size == 1:
             return
-        everyone = self.topology.group if self.topology is not None else getattr(self.spec, "everyone", self.group)
         measure = lambda: measure_codec_seconds(self.codec, self.world_size, device)  # noqa: E731
-        self.codec_seconds = agreed_slowest(measure, everyone, "turboquant.calibrate", self.traffic, device)
+        self.codec_seconds = agreed_slowest(measure, self.spec.everyone, "turboquant.calibrate", self.traffic, device)
 
     def plan_forms(self, layout: list[Key], numels: list[int]) -> None:
         """Choose every bucket's form at setup, from figures every rank shares (the agreed codec
