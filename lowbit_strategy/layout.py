@@ -66,6 +66,7 @@ def local_step(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Ten
     ``id(local) -> parameter`` (to map selections made on the parameters). With no
     ``DTensor`` parameter it changes nothing."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    places: list[tuple[list, int, torch.Tensor]] = []  # (a group's params, index, the DTensor there)
     for group in optimizer.param_groups:
         params = group["params"]
         for k, p in enumerate(params):
@@ -73,6 +74,7 @@ def local_step(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Ten
                 local = p.to_local()
                 local.grad = None if p.grad is None else p.grad.to_local()
                 swapped.append((p, local))
+                places.append((params, k, p))
                 params[k] = local
     if not swapped:
         yield {}
@@ -89,12 +91,8 @@ def local_step(optimizer: torch.optim.Optimizer) -> Iterator[dict[int, torch.Ten
     try:
         yield {id(local): p for p, local in swapped}
     finally:
-        by_local = {id(local): (p, local) for p, local in swapped}
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for k, t in enumerate(params):
-                if id(t) in by_local:
-                    params[k] = by_local[id(t)][0]
+        for params, k, p in places:
+            params[k] = p
         for p, local in swapped:
             local.grad = None
             st = local_state.get(local)
