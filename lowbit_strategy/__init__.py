@@ -22,7 +22,7 @@ from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from lowbit_strategy.integrations._post_import import when_imported
 from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_rank_states, save_rank_states
-from lowbit_strategy.integrations.sharded import attach_sharded, node_mesh
+from lowbit_strategy.integrations.sharded import attach_sharded, node_mesh, sharding_mesh, world_mesh
 from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
 
@@ -51,6 +51,8 @@ __all__ = [
     "keep_local_gradients",
     "nn",
     "node_mesh",
+    "sharding_mesh",
+    "world_mesh",
     "load_rank_states",
     "save_rank_states",
     "__version__",

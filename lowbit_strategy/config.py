@@ -38,6 +38,10 @@ __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 MAX_BUCKET_MB = 65536.0
 #: the values of LowBitConfig.topology
 TOPOLOGIES = ("auto", "flat", "hierarchical")
+#: the values of LowBitConfig.fsdp_shard
+FSDP_SHARDS = ("node", "world")
+#: the values of LowBitConfig.fsdp_reduce_scatter (fp32: FSDP's own reduce-scatter)
+FSDP_REDUCE_SCATTERS = ("fp32", "int8", "int4", "int2")
 
 
 class LowBitConfig:
@@ -63,6 +67,17 @@ class LowBitConfig:
         ranks_per_node: L, the ranks of one node (contiguous rank blocks of equal size);
             None reads it from the launcher (torchrun's / Accelerate's ``LOCAL_WORLD_SIZE``,
             Lightning's devices per node).
+        fsdp_shard: where the sharded front ends (:func:`~lowbit_strategy.attach_sharded`,
+            the ``*_fsdp`` Lightning strategies, Accelerate and the HF ``Trainer`` with FSDP2)
+            shard the model: ``node`` (FSDP2 inside each node, the algorithm's low-bit
+            exchange across nodes) or ``world`` (one FSDP group over every rank, for a model
+            that does not fit in one node: the gradient is reduced by FSDP's reduce-scatter
+            alone, which ``fsdp_reduce_scatter`` can quantize; the algorithm's exchange then
+            has one worker and its optimizer runs as the plain one would).
+        fsdp_reduce_scatter: FSDP2's gradient reduce-scatter: ``fp32`` (FSDP's own, in its
+            reduce dtype) or ``int8`` / ``int4`` / ``int2``, blockwise-quantized all-to-alls
+            (two hops when the FSDP group spans nodes: exact inside the node, quantized
+            across; :mod:`lowbit_strategy.collectives.fsdp_reduce_scatter`).
 
     Sections: one per registered algorithm, each a :class:`Section` (``config.lion``,
     ``config.bitdp``); see each algorithm's ``config`` module for its fields. Keyword
@@ -81,6 +96,8 @@ class LowBitConfig:
         "compile_codecs",
         "topology",
         "ranks_per_node",
+        "fsdp_shard",
+        "fsdp_reduce_scatter",
         "_sections",
     )
 
@@ -94,6 +111,8 @@ class LowBitConfig:
     compile_codecs: bool
     topology: str
     ranks_per_node: int | None
+    fsdp_shard: str
+    fsdp_reduce_scatter: str
     _sections: dict[str, Section]
 
     def __init__(
@@ -107,6 +126,8 @@ class LowBitConfig:
         compile_codecs: bool = False,
         topology: str = "auto",
         ranks_per_node: int | None = None,
+        fsdp_shard: str = "node",
+        fsdp_reduce_scatter: str = "fp32",
         **sections: Any,
     ) -> None:
         registry = REGISTRY
@@ -120,6 +141,8 @@ class LowBitConfig:
         set_("compile_codecs", as_bool("compile_codecs", compile_codecs))
         set_("topology", as_choice("topology", topology, TOPOLOGIES))
         set_("ranks_per_node", None if is_none(ranks_per_node) else as_int("ranks_per_node", ranks_per_node, 1, 2**20))
+        set_("fsdp_shard", as_choice("fsdp_shard", fsdp_shard, FSDP_SHARDS))
+        set_("fsdp_reduce_scatter", as_choice("fsdp_reduce_scatter", fsdp_reduce_scatter, FSDP_REDUCE_SCATTERS))
         values = self._route(sections, registry)
         set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
 

@@ -28,6 +28,8 @@ SHARED_FIELDS: dict[str, Any] = {
     "compile_codecs": False,
     "topology": "auto",
     "ranks_per_node": None,
+    "fsdp_shard": "node",
+    "fsdp_reduce_scatter": "fp32",
 }
 
 

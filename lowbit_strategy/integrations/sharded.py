@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.collectives import fsdp_reduce_scatter, hierarchy
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives import hierarchy
 from lowbit_strategy.collectives.shards import LocalShard
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync
@@ -56,7 +56,7 @@ from lowbit_strategy.layout import is_dtensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_sharded", "node_mesh", "sharded_units"]
+__all__ = ["attach_sharded", "node_mesh", "sharded_units", "sharding_mesh", "world_mesh"]
 
 #: the dimension names of :func:`node_mesh`
 DIMS = ("replicate", "shard")
@@ -85,6 +85,22 @@ def node_mesh(device_type: str = "cuda", config: LowBitConfig | Mapping[str, Any
     cfg = LowBitConfig.coerce(config)
     topo = hierarchy.resolve(cfg.replace(topology="flat"), None)  # the layout only: no groups of its own
     return init_device_mesh(device_type, (topo.nodes, topo.ranks_per_node), mesh_dim_names=DIMS)
+
+
+def world_mesh(device_type: str = "cuda"):
+    """A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` of shape ``(1, P)``: one FSDP
+    group over every rank (``LowBitConfig.fsdp_shard="world"``), for a model that does not fit
+    in one node. Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (1, dist.get_world_size()), mesh_dim_names=DIMS)
+
+
+def sharding_mesh(device_type: str = "cuda", config: LowBitConfig | Mapping[str, Any] | str | None = None):
+    """The mesh the front ends shard over, from ``LowBitConfig.fsdp_shard``: :func:`node_mesh`
+    (``node``) or :func:`world_mesh` (``world``). ``fully_shard`` over ``mesh["shard"]``."""
+    cfg = LowBitConfig.coerce(config)
+    return world_mesh(device_type) if cfg.fsdp_shard == "world" else node_mesh(device_type, cfg)
 
 
 def sharded_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
@@ -136,8 +152,10 @@ def _problem(model: torch.nn.Module, mesh) -> str | None:
             )
         if _ranks(pm) != node:
             return (
-                f"parameter {name!r} is sharded over ranks {_ranks(pm)}, not this node's {node}: an FSDP group "
-                f"spanning nodes sends every reduce-scatter across the network; {fix}"
+                f"parameter {name!r} is sharded over ranks {_ranks(pm)}, not the mesh's FSDP group {node}: "
+                f"shard over mesh['shard']: {fix}; or, for a model that does not fit in one node, shard over every "
+                "rank (LowBitConfig.fsdp_shard='world', mesh = lowbit_strategy.world_mesh(device_type)) and "
+                "quantize its reduce-scatter (fsdp_reduce_scatter='int4')"
             )
     return None
 
@@ -168,6 +186,31 @@ def _unit_hook(sync: Sync, params: list[torch.Tensor]) -> Callable[[torch.Tensor
     return hook
 
 
+def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync) -> None:
+    """Every unit's reduce-scatter becomes ``cfg.fsdp_reduce_scatter``'s
+    (:mod:`lowbit_strategy.collectives.fsdp_reduce_scatter`): two hops when the FSDP group is
+    the world and it spans nodes (the launcher's node layout), else one. Its bytes go to
+    ``sync.node_traffic``, each with its scope."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hops = None
+    if mesh["shard"].size() == world > 1:
+        nodes = hierarchy.resolve(cfg, None)  # collective; the groups are shared with the DDP path's
+        if nodes.hierarchical:
+            hops = (nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
+    bits = fsdp_reduce_scatter.BITS[cfg.fsdp_reduce_scatter]
+    for i, (unit, _) in enumerate(units):
+        comm = fsdp_reduce_scatter.QuantizedReduceScatter(
+            bits, hops=hops, salt=fsdp_reduce_scatter.salt(i, rank), traffic=sync.node_traffic
+        )
+        unit.set_custom_reduce_scatter(comm)
+    logger.info(
+        "lowbit: FSDP reduce-scatter %s over %d rank(s)%s",
+        cfg.fsdp_reduce_scatter,
+        mesh["shard"].size(),
+        f", two hops ({hops[2]} nodes x {hops[3]}: exact inside the node)" if hops else "",
+    )
+
+
 def attach_sharded(
     model: torch.nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] = (),
@@ -196,7 +239,9 @@ def attach_sharded(
         raise LowBitSetupError("attach_sharded: root must hold model and no parameters besides model's")
     if mesh is None:
         device = next((p.device.type for p in model.parameters()), "cpu")
-        mesh = node_mesh(device, cfg)
+        mesh = sharding_mesh(device, cfg)
+    elif mesh.ndim == 1 and mesh.size() == dist.get_world_size():
+        mesh = world_mesh(mesh.device_type)  # one FSDP group over every rank, in this module's dims
     _agreed_problem(_problem(root, mesh))
     algo = algorithms.get(cfg.algorithm)
     if not algo.sharded:
@@ -206,18 +251,31 @@ def attach_sharded(
             "use it with DDP (lowbit_strategy.attach) or pick one of those"
         )
     sync = build_sync(cfg, model, None, ranks_per_node=mesh["shard"].size())
-    # the DDP node stages (node mean, node all-gather) are FSDP's here: the topology only describes
+    # the DDP node stages (node mean, node all-gather) are FSDP's here: the topology only
+    # describes, with the FSDP group as the algorithm's node (the world for fsdp_shard="world")
     topology = cast(hierarchy.Topology, sync.topology)  # (build_sync sets it)
-    sync.topology = dataclasses.replace(topology, hierarchical=False, intra=None, inter=None)
+    per_group, rank = mesh["shard"].size(), dist.get_rank()
+    sync.topology = dataclasses.replace(
+        topology,
+        ranks_per_node=per_group,
+        node=rank // per_group,
+        local_rank=rank % per_group,
+        hierarchical=False,
+        intra=None,
+        inter=None,
+    )
     sync.spec = LocalShard(mesh["replicate"].get_group(), mesh["shard"].get_group())
     # what an optimizer-level algorithm sends is formed from p.grad, which FSDP assigns only
     # after the hook returns: the exchange runs at the step
     sync.disable_overlap(
         "the sharded path forms what it sends in optimizer.step() (FSDP assigns gradients after its hook)"
     )
-    for unit, params in sharded_units(root):
+    units = sharded_units(root)
+    for unit, params in units:
         if params:
             unit.set_all_reduce_hook(_unit_hook(sync, params))  # type: ignore[operator]
+    if cfg.fsdp_reduce_scatter != "fp32":
+        _quantize_reduce_scatters(units, cfg, mesh, sync)
     attach_optimizers(sync, list(optimizers))
     logger.info(
         "lowbit: %s sharded: FSDP2 inside %d node(s) of %d rank(s), the low-bit exchange across nodes",

@@ -1,0 +1,191 @@
+"""A quantized reduce-scatter for FSDP2 (``FSDPModule.set_custom_reduce_scatter``): for an FSDP
+group that spans nodes, where every reduce-scatter crosses the slow link.
+
+What FSDP2 hands it (torch 2.13, ``_fsdp_collectives.foreach_reduce``): ``input_tensor`` is the
+unit's padded gradients, 1-D, read as ``(W, c)``: row ``r`` is the chunk rank ``r`` keeps;
+``output_tensor`` (``c`` elements) receives this rank's reduced chunk. The call passes no
+``async_op`` and discards the return value, inside FSDP's reduce-scatter stream context: the
+result must be written (or ordered on the current stream) when it returns, so every
+collective here is waited on before. ``op`` is ``AVG`` (fp32/bf16 reduce dtypes), or ``SUM``
+with FSDP dividing around it (fp16, ``set_force_sum_reduction_for_comms(True)``);
+``PREMUL_SUM`` (``set_gradient_divide_factor``) is refused, naming the setting.
+
+One hop (the group inside one node, or a flat topology): each row is quantized in blocks
+(:mod:`lowbit_strategy.codecs.blockwise`: symmetric, one float32 scale per 256 elements,
+stochastic rounding at 2 bits) and exchanged with ``all_to_all_single`` (codes, then scales);
+every rank dequantizes the ``W`` rows it receives and sums them in float32 in rank order,
+its own row exact (it never crosses the wire). Bytes sent per rank:
+``(W-1)·(code bytes + scale bytes)`` of one row.
+
+Two hops when the group is the world and it spans ``N`` nodes of ``L`` ranks (ZeRO++'s qgZ,
+"ZeRO++: Extremely Efficient Collective Communication for Giant Model Training",
+arXiv:2306.10209, Sec. 4.3: hierarchical all-to-all):
+
+1. inside the node, exact: local rank ``j`` gathers, from each peer of its node, the ``N``
+   rows destined for ranks ``m·L + j`` (``m`` = every node), by an all-to-all in the reduce
+   dtype, and sums them in float32: the node's partial sums of those ``N`` rows;
+2. across nodes, quantized: the one-hop exchange above over the cross-node group ``j``
+   (local rank ``j`` of every node, ``N`` ranks) on those ``N`` rows.
+
+So a node's link carries ``L·(N-1)`` quantized rows of ``c`` elements, one payload per node,
+instead of the ``L·L·(N-1)`` rows a flat all-to-all sends across nodes: ``L×`` fewer, on
+top of the codec's ``32/b``. Intra-node bytes are recorded with scope ``node``.
+
+No error feedback: quantization error is not carried to the next step (it would need a buffer
+the size of the unit's rows on every rank, as large as the unsharded unit for the one-hop form
+and ``1/L`` of it for two hops, and rank-local state in every checkpoint). The rounding is
+unbiased only at 2 bits (stochastic); 8 and 4 bits round to nearest, with an error of at most
+half a step, ``max|x| / (2Q)`` per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowbit_strategy.codecs import blockwise
+from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives import wire
+
+try:  # torch >= 2.8: FSDP2's comm interface (the call signature is all FSDP relies on)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Base
+except ImportError:  # pragma: no cover - older torch: duck-typed, no set_custom_reduce_scatter anyway
+    _Base = object  # type: ignore[assignment,misc]
+
+__all__ = ["BITS", "QuantizedReduceScatter", "reduce_scatter_bytes", "reference"]
+
+#: LowBitConfig.fsdp_reduce_scatter -> code bits
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Float32 sum of a ``(P, c)`` tensor's rows, in row order (a fixed order on every device)."""
+    acc = rows[0].to(torch.float32).clone()
+    for i in range(1, rows.shape[0]):
+        acc += rows[i]
+    return acc
+
+
+def salt(unit: int, rank: int) -> int:
+    """The dither salt of unit ``unit`` (its index in module order) on global rank ``rank``."""
+    return (unit * 0x10001 + rank * 0x9E37) & 0xFFFFFFFF
+
+
+def exchange_sum(
+    rows: torch.Tensor, group, op: str, traffic: wire.TrafficLog | None, bits: int | None = None, salt: int = 0
+) -> torch.Tensor:
+    """Row ``r`` of ``(P, c)`` ``rows`` goes to rank ``r`` of ``group``; returns the float32 sum,
+    in rank order, of the rows this rank receives (its own row exact). ``bits`` None: the rows
+    travel in their dtype; else blockwise codes and scales."""
+    p, c = rows.shape
+    me = g.rank(group)
+    if bits is None:
+        recv = torch.empty_like(rows)
+        g.all_to_all_async(recv.view(-1), rows.contiguous().view(-1), group, op, traffic).wait()
+        return _sum_rows(recv)
+    codes, scales = blockwise.encode(rows, bits, salt=salt)
+    codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
+    fc = g.all_to_all_async(codes_in.view(-1), codes.view(-1), group, op + ".codes", traffic)
+    fs = g.all_to_all_async(scales_in.view(-1), scales.view(-1), group, op + ".scales", traffic)
+    fc.wait()
+    fs.wait()
+    got = blockwise.decode(codes_in, scales_in, bits, c)
+    got[me] = rows[me]
+    return _sum_rows(got)
+
+
+class QuantizedReduceScatter(_Base):
+    """One FSDP unit's reduce-scatter (module docstring). ``bits``: 8, 4 or 2. ``hops``: None
+    for one hop over FSDP's group, or ``(intra, inter, nodes, ranks_per_node)`` for the two-hop
+    form (FSDP's group is then the world). ``salt``: :func:`salt`'s value for this unit and
+    rank. Bytes go to ``traffic``."""
+
+    def __init__(
+        self, bits: int, *, hops: tuple[Any, Any, int, int] | None, salt: int, traffic: wire.TrafficLog
+    ) -> None:
+        self.bits, self.hops, self.salt, self.traffic = bits, hops, salt, traffic
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
+        w = g.world_size(group)
+        rows = input_tensor.view(w, -1)
+        if self.hops is None:
+            total = exchange_sum(rows, group, "fsdp_rs", self.traffic, self.bits, self.salt)
+        else:
+            intra, inter, nodes, per_node = self.hops
+            c = rows.shape[1]
+            # local peer j gets the rows of destinations m*L + j, m = 0..N-1
+            to_peers = rows.view(nodes, per_node, c).transpose(0, 1).reshape(per_node, nodes * c)
+            partial = exchange_sum(to_peers, intra, "fsdp_rs.node", self.traffic)
+            total = exchange_sum(partial.view(nodes, c), inter, "fsdp_rs", self.traffic, self.bits, self.salt)
+        if _is(op, dist.ReduceOp.AVG):
+            total.div_(w)
+        elif not _is(op, dist.ReduceOp.SUM):
+            raise ValueError(
+                f"LowBitConfig.fsdp_reduce_scatter runs AVG or SUM reductions, FSDP asked for {op}: "
+                "unset the unit's gradient divide factor (FSDPModule.set_gradient_divide_factor) or use "
+                "fsdp_reduce_scatter='fp32'"
+            )
+        output_tensor.copy_(total)
+        return None
+
+
+def _is(op: Any, kind: Any) -> bool:
+    try:
+        return bool(op == kind)
+    except (TypeError, RuntimeError):  # a PREMUL_SUM _ReduceOp does not compare with the enum
+        return False
+
+
+def reduce_scatter_bytes(c: int, world: int, bits: int, element_size: int, nodes: int = 1) -> tuple[int, int]:
+    """``(node bytes, network bytes)`` one rank sends for one call on a unit of ``c`` elements
+    per rank: the formula the tests check the logged bytes against. ``nodes`` > 1: the
+    two-hop form (``world / nodes`` ranks per node); 1: one hop, all counted as network."""
+    if nodes == 1:
+        code, scale = blockwise.row_bytes(c, bits)
+        return 0, (world - 1) * (code + scale)
+    per_node = world // nodes
+    code, scale = blockwise.row_bytes(c, bits)
+    return (per_node - 1) * nodes * c * element_size, (nodes - 1) * (code + scale)
+
+
+def reference(
+    inputs: list[torch.Tensor], bits: int, nodes: int, average: bool, unit: int = 0, ranks: list[int] | None = None
+) -> list[torch.Tensor]:
+    """Single-process oracle: every rank's output of one call, from every rank's 1-D input
+    (the group's size = ``len(inputs)``; ``nodes`` > 1: two hops), with the same codec, salts
+    (of ``unit`` and each rank's global rank, ``ranks[r]``, default ``r``) and sums."""
+    w = len(inputs)
+    ranks = list(range(w)) if ranks is None else ranks
+    rows = [x.view(w, -1) for x in inputs]
+    c = rows[0].shape[1]
+    if nodes == 1:
+        senders = rows
+        groups = [list(range(w))]
+        sent = {r: rows[r] for r in range(w)}
+    else:
+        per_node = w // nodes
+        sent = {}
+        for r in range(w):
+            node, j = divmod(r, per_node)
+            peers = [node * per_node + k for k in range(per_node)]
+            # what each peer k sent to j: its rows of destinations m*L + j
+            parts = torch.stack([rows[k].view(nodes, per_node, c)[:, j] for k in peers])  # (L, N, c)
+            sent[r] = _sum_rows(parts.reshape(per_node, nodes * c)).view(nodes, c)
+        groups = [list(range(j, w, per_node)) for j in range(per_node)]
+        senders = [sent[r] for r in range(w)]
+    out: list[torch.Tensor] = [torch.empty(0)] * w
+    for members in groups:
+        decoded = {}
+        for r in members:
+            codes, scales = blockwise.encode(senders[r], bits, salt=salt(unit, ranks[r]))
+            decoded[r] = blockwise.decode(codes, scales, bits, c)
+        for i, r in enumerate(members):
+            got = torch.stack([sent[r][i] if s == r else decoded[s][i] for s in members])
+            total = _sum_rows(got)
+            out[r] = total / w if average else total
+    return out
