@@ -1,7 +1,7 @@
 """Train the small GPT of ``gpt_lion.py`` sharded: FSDP2 inside each node, low-bit across nodes.
 
 A plain PyTorch loop under ``torchrun``. The model's blocks, then the root, are
-``fully_shard``-ed over the node (``mesh["shard"]`` of :func:`lowbit_strategy.node_mesh`);
+``fully_shard``-ed over the node (``mesh["shard"]`` of :func:`lowbit_strategy.sharding_mesh`);
 :func:`lowbit_strategy.attach_sharded` runs the algorithm's exchange across nodes on each
 rank's shards, and the optimizer steps only the shard (its state is 1/L of a replica's).
 
@@ -10,6 +10,12 @@ Two emulated nodes of two ranks on one machine (CPU, gloo)::
     torchrun --nproc-per-node 4 examples/sharded_gpt.py --ranks-per-node 2 --algorithm lion --steps 100
     torchrun --nproc-per-node 4 examples/sharded_gpt.py --ranks-per-node 2 --algorithm onebit_adam \\
         --steps 100 --accumulate 2 --bf16
+
+A model that does not fit in one node: one FSDP group over every rank, its reduce-scatter
+quantized (two hops: exact inside each node, 4-bit codes across)::
+
+    torchrun --nproc-per-node 4 examples/sharded_gpt.py --ranks-per-node 2 --algorithm lion --steps 100 \
+        --lowbit fsdp_shard=world fsdp_reduce_scatter=int4
 
 Real nodes: start it once per node (``torchrun --nnodes N --node-rank K --nproc-per-node L
 --rdzv-endpoint HOST:PORT ...``); the node layout comes from torchrun's ``LOCAL_WORLD_SIZE``.
@@ -42,7 +48,7 @@ from examples.gpt_lion import GPT, stdlib_bytes  # noqa: E402
 from lowbit_strategy.collectives import wire  # noqa: E402
 
 #: the optimizer each sharded algorithm drives (GPT's ``optimizer`` names)
-OPTIMIZER_FOR = {"lion": "lion", "onebit_adam": "onebit_adam", "turboquant": "turboquant"}
+OPTIMIZER_FOR = {"lion": "lion", "onebit_adam": "onebit_adam", "onebit_lamb": "onebit_lamb", "turboquant": "turboquant", "bitdp": "adamw"}
 
 
 def parse(argv=None):
@@ -89,7 +95,7 @@ def main(argv=None) -> dict:
     overrides = dict(kv.split("=", 1) for kv in args.lowbit)
     cfg = lowbit_strategy.LowBitConfig.coerce(None, algorithm=args.algorithm, ranks_per_node=args.ranks_per_node,
                                               **overrides)
-    mesh = lowbit_strategy.node_mesh(device.type if device is not None else "cpu", cfg)
+    mesh = lowbit_strategy.sharding_mesh(device.type if device is not None else "cpu", cfg)
 
     torch.manual_seed(args.seed)
     tokens = stdlib_bytes(int(args.data_mb * 2**20))
@@ -148,6 +154,8 @@ def main(argv=None) -> dict:
         "steps_per_s": (step - start_step) / seconds if seconds else 0.0,
         "bytes_per_step": sent / max(1, step - start_step),
         "hsdp_fp32_bytes_per_step": wire.allreduce_bytes(4 * local, mesh["replicate"].size()),
+        "fsdp_shard": cfg.fsdp_shard, "fsdp_reduce_scatter": cfg.fsdp_reduce_scatter,
+        "node_bytes_per_step": sum(log.node_bytes_sent for log in sync.traffic_logs()) / max(1, step - start_step),
         "optimizer_state_bytes": state,
         "replicas_identical": replicas_identical(model),
     }
@@ -214,14 +222,22 @@ def evaluate(model, val, args, device) -> float:
 
 
 def report(s: dict) -> None:
+    across = (
+        f"  across nodes: {s['bytes_per_step'] / 1e3:.1f} kB/step per rank, HSDP's fp32 all-reduce of the same "
+        f"shards {s['hsdp_fp32_bytes_per_step'] / 1e3:.1f} kB "
+        f"({s['hsdp_fp32_bytes_per_step'] / max(1.0, s['bytes_per_step']):.1f}x fewer bytes)\n"
+    )
+    if s["fsdp_shard"] == "world":  # one FSDP group: the reduce-scatter is what crosses nodes
+        across = (
+            f"  reduce-scatter {s['fsdp_reduce_scatter']}: {s['bytes_per_step'] / 1e3:.1f} kB/step per rank on the "
+            f"network, {s['node_bytes_per_step'] / 1e3:.1f} kB inside the node\n"
+        )
     print(
         f"{s['algorithm']} sharded over {s['nodes']} node(s) x {s['ranks_per_node']} rank(s): "
         f"{s['params'] / 1e6:.2f}M parameters, {s['local_params'] / 1e6:.2f}M on each rank\n"
         f"  loss {s['first_loss']:.3f} -> {s['train_loss']:.3f} (validation {s['val_loss']:.3f}), "
         f"{s['steps_per_s']:.2f} steps/s\n"
-        f"  across nodes: {s['bytes_per_step'] / 1e3:.1f} kB/step per rank, HSDP's fp32 all-reduce of the same "
-        f"shards {s['hsdp_fp32_bytes_per_step'] / 1e3:.1f} kB "
-        f"({s['hsdp_fp32_bytes_per_step'] / max(1.0, s['bytes_per_step']):.1f}x fewer bytes)\n"
+        f"{across}"
         f"  optimizer state per rank: {s['optimizer_state_bytes'] / 1e6:.2f} MB; "
         f"replicas identical across nodes: {s['replicas_identical']}",
         flush=True,
