@@ -98,6 +98,7 @@ class LowBitConfig:
         "ranks_per_node",
         "fsdp_shard",
         "fsdp_reduce_scatter",
+        "fsdp_error_feedback",
         "_sections",
     )
 
@@ -113,6 +114,7 @@ class LowBitConfig:
     ranks_per_node: int | None
     fsdp_shard: str
     fsdp_reduce_scatter: str
+    fsdp_error_feedback: bool
     _sections: dict[str, Section]
 
     def __init__(
@@ -128,6 +130,7 @@ class LowBitConfig:
         ranks_per_node: int | None = None,
         fsdp_shard: str = "node",
         fsdp_reduce_scatter: str = "fp32",
+        fsdp_error_feedback: bool = False,
         **sections: Any,
     ) -> None:
         registry = REGISTRY
@@ -143,6 +146,7 @@ class LowBitConfig:
         set_("ranks_per_node", None if is_none(ranks_per_node) else as_int("ranks_per_node", ranks_per_node, 1, 2**20))
         set_("fsdp_shard", as_choice("fsdp_shard", fsdp_shard, FSDP_SHARDS))
         set_("fsdp_reduce_scatter", as_choice("fsdp_reduce_scatter", fsdp_reduce_scatter, FSDP_REDUCE_SCATTERS))
+        set_("fsdp_error_feedback", as_bool("fsdp_error_feedback", fsdp_error_feedback))
         values = self._route(sections, registry)
         set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
 

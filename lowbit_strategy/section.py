@@ -30,6 +30,7 @@ SHARED_FIELDS: dict[str, Any] = {
     "ranks_per_node": None,
     "fsdp_shard": "node",
     "fsdp_reduce_scatter": "fp32",
+    "fsdp_error_feedback": False,
 }
 
 

@@ -32,6 +32,7 @@ Two places to synchronize:
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's
 # annotations and accepts only the real dist.GradBucket / Future[Tensor] objects.
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,9 @@ from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.section import Section
 
 __all__ = ["Algorithm", "LowBitSetupError", "Sync", "bucket_hook", "keep_local_gradients"]
+
+
+logger = logging.getLogger(__name__)
 
 
 class LowBitSetupError(RuntimeError):
@@ -77,6 +81,10 @@ class Sync:
         #: the bytes of the hierarchical form's intra-node reduction (scope "node")
         self.node_traffic = TrafficLog()
         self._spec: ShardSpec | None = None
+        #: rank-local state of the data path outside the algorithm, by name (a front end's
+        #: quantized FSDP reduce-scatter with error feedback): objects with ``state_dict()`` and
+        #: ``load_state_dict(state)``, saved and restored with the algorithm's
+        self.parts: dict[str, Any] = {}
 
     @property
     def spec(self) -> ShardSpec:
@@ -135,11 +143,30 @@ class Sync:
         return []
 
     def state_dict(self) -> dict:
-        """This rank's rank-local state (plain values and CPU tensors), for checkpoints."""
-        return {}
+        """This rank's rank-local state (plain values and CPU tensors), for checkpoints: the
+        algorithm's (:meth:`algorithm_state_dict`) and, under ``"parts"``, :attr:`parts`'."""
+        state = self.algorithm_state_dict()
+        if self.parts:
+            state = {**state, "parts": {name: part.state_dict() for name, part in self.parts.items()}}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (or :meth:`Algorithm.merge_states`')."""
+        """Restore :meth:`state_dict`'s output (or :meth:`Algorithm.merge_states`', which keeps
+        no parts: they restart, with a warning)."""
+        saved = state.get("parts") or {}
+        self.load_algorithm_state_dict({k: v for k, v in state.items() if k != "parts"})
+        for name, part in self.parts.items():
+            if name in saved:
+                part.load_state_dict(saved[name])
+            else:
+                logger.warning("lowbit: the checkpoint holds no state of %s on this rank: it restarts", name)
+
+    def algorithm_state_dict(self) -> dict:
+        """The algorithm's rank-local state (momenta, error buffers); none by default."""
+        return {}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        """Restore :meth:`algorithm_state_dict`'s output."""
 
 
 def _no_merge(states: list) -> dict:

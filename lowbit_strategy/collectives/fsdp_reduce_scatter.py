@@ -31,11 +31,15 @@ So a node's link carries ``L·(N-1)`` quantized rows of ``c`` elements, one payl
 instead of the ``L·L·(N-1)`` rows a flat all-to-all sends across nodes: ``L×`` fewer, on
 top of the codec's ``32/b``. Intra-node bytes are recorded with scope ``node``.
 
-No error feedback: quantization error is not carried to the next step (it would need a buffer
-the size of the unit's rows on every rank, as large as the unsharded unit for the one-hop form
-and ``1/L`` of it for two hops, and rank-local state in every checkpoint). The rounding is
-unbiased only at 2 bits (stochastic); 8 and 4 bits round to nearest, with an error of at most
-half a step, ``max|x| / (2Q)`` per block.
+Error feedback (``LowBitConfig.fsdp_error_feedback``, off by default): each rank adds what the
+codes of its previous call missed to the rows it quantizes (as 1-bit Adam's error buffers do).
+It costs a float32 buffer per unit of the rows this rank quantizes, kept across steps and in
+every checkpoint (rank-local state): ``P·c`` elements for one hop, the size of the unsharded
+unit, ``N·c`` (``1/L`` of it) for two hops; summed over units, the whole model's parameters in
+fp32 per rank for one hop (4 bytes per parameter, on a rank that holds ``1/P`` of them) and
+``1/L`` of that for two hops. And one more decode per call. Without it the error does not
+accumulate either way: the rounding is unbiased at 2 bits (stochastic), and 8 and 4 bits
+round to nearest, off by at most half a step, ``max|x| / (2Q)`` per block.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ try:  # torch >= 2.8: FSDP2's comm interface (the call signature is all FSDP rel
 except ImportError:  # pragma: no cover - older torch: duck-typed, no set_custom_reduce_scatter anyway
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["BITS", "QuantizedReduceScatter", "reduce_scatter_bytes", "reference"]
+__all__ = ["BITS", "QuantizedReduceScatter", "UnitErrors", "reduce_scatter_bytes", "reference"]
 
 #: LowBitConfig.fsdp_reduce_scatter -> code bits
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -73,19 +77,42 @@ def salt(unit: int, rank: int) -> int:
     return (unit * 0x10001 + rank * 0x9E37) & 0xFFFFFFFF
 
 
+def encode_rows(
+    rows: torch.Tensor, me: int, bits: int, salt: int, error: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise codes and scales of ``rows`` (row ``me`` is this rank's own: sent, never read).
+    ``error`` (float32, the rows' shape, or None): error feedback, updated in place: the rows
+    quantized are ``rows + error`` and ``error`` becomes what their codes missed (0 in row
+    ``me`` and in a block that was not finite, so a NaN step cannot poison later ones)."""
+    if error is None:
+        return blockwise.encode(rows, bits, salt=salt)
+    x = rows.to(torch.float32) + error
+    codes, scales = blockwise.encode(x, bits, salt=salt)
+    missed = x - blockwise.decode(codes, scales, bits, rows.shape[1])
+    missed[me] = 0
+    error.copy_(torch.where(torch.isfinite(missed), missed, torch.zeros_like(missed)))
+    return codes, scales
+
+
 def exchange_sum(
-    rows: torch.Tensor, group, op: str, traffic: wire.TrafficLog | None, bits: int | None = None, salt: int = 0
+    rows: torch.Tensor,
+    group,
+    op: str,
+    traffic: wire.TrafficLog | None,
+    bits: int | None = None,
+    salt: int = 0,
+    error: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row ``r`` of ``(P, c)`` ``rows`` goes to rank ``r`` of ``group``; returns the float32 sum,
     in rank order, of the rows this rank receives (its own row exact). ``bits`` None: the rows
-    travel in their dtype; else blockwise codes and scales."""
+    travel in their dtype; else blockwise codes and scales (``error``: :func:`encode_rows`)."""
     p, c = rows.shape
     me = g.rank(group)
     if bits is None:
         recv = torch.empty_like(rows)
         g.all_to_all_async(recv.view(-1), rows.contiguous().view(-1), group, op, traffic).wait()
         return _sum_rows(recv)
-    codes, scales = blockwise.encode(rows, bits, salt=salt)
+    codes, scales = encode_rows(rows, me, bits, salt, error)
     codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
     fc = g.all_to_all_async(codes_in.view(-1), codes.view(-1), group, op + ".codes", traffic)
     fs = g.all_to_all_async(scales_in.view(-1), scales.view(-1), group, op + ".scales", traffic)
@@ -100,12 +127,38 @@ class QuantizedReduceScatter(_Base):
     """One FSDP unit's reduce-scatter (module docstring). ``bits``: 8, 4 or 2. ``hops``: None
     for one hop over FSDP's group, or ``(intra, inter, nodes, ranks_per_node)`` for the two-hop
     form (FSDP's group is then the world). ``salt``: :func:`salt`'s value for this unit and
-    rank. Bytes go to ``traffic``."""
+    rank. Bytes go to ``traffic``. ``error_feedback``: keep, per rank, what the codes of the
+    rows it quantized missed and add it to the next call's rows (:attr:`error`, float32, made at
+    the first call: ``(P, c)`` for one hop, ``(N, c)`` for two)."""
 
     def __init__(
-        self, bits: int, *, hops: tuple[Any, Any, int, int] | None, salt: int, traffic: wire.TrafficLog
+        self,
+        bits: int,
+        *,
+        hops: tuple[Any, Any, int, int] | None,
+        salt: int,
+        traffic: wire.TrafficLog,
+        error_feedback: bool = False,
     ) -> None:
         self.bits, self.hops, self.salt, self.traffic = bits, hops, salt, traffic
+        self.error_feedback = error_feedback
+        self.error: torch.Tensor | None = None
+
+    def _error(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        if self.error is None or self.error.shape != rows.shape:
+            self.error = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        elif self.error.device != rows.device:  # loaded from a checkpoint (CPU)
+            self.error = self.error.to(rows.device)
+        return self.error
+
+    def state_dict(self) -> dict:
+        """This rank's error-feedback buffer (CPU), or None."""
+        return {"error": None if self.error is None else self.error.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error = state.get("error")
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -114,14 +167,15 @@ class QuantizedReduceScatter(_Base):
         w = g.world_size(group)
         rows = input_tensor.view(w, -1)
         if self.hops is None:
-            total = exchange_sum(rows, group, "fsdp_rs", self.traffic, self.bits, self.salt)
+            total = exchange_sum(rows, group, "fsdp_rs", self.traffic, self.bits, self.salt, self._error(rows))
         else:
             intra, inter, nodes, per_node = self.hops
             c = rows.shape[1]
             # local peer j gets the rows of destinations m*L + j, m = 0..N-1
             to_peers = rows.view(nodes, per_node, c).transpose(0, 1).reshape(per_node, nodes * c)
             partial = exchange_sum(to_peers, intra, "fsdp_rs.node", self.traffic)
-            total = exchange_sum(partial.view(nodes, c), inter, "fsdp_rs", self.traffic, self.bits, self.salt)
+            sums = partial.view(nodes, c)
+            total = exchange_sum(sums, inter, "fsdp_rs", self.traffic, self.bits, self.salt, self._error(sums))
         if _is(op, dist.ReduceOp.AVG):
             total.div_(w)
         elif not _is(op, dist.ReduceOp.SUM):
@@ -132,6 +186,28 @@ class QuantizedReduceScatter(_Base):
             )
         output_tensor.copy_(total)
         return None
+
+
+class UnitErrors:
+    """The error-feedback buffers of every unit's reduce-scatter, as one part of a sync's
+    checkpointed state (``Sync.parts``): saved per unit in module order; a checkpoint of
+    another number of units is refused, naming both."""
+
+    def __init__(self, comms: list[QuantizedReduceScatter]) -> None:
+        self.comms = comms
+
+    def state_dict(self) -> dict:
+        return {"units": [comm.state_dict() for comm in self.comms]}
+
+    def load_state_dict(self, state: dict) -> None:
+        units = state.get("units", [])
+        if len(units) != len(self.comms):
+            raise ValueError(
+                f"the checkpoint's fsdp_reduce_scatter error feedback holds {len(units)} units, the model has "
+                f"{len(self.comms)}: resume the same model, or set fsdp_error_feedback=False"
+            )
+        for comm, unit in zip(self.comms, units):
+            comm.load_state_dict(unit)
 
 
 def _is(op: Any, kind: Any) -> bool:
@@ -154,11 +230,18 @@ def reduce_scatter_bytes(c: int, world: int, bits: int, element_size: int, nodes
 
 
 def reference(
-    inputs: list[torch.Tensor], bits: int, nodes: int, average: bool, unit: int = 0, ranks: list[int] | None = None
+    inputs: list[torch.Tensor],
+    bits: int,
+    nodes: int,
+    average: bool,
+    unit: int = 0,
+    ranks: list[int] | None = None,
+    errors: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Single-process oracle: every rank's output of one call, from every rank's 1-D input
     (the group's size = ``len(inputs)``; ``nodes`` > 1: two hops), with the same codec, salts
-    (of ``unit`` and each rank's global rank, ``ranks[r]``, default ``r``) and sums."""
+    (of ``unit`` and each rank's global rank, ``ranks[r]``, default ``r``) and sums.
+    ``errors``: every rank's error-feedback buffer, updated in place."""
     w = len(inputs)
     ranks = list(range(w)) if ranks is None else ranks
     rows = [x.view(w, -1) for x in inputs]
@@ -181,8 +264,9 @@ def reference(
     out: list[torch.Tensor] = [torch.empty(0)] * w
     for members in groups:
         decoded = {}
-        for r in members:
-            codes, scales = blockwise.encode(senders[r], bits, salt=salt(unit, ranks[r]))
+        for i, r in enumerate(members):
+            error = None if errors is None else errors[r]
+            codes, scales = encode_rows(senders[r], i, bits, salt(unit, ranks[r]), error)
             decoded[r] = blockwise.decode(codes, scales, bits, c)
         for i, r in enumerate(members):
             got = torch.stack([sent[r][i] if s == r else decoded[s][i] for s in members])

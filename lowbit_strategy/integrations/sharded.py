@@ -198,11 +198,19 @@ def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync) -> Non
         if nodes.hierarchical:
             hops = (nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
     bits = fsdp_reduce_scatter.BITS[cfg.fsdp_reduce_scatter]
+    comms = []
     for i, (unit, _) in enumerate(units):
         comm = fsdp_reduce_scatter.QuantizedReduceScatter(
-            bits, hops=hops, salt=fsdp_reduce_scatter.salt(i, rank), traffic=sync.node_traffic
+            bits,
+            hops=hops,
+            salt=fsdp_reduce_scatter.salt(i, rank),
+            traffic=sync.node_traffic,
+            error_feedback=cfg.fsdp_error_feedback,
         )
         unit.set_custom_reduce_scatter(comm)
+        comms.append(comm)
+    if cfg.fsdp_error_feedback:  # rank-local state: saved and restored with the algorithm's
+        sync.parts["fsdp_reduce_scatter"] = fsdp_reduce_scatter.UnitErrors(comms)
     logger.info(
         "lowbit: FSDP reduce-scatter %s over %d rank(s)%s",
         cfg.fsdp_reduce_scatter,

@@ -67,6 +67,35 @@ def _check_direct(rank, world_size):
                 assert torch.equal(out, want), case
                 node_bytes, net_bytes = qrs.reduce_scatter_bytes(C, world_size, bits, xs[0].element_size(), nodes)
                 assert (log.node_bytes_sent, log.bytes_sent) == (node_bytes, net_bytes), case
+    # error feedback: three calls, the buffers carried (and a NaN in the second leaves them finite)
+    for two_hop in (False, True):
+        nodes = world_size // PER_NODE if two_hop else 1
+        comm = qrs.QuantizedReduceScatter(
+            4, hops=hops if two_hop else None, salt=qrs.salt(1, rank), traffic=wire.TrafficLog(), error_feedback=True
+        )
+        errors = [torch.zeros(nodes if two_hop else world_size, C) for _ in range(world_size)]
+        for call in range(3):
+            xs = _inputs(seed=10 + call)
+            if call == 1:
+                xs[1][5] = float("nan")  # rank 1's row for rank 0
+            out = torch.empty(C)
+            comm(out, xs[rank].clone(), None, dist.ReduceOp.AVG)
+            want = qrs.reference(xs, 4, nodes, True, unit=1, errors=errors)[rank]
+            assert torch.equal(out, want) or (call == 1 and torch.equal(out.isnan(), want.isnan())), (two_hop, call)
+            assert torch.equal(comm.error, errors[rank]) and comm.error.isfinite().all(), (two_hop, call)
+        assert comm.error.abs().sum() > 0
+        # resume: a fresh reduce-scatter loaded from the state continues bit for bit
+        fresh = qrs.QuantizedReduceScatter(
+            4, hops=hops if two_hop else None, salt=qrs.salt(1, rank), traffic=wire.TrafficLog(), error_feedback=True
+        )
+        saved = qrs.UnitErrors([comm]).state_dict()
+        qrs.UnitErrors([fresh]).load_state_dict(saved)
+        a, b = torch.empty(C), torch.empty(C)
+        comm(a, _inputs(seed=20)[rank].clone(), None, dist.ReduceOp.AVG)
+        fresh(b, _inputs(seed=20)[rank].clone(), None, dist.ReduceOp.AVG)
+        assert torch.equal(a, b) and torch.equal(comm.error, fresh.error)
+        with pytest.raises(ValueError, match="holds 1 units, the model has 2"):
+            qrs.UnitErrors([fresh, fresh]).load_state_dict(saved)
     # the bytes across nodes, per node: two hops send L x fewer rows than one
     one = qrs.reduce_scatter_bytes(C, world_size, 4, 4, 1)[1]
     two = qrs.reduce_scatter_bytes(C, world_size, 4, 4, 2)[1]
@@ -127,6 +156,26 @@ def test_error_stays_within_the_codec_bound_of_the_exact_reduce_scatter():
             assert rel.max() < {8: 1, 4: 1, 2: 2}[bits], rel  # sanity: never wild
 
 
+def test_error_feedback_cancels_the_rounding_bias_over_calls():
+    """The same heavy-tailed gradients every call: int4's nearest rounding makes the same error
+    each time, so the mean of the results keeps it; with error feedback the results' mean
+    approaches the exact mean (the error carried is at most a step per element)."""
+    xs = _inputs(seed=3)
+    exact = torch.stack([x.view(WORLD, C) for x in xs]).double().sum(0) / WORLD
+    for nodes in (1, 2):
+        plain = qrs.reference(xs, 4, nodes, True)
+        errors = [torch.zeros(nodes if nodes > 1 else WORLD, C) for _ in range(WORLD)]
+        calls = 50
+        mean = [torch.zeros(C, dtype=torch.float64) for _ in range(WORLD)]
+        for _ in range(calls):
+            for r, out in enumerate(qrs.reference(xs, 4, nodes, True, errors=errors)):
+                mean[r] += out.double() / calls
+        for r in range(WORLD):
+            without = (plain[r].double() - exact[r]).abs().mean()
+            with_ef = (mean[r] - exact[r]).abs().mean()
+            assert with_ef < 0.1 * without, (nodes, r, with_ef.item(), without.item())
+
+
 def _fsdp_inputs(replicas_grads: list[list[torch.Tensor]], world: int) -> list[torch.Tensor]:
     """Each rank's reduce-scatter input for a unit of parameters, as FSDP2 lays it out: every
     parameter's gradient padded to ceil(d0/W)·W rows, row r the concatenation of every
@@ -149,8 +198,10 @@ def _fsdp_inputs(replicas_grads: list[list[torch.Tensor]], world: int) -> list[t
 def _check_inside_fsdp(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
-    for shard, bits, steps in (("world", "int4", 3), ("node", "int8", 2)):
-        cfg = LowBitConfig(algorithm="lion", ranks_per_node=PER_NODE, fsdp_shard=shard, fsdp_reduce_scatter=bits)
+    for shard, bits, steps, feedback in (("world", "int4", 3, False), ("node", "int8", 2, False), ("world", "int2", 3, True)):
+        cfg = LowBitConfig(algorithm="lion", ranks_per_node=PER_NODE, fsdp_shard=shard, fsdp_reduce_scatter=bits,
+                           fsdp_error_feedback=feedback)
+        errors = {unit: [torch.zeros(2, 0)] * world_size for unit in (1, 2, 3)}  # made at the first call
         mesh = lowbit_strategy.sharding_mesh("cpu", cfg)
         net = model()
         for i in (0, 2, 4):
@@ -179,7 +230,12 @@ def _check_inside_fsdp(rank, world_size):
                 n = len(list(net[m].parameters()))
                 unit_grads = [gs[first : first + n] for gs in grads]
                 nodes = world_size // PER_NODE if shard == "world" else 1
-                want = qrs.reference(_fsdp_inputs(unit_grads, group), int(bits[3:]), nodes, True, unit, members)
+                inputs = _fsdp_inputs(unit_grads, group)
+                if feedback and step == 1:
+                    rows = nodes if nodes > 1 else group
+                    errors[unit] = [torch.zeros(rows, inputs[0].numel() // group) for _ in members]
+                ef = errors[unit] if feedback else None
+                want = qrs.reference(inputs, int(bits[3:]), nodes, True, unit, members, errors=ef)
                 mine = want[members.index(rank)]
                 offset = 0
                 for p in params[first : first + n]:
@@ -198,6 +254,13 @@ def _check_inside_fsdp(rank, world_size):
         for c in unit_c:
             a, b = qrs.reduce_scatter_bytes(c, group, int(bits[3:]), 4, nodes)
             want_node, want_net = want_node + steps * a, want_net + steps * b
+        if feedback:  # the buffers the sync checkpoints are the oracle's
+            saved = sync.state_dict()["parts"]["fsdp_reduce_scatter"]["units"]
+            assert saved[0]["error"] is None  # the root unit holds no parameters: never called
+            for unit in (1, 2, 3):
+                assert torch.equal(saved[unit]["error"], errors[unit][rank]), unit
+        else:
+            assert "parts" not in sync.state_dict()
         logs = sync.traffic_logs()
         if shard == "world":
             assert sum(log.node_bytes_sent for log in logs) == want_node

@@ -74,10 +74,10 @@ class BitDPSync(Sync):
     def traffic_logs(self) -> list[TrafficLog]:
         return [self.state.traffic, self.node_traffic]
 
-    def state_dict(self) -> dict:
+    def algorithm_state_dict(self) -> dict:
         return self.state.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_algorithm_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
 
 

@@ -105,7 +105,7 @@ class LionSync(Sync):
     def traffic_logs(self) -> list[TrafficLog]:
         return [*self._traffic, self.node_traffic]
 
-    def state_dict(self) -> dict:
+    def algorithm_state_dict(self) -> dict:
         """Format 2: every optimizer's ``state`` (this rank's momenta) and its layout
         (parameter names and local shapes), which :func:`merge_states` reads."""
         return {
@@ -114,7 +114,7 @@ class LionSync(Sync):
             "optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_algorithm_state_dict(self, state: dict) -> None:
         """Format 2, or format 1 (``{"optimizers": [...]}``, no layout); momenta saved for
         parameters of other local shapes raise, naming the parameter."""
         saved = state.get("optimizers", [])

@@ -114,7 +114,7 @@ class StagedSync(Sync):
             opt.communicator.traffic for opt in self.optimizers if opt.communicator is not None
         ]
 
-    def state_dict(self) -> dict:
+    def algorithm_state_dict(self) -> dict:
         return {
             "optimizers": [
                 {
@@ -125,7 +125,7 @@ class StagedSync(Sync):
             ]
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_algorithm_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", [])
         if len(saved) != len(self.optimizers):
             raise ValueError(
