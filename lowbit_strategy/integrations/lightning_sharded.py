@@ -8,8 +8,9 @@ no per-unit all-reduce hook and which ``attach_sharded`` refuses. From its base 
 launcher, ``configure_model`` with ``self.device_mesh``, meta-device initialization,
 precision handling and the distributed (DCP) checkpoints. It holds no per-algorithm code:
 
-* ``setup_environment``: the mesh is :func:`lowbit_strategy.node_mesh`'s ``("replicate",
-  "shard")`` = ``num_nodes x devices`` (``self.device_mesh`` in ``configure_model``);
+* ``setup_environment``: the mesh is :func:`lowbit_strategy.sharding_mesh`'s ``("replicate",
+  "shard")`` = ``num_nodes x devices`` (``1 x world`` with ``fsdp_shard="world"``;
+  ``self.device_mesh`` in ``configure_model``);
 * ``setup``: a LightningModule that shards nothing itself is sharded over
   ``mesh["shard"]``: its repeated blocks (:func:`repeated_blocks`), then a parameterless root
   holding it (:class:`_Root`), through which Lightning runs every step (so FSDP's root hooks
@@ -51,7 +52,7 @@ from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations import lightning as _lightning
 from lowbit_strategy.integrations._factories import config_from, named_factory
 from lowbit_strategy.integrations.ddp import destroy_process_group_at_exit
-from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, node_mesh
+from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, sharding_mesh
 
 # ``_lightning``: its module, not its names, as the registration (lowbit_strategy.__init__) may
 # import this module while lightning.py itself is still loading (when it is what loaded Lightning)
@@ -161,7 +162,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
         cfg = self.lowbit_config
         if cfg.ranks_per_node is None:  # Lightning's launcher exports no LOCAL_WORLD_SIZE
             cfg = cfg.replace(ranks_per_node=self.num_processes)
-        self._device_mesh = node_mesh(self.root_device.type, cfg)
+        self._device_mesh = sharding_mesh(self.root_device.type, cfg)
         module = self.lightning_module
         if module is None:
             raise RuntimeError("LowBitFSDPStrategy.setup_environment: no LightningModule is connected")

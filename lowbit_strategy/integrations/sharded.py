@@ -160,6 +160,17 @@ def _problem(model: torch.nn.Module, mesh) -> str | None:
     return None
 
 
+def _mismatch(cfg: LowBitConfig, mesh) -> str | None:
+    """A mesh that contradicts ``LowBitConfig.fsdp_shard``, or None."""
+    if cfg.fsdp_shard == "world" and mesh["replicate"].size() > 1:
+        return (
+            f"LowBitConfig.fsdp_shard='world' asks for one FSDP group over every rank, but the mesh has "
+            f"{mesh['replicate'].size()} groups of {mesh['shard'].size()}: pass "
+            "lowbit_strategy.sharding_mesh(device_type, config) (or a 1-D mesh over every rank), or fsdp_shard='node'"
+        )
+    return None
+
+
 def _agreed_problem(problem: str | None) -> None:
     """Raise the same :class:`LowBitSetupError` on every rank when any rank found a problem."""
     world = dist.get_world_size()
@@ -250,7 +261,7 @@ def attach_sharded(
         mesh = sharding_mesh(device, cfg)
     elif mesh.ndim == 1 and mesh.size() == dist.get_world_size():
         mesh = world_mesh(mesh.device_type)  # one FSDP group over every rank, in this module's dims
-    _agreed_problem(_problem(root, mesh))
+    _agreed_problem(_mismatch(cfg, mesh) or _problem(root, mesh))
     algo = algorithms.get(cfg.algorithm)
     if not algo.sharded:
         raise LowBitSetupError(

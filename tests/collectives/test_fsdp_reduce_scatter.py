@@ -196,6 +196,7 @@ def _fsdp_inputs(replicas_grads: list[list[torch.Tensor]], world: int) -> list[t
 
 
 def _check_inside_fsdp(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     for shard, bits, steps, feedback in (("world", "int4", 3, False), ("node", "int8", 2, False), ("world", "int2", 3, True)):
@@ -203,12 +204,15 @@ def _check_inside_fsdp(rank, world_size):
                            fsdp_error_feedback=feedback)
         errors = {unit: [torch.zeros(2, 0)] * world_size for unit in (1, 2, 3)}  # made at the first call
         mesh = lowbit_strategy.sharding_mesh("cpu", cfg)
+        given = mesh
+        if shard == "world" and not feedback:  # a 1-D mesh over every rank: attach_sharded takes it too
+            given = init_device_mesh("cpu", (world_size,))
         net = model()
         for i in (0, 2, 4):
-            fully_shard(net[i], mesh=mesh["shard"])
-        fully_shard(net, mesh=mesh["shard"])
+            fully_shard(net[i], mesh=given["shard"] if given.ndim == 2 else given)
+        fully_shard(net, mesh=given["shard"] if given.ndim == 2 else given)
         opt = lowbit_strategy.Lion(net.parameters(), lr=1e-2)
-        sync = lowbit_strategy.attach_sharded(net, [opt], cfg, mesh=mesh)
+        sync = lowbit_strategy.attach_sharded(net, [opt], cfg, mesh=given)
         group = mesh["shard"].size()
         members = list(range(world_size)) if shard == "world" else [r for r in range(world_size) if r // group == rank // group]
         for step in range(1, steps + 1):

@@ -239,6 +239,13 @@ def check_adam(workdir: Path) -> dict:
         out[optimizer] = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
                           "bytes": sum(log.bytes_sent for log in trained.strategy.traffic_logs()),
                           "steps": trained.global_step}
+    # one FSDP group over both nodes, its reduce-scatter int4 in two hops (BitDP at one "node": AdamW)
+    world, world_model = _fit(_strategy("lowbit_bitdp_fsdp", fsdp_shard="world", fsdp_reduce_scatter="int4"), "adamw")
+    flat = _full(world_model)
+    logs = world.strategy.traffic_logs()
+    out["world_int4"] = {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
+                         "mesh": list(world.strategy.device_mesh.mesh.shape),
+                         "bytes": sum(log.bytes_sent for log in logs), "node_bytes": sum(log.node_bytes_sent for log in logs)}
     out["wrong_optimizer_error"] = _error("lowbit_lion_fsdp", "adamw")
     return out
 

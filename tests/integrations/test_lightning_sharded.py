@@ -131,6 +131,9 @@ def test_1bit_adam_trains_like_plain_attach_sharded_resumes_and_syncs_once_per_s
         for name in ("lamb", "turboquant"):  # trained into their compression stage (warm-up 3 of 8 steps)
             assert r[name] == {**r[name], "finite": True, "identical": True, "steps": 8} and r[name]["bytes"] > 0, r
         assert "drives lowbit_strategy.Lion" in r["wrong_optimizer_error"], r["wrong_optimizer_error"]
+        world = r["world_int4"]  # fsdp_shard="world", fsdp_reduce_scatter="int4" through the strategy's config
+        assert world["mesh"] == [1, 4] and world["finite"] and world["identical"], world
+        assert world["bytes"] > 0 and world["node_bytes"] > 0, world
 
 
 def test_a_root_that_does_not_hold_the_model_is_refused():

@@ -240,8 +240,11 @@ def _check_bad_inputs(rank, world_size):
     spanning = model()  # one FSDP group over all four ranks: every reduce-scatter crosses nodes
     flat_mesh = init_device_mesh("cpu", (world_size,))
     fully_shard(spanning, mesh=flat_mesh)
-    with pytest.raises(LowBitSetupError, match="not this node's"):
+    with pytest.raises(LowBitSetupError, match="not the mesh's FSDP group.*fsdp_shard='world'"):
         lowbit_strategy.attach_sharded(spanning, [lowbit_strategy.Lion(spanning.parameters())], cfg, mesh=mesh)
+    with pytest.raises(LowBitSetupError, match="fsdp_shard='world' asks for one FSDP group over every rank"):
+        lowbit_strategy.attach_sharded(spanning, [lowbit_strategy.Lion(spanning.parameters())],
+                                       cfg.replace(fsdp_shard="world"), mesh=mesh)
     native = model()  # FSDP2's native HSDP: a 2-D mesh
     fully_shard(native, mesh=mesh)
     with pytest.raises(LowBitSetupError, match="native HSDP"):
