@@ -161,7 +161,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
         destroy_process_group_at_exit()  # Lightning destroys it at exit only for NCCL
         cfg = self.lowbit_config
         if cfg.ranks_per_node is None:  # Lightning's launcher exports no LOCAL_WORLD_SIZE
-            cfg = cfg.replace(ranks_per_node=self.num_processes)
+            cfg = self.lowbit_config = cfg.replace(ranks_per_node=self.num_processes)
         self._device_mesh = sharding_mesh(self.root_device.type, cfg)
         module = self.lightning_module
         if module is None:

@@ -269,7 +269,10 @@ def attach_sharded(
             f"{', '.join(a.name for a in algorithms.REGISTRY.values() if a.sharded)}); "
             "use it with DDP (lowbit_strategy.attach) or pick one of those"
         )
-    sync = build_sync(cfg, model, None, ranks_per_node=mesh["shard"].size())
+    # the FSDP group is the node in the HSDP form; with one group over every rank (fsdp_shard="world")
+    # the node layout is the launcher's or the config's alone
+    node_hint = mesh["shard"].size() if mesh["replicate"].size() > 1 else None
+    sync = build_sync(cfg, model, None, ranks_per_node=node_hint)
     # the DDP node stages (node mean, node all-gather) are FSDP's here: the topology only
     # describes, with the FSDP group as the algorithm's node (the world for fsdp_shard="world")
     topology = cast(hierarchy.Topology, sync.topology)  # (build_sync sets it)
