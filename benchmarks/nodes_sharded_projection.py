@@ -208,7 +208,7 @@ def plot(result: dict, path: Path) -> str:
         return "No plot: matplotlib is not installed in this environment."
     labels = [label for label, _ in ROWS]
     series = [(m, g) for m in result for g in ASSUME["links_gbps"]]
-    fig, ax = plt.subplots(figsize=(13, 5))
+    fig, ax = plt.subplots(figsize=(13, 6))
     width = 0.8 / len(series)
     for k, (m, g) in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
@@ -217,7 +217,7 @@ def plot(result: dict, path: Path) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("cross-node seconds per step")
     ax.set_title(f"Sharded layout, {ASSUME['nodes']} nodes × {ASSUME['ranks_per_node']} GPUs (cost model)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
