@@ -249,10 +249,10 @@ def main() -> int:
     setup = model.configure_optimizers()  # examples.causal_lm: the optimizer and its LR schedule
     opt, sched = setup["optimizer"], setup["lr_scheduler"]["scheduler"]
     cfg = None
-    hsdp_log = wire.TrafficLog()
+    harness_log = wire.TrafficLog()  # what the harness itself records: HSDP's hooks, FSDP's own calls
     if kind.startswith("hsdp"):
-        hsdp_hooks(model, mesh, torch.bfloat16 if kind == "hsdp_bf16" else torch.float32, hsdp_log)
-        logs = [hsdp_log]
+        hsdp_hooks(model, mesh, torch.bfloat16 if kind == "hsdp_bf16" else torch.float32, harness_log)
+        logs = [harness_log]
     else:
         link_bps = float(os.environ.get("LBS_LINK_BPS", "0"))
         extra = {"link_bandwidth_gbps": link_bps / 1e9} if link_bps else {}
@@ -260,8 +260,8 @@ def main() -> int:
         sync = lowbit_strategy.attach_sharded(model, [opt], cfg, mesh=mesh)
         logs = sync.traffic_logs()
         if world_group:  # FSDP's own calls cross nodes too: log them beside the quantized reduce-scatter's
-            record_fsdp_calls(model, hsdp_log, reduce_scatter=cfg.fsdp_reduce_scatter == "fp32")
-            logs = [*logs, hsdp_log]
+            record_fsdp_calls(model, harness_log, reduce_scatter=cfg.fsdp_reduce_scatter == "fp32")
+            logs = [*logs, harness_log]
 
     def logged() -> int:
         return sum(log.bytes_sent for log in logs)
