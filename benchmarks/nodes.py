@@ -28,9 +28,11 @@ Usage (root needed)::
     python -m benchmarks.nodes --links 100mbit --algorithms lion,bitdp --topologies flat hierarchical
 
 ``--sharded``: FSDP2 inside each node, HSDP's all-reduce or a sharded algorithm across nodes
-(:mod:`benchmarks.nodes_sharded`; ``--sharded --project`` its cost-model projection)::
+(:mod:`benchmarks.nodes_sharded`; ``--sharded --world``: one FSDP group over every rank, exact
+and quantized reduce-scatter; ``--sharded --project`` its cost-model projection)::
 
     python -m benchmarks.nodes --sharded         # ~13 min -> results/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded --world # ~20 min -> results/nodes_sharded_world.{json,md,png}
     python -m benchmarks.nodes --sharded --project
 """
 from __future__ import annotations

@@ -4,10 +4,13 @@ against the traffic logs at 2 x 2 by ``tests/integrations/test_sharded_bytes.py`
 
     python -m benchmarks.nodes --sharded --project    # -> results/nodes_sharded_projection.{md,png}
 
-8 nodes x 8 GPUs, 25 and 100 Gbit/s between nodes, a 1.3B GPT (GPT-3 XL shape) and an 8B
-Llama-3 shape, FSDP2 over each node's 8 GPUs (every block a unit, then the root), HSDP fp32
-and bf16 against each sharded algorithm in its default form, resolved by the package's own
-planners for the cluster (:data:`ASSUME`).
+8 nodes x 8 GPUs, 25 and 100 Gbit/s between nodes, a 124M GPT-2 small shape, a 1.3B GPT (GPT-3
+XL shape) and an 8B Llama-3 shape, FSDP2 over each node's 8 GPUs (every block a unit, then the
+root), HSDP fp32 and bf16 against each sharded algorithm in its default form, resolved by the
+package's own planners for the cluster (:data:`ASSUME`); and one FSDP group over all 64 GPUs
+(``fsdp_shard="world"``, :mod:`lowbit_strategy.collectives.cost_model_world`, NCCL's ring),
+exact (fp32; bf16 with bf16 parameters) or with the quantized reduce-scatter (bf16 parameters:
+int8/int4 one hop, int4 two hops), its parameter all-gathers counted in forward and backward.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from benchmarks import sharded_cost
 from benchmarks.e2e import RESULTS
 from lowbit_strategy import LowBitConfig, buckets
 from lowbit_strategy.collectives import cost_model_sharded as cs
+from lowbit_strategy.collectives import cost_model_world as cw
 from lowbit_strategy.collectives.cost_model_nodes import Cluster
 
 #: the projection's assumptions (the module docstring of :mod:`benchmarks.bytes_vs_p` uses the same)
@@ -30,10 +34,15 @@ def compute_seconds(model: sharded_cost.ShardedModel) -> float:
     return 6 * model.numel * ASSUME["tokens_per_gpu"] / ASSUME["flops_per_s"]
 
 
-def step_seconds(kind: str, compute: float, comm: float) -> float:
+def step_seconds(kind: str, compute: float, comm: float | tuple[float, float]) -> float:
     """Compute plus the exposed cross-node time: HSDP's per-unit all-reduce runs during backward
     (FSDP's all-reduce stream), so only what exceeds backward shows; the sharded algorithms
-    exchange in ``optimizer.step()``, after backward, so all of theirs shows."""
+    exchange in ``optimizer.step()``, after backward, so all of theirs shows; FSDP over the
+    world (``comm`` = its forward and backward seconds) prefetches its all-gathers and
+    reduce-scatters per unit, so what exceeds forward (1/3 of compute) and backward shows."""
+    if isinstance(comm, tuple):
+        share = ASSUME["backward_share"]
+        return compute + max(0.0, comm[0] - (1 - share) * compute) + max(0.0, comm[1] - share * compute)
     if kind.startswith("hsdp"):
         return compute + max(0.0, comm - ASSUME["backward_share"] * compute)
     return compute + comm
@@ -55,6 +64,7 @@ def llama_model(d: int, layers: int, vocab: int, kv: int, ffn: int) -> sharded_c
 
 
 MODELS = {
+    "124M (GPT-2 small shape)": gpt_model(768, 12, 50257, 1024),
     "1.3B (GPT-3 XL shape)": gpt_model(2048, 24, 50257, 2048),
     "8B (Llama-3 8B shape)": llama_model(4096, 32, 128256, 1024, 14336),
 }
@@ -67,7 +77,21 @@ ROWS = (
     ("Lion Cub 1-bit", "lion_1bit"),
     ("1-bit Adam", "onebit_adam"),
     ("TurboQuant-Adam (auto form)", "turboquant"),
+    ("FSDP world fp32 (exact)", "fsdp_fp32"),
+    ("FSDP world bf16 (exact)", "fsdp_bf16"),
+    ("FSDP world, int8 RS one hop", "fsdp_int8"),
+    ("FSDP world, int4 RS one hop", "fsdp_int4"),
+    ("FSDP world, int4 RS two hops", "fsdp_int4_2hop"),
 )
+
+
+def world(kind: str, model: sharded_cost.ShardedModel) -> tuple[cw.WorldSends, str]:
+    """One step of one FSDP group over all the cluster's GPUs (the root is the models' last unit)."""
+    rs = kind.removeprefix("fsdp_").removesuffix("_2hop")
+    params = 4 if rs == "fp32" else 2
+    out = cw.world_sends(model.units, ASSUME["nodes"], ASSUME["ranks_per_node"], reduce_scatter=rs,
+                         two_hop=kind.endswith("_2hop"), param_itemsize=params, reduce_itemsize=params, root=-1)
+    return out, f"{'fp32' if params == 4 else 'bf16'} all-gather"
 
 
 def sends(kind: str, model: sharded_cost.ShardedModel, gbps: float) -> tuple[cs.ShardedSends, str]:
@@ -110,9 +134,14 @@ def project() -> dict:
         for label, kind in ROWS:
             cells = rows[label] = {}
             for gbps in ASSUME["links_gbps"]:
-                s, form = sends(kind, model, gbps)
                 cluster = Cluster(ASSUME["nodes"], ASSUME["ranks_per_node"], gbps,
                                   inter_latency_us=ASSUME["latency_us"])
+                if kind.startswith("fsdp_"):
+                    w, form = world(kind, model)
+                    parts = cw.world_seconds(w, cluster)
+                    cells[gbps] = (w.link, sum(parts), form, step_seconds(kind, compute_seconds(model), parts))
+                    continue
+                s, form = sends(kind, model, gbps)
                 comm = cs.sharded_seconds(s, cluster)
                 cells[gbps] = (s.network_per_node, comm, form, step_seconds(kind, compute_seconds(model), comm))
     return out
@@ -132,12 +161,18 @@ def markdown(result: dict, plotted: str) -> str:
         f"it for the cluster's link. One link per node of the stated bandwidth, {ASSUME['latency_us']:g} µs "
         f"latency, {ASSUME['bucket_mb']:g} MiB buckets; the compressed stage (after warm-ups, which cost what HSDP "
         "fp32 costs); seconds = latency rounds of the slowest local rank + bytes on the node's link ÷ bandwidth. "
-        "Not counted: codec time, FSDP's own traffic inside the node (NVLink).",
+        "Not counted: codec time, FSDP's own traffic inside the node (NVLink). **FSDP world** rows: one FSDP group "
+        "over all GPUs, so every unit's all-gather (in forward, and again in backward but for the root) and its "
+        "reduce-scatter cross nodes (NCCL's ring: one ring edge per node; the quantized one hop: the rows for other "
+        "nodes' ranks, L·(W−L) per node; two hops: L·(N−1)); parameters all-gathered in bf16 except in the fp32 "
+        "row; each GPU holds 1/64 of the model and optimizer state instead of 1/8.",
         "",
         "**step s**: compute (`6·params·tokens`, 8 × 1024 tokens per GPU at 40 % of an A100's 312 TFLOP/s) plus "
         "the cross-node time that shows: HSDP's all-reduce runs per unit during backward (taken as 2/3 of compute), "
         "so only what exceeds it shows; the sharded algorithms exchange in `optimizer.step()`, after backward, so "
-        "all of it shows. **cross-node s** in brackets: HSDP fp32's ÷ this, HSDP bf16's ÷ this; **step s** in "
+        "all of it shows; FSDP world's all-gathers and reduce-scatters run per unit, prefetched, so only what exceeds "
+        "forward (1/3 of compute) and backward shows. "
+        "**cross-node s** in brackets: HSDP fp32's ÷ this, HSDP bf16's ÷ this; **step s** in "
         "brackets: HSDP bf16's step ÷ this (above 1: faster than HSDP bf16).",
         "",
     ]
@@ -173,7 +208,7 @@ def plot(result: dict, path: Path) -> str:
         return "No plot: matplotlib is not installed in this environment."
     labels = [label for label, _ in ROWS]
     series = [(m, g) for m in result for g in ASSUME["links_gbps"]]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(13, 6))
     width = 0.8 / len(series)
     for k, (m, g) in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
@@ -182,7 +217,7 @@ def plot(result: dict, path: Path) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("cross-node seconds per step")
     ax.set_title(f"Sharded layout, {ASSUME['nodes']} nodes × {ASSUME['ranks_per_node']} GPUs (cost model)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -12,7 +12,12 @@ block is ``fully_shard``-ed over ``mesh["shard"]``, then the root.
 an all-reduce of every unit's gradient shard across nodes, from the unit's all-reduce hook
 over ``mesh["replicate"]``, divided by N; :func:`hsdp_hooks`), with AdamW; the sharded
 algorithms through :func:`lowbit_strategy.attach_sharded`: Lion Cub 1-bit and ``auto``,
-1-bit Adam, TurboQuant-Adam (its ``auto`` form).
+1-bit Adam, TurboQuant-Adam (its ``auto`` form). ``fsdp_*`` (kind ``fsdp_world``): one FSDP
+group over every rank (:func:`lowbit_strategy.world_mesh`, ``fsdp_shard="world"``), BitDP
+at one "node" with AdamW (exactly FSDP + AdamW), its reduce-scatter FSDP's own (``fsdp_fp32``)
+or quantized, one hop (``topology="flat"``) or two (``fsdp_int4_2hop``); FSDP's own
+all-gathers and exact reduce-scatter are recorded by :func:`record_fsdp_calls`, so the logs
+hold every byte these rows send.
 
 **Measured** over the steady-state window (after step ``--warm`` to the last step, past the
 staged optimizers' warm-up), as :mod:`benchmarks.e2e_worker` does: step time (rank 0's
@@ -20,7 +25,8 @@ clock; the ranks run in lock-step: a 4-byte broadcast of the budget flag every s
 node's link counters (:func:`benchmarks.netem.rank_counters`), the network bytes each rank's
 traffic logs recorded, and at the end each rank's state bytes (its optimizer state and the
 communicator's error buffers, local tensors) and the cost model's bytes per step
-(:mod:`benchmarks.sharded_cost`).
+(:mod:`benchmarks.sharded_cost`). At the end, a validation loss on the held-out 10 % of the
+data (``--val-batches`` batches per rank, every rank the same count: FSDP's collectives).
 """
 
 from __future__ import annotations
@@ -55,7 +61,42 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
     "lion_auto": ("lion", "lion", {"algorithm": "lion", "mode": "auto"}),
     "onebit_adam": ("onebit_adam", "onebit_adam", {"algorithm": "onebit_adam"}),
     "turboquant": ("turboquant", "turboquant", {"algorithm": "turboquant"}),
+    **{f"fsdp_{name}": ("fsdp_world", "adamw", {"algorithm": "bitdp", "fsdp_shard": "world",
+                                                "fsdp_reduce_scatter": rs, "topology": topology})
+       for name, rs, topology in (("fp32", "fp32", "flat"), ("int8", "int8", "flat"), ("int4", "int4", "flat"),
+                                  ("int4_2hop", "int4", "auto"))},
 }
+
+
+def record_fsdp_calls(model: torch.nn.Module, traffic: wire.TrafficLog, reduce_scatter: bool) -> None:
+    """Record FSDP's own collectives of every unit in ``traffic`` (network scope: the group is
+    the world), as one rank sends them on gloo: the all-gather's ring ``(W-1)·input bytes``
+    and, when ``reduce_scatter``, the exact reduce-scatter's, which gloo runs as an allreduce of
+    the whole input (``ar(input bytes)``; :mod:`lowbit_strategy.collectives.cost_model_world`).
+    Subclasses of FSDP's default calls, so FSDP treats them as its own."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    def add(op: str, nbytes: int, group) -> None:
+        wire.record(wire.TrafficRecord(op, nbytes, nbytes, dist.get_world_size(group)), traffic)
+
+    class Gather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            w = dist.get_world_size(group)
+            add("fsdp.all_gather", wire.all_gather_bytes(input_tensor.numel() * input_tensor.element_size(), w), group)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class Scatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            w = dist.get_world_size(group)
+            add("fsdp.reduce_scatter", wire.allreduce_bytes(input_tensor.numel() * input_tensor.element_size(), w),
+                group)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    for unit, params in sharded_units(model):
+        if params:
+            unit.set_custom_all_gather(Gather())  # type: ignore[operator]
+            if reduce_scatter:
+                unit.set_custom_reduce_scatter(Scatter())  # type: ignore[operator]
 
 
 def hsdp_hooks(model: torch.nn.Module, mesh, dtype: torch.dtype, traffic: wire.TrafficLog) -> None:
@@ -95,13 +136,21 @@ def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
     return {"optimizer": optim, "errors": errors, "total": optim + errors}
 
 
-def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, mesh) -> dict:
-    """The cost model's cross-node bytes of one steady-state step: per local rank and per node."""
+def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, nodes: int, per_node: int) -> dict:
+    """The cost model's bytes of one steady-state step on ``nodes`` x ``per_node`` ranks: what
+    each local rank's logs record as network traffic, the sum over a node's ranks, and what
+    crosses a node's link (the same in the sharded layout, where every logged byte crosses)."""
     from lowbit_strategy import buckets
     from lowbit_strategy.collectives.cost_model_sharded import TURBOQUANT
 
-    nodes, per_node = mesh["replicate"].size(), mesh["shard"].size()
     shape = sharded_cost.ShardedModel.of(model, [p for grp in opt.param_groups for p in grp["params"]])
+    if kind == "fsdp_world" and cfg is not None:
+        from lowbit_strategy.collectives.cost_model_world import world_sends
+
+        world = world_sends(shape.units, nodes, per_node, reduce_scatter=cfg.fsdp_reduce_scatter,
+                            two_hop=cfg.topology != "flat", impl="gloo")  # auto: hierarchical at >= 2 x 2
+        return {"per_local_rank": [world.logged] * per_node, "per_node": world.link,
+                "logged_per_node": world.logged * per_node}
     kw: dict = {}
     comm = getattr(opt, "communicator", None)
     if cfg is not None:
@@ -118,7 +167,33 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, m
 
         kw.update(collective=form, block=comm.codec.block, bits=opt.bits)
     sends = sharded_cost.step_sends(kind, shape, nodes, per_node, **kw)
-    return {"per_local_rank": list(sends.network), "per_node": sends.network_per_node}
+    return {"per_local_rank": list(sends.network), "per_node": sends.network_per_node,
+            "logged_per_node": sends.network_per_node}
+
+
+def world_plan(cfg) -> str:
+    """The reduce-scatter a ``fsdp_world`` configuration runs, in words."""
+    if cfg.fsdp_reduce_scatter == "fp32":
+        return "RS fp32 (gloo: allreduce)"
+    return f"RS {cfg.fsdp_reduce_scatter}, {'one hop' if cfg.topology == 'flat' else 'two hops'}"
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, held_out, args, rank: int, world: int) -> float:
+    """Mean loss over the first ``args.val_batches`` batches of each rank's part of the held-out
+    windows, averaged over ranks (every rank runs the same number of forwards)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(held_out, num_replicas=world, rank=rank, shuffle=False)
+    total, count = torch.zeros(2, dtype=torch.float64), 0
+    for x, y in DataLoader(held_out, batch_size=args.batch, sampler=sampler, drop_last=True):
+        if count == args.val_batches:
+            break
+        total[0] += float(model._loss((x, y)))
+        count += 1
+    total[1] = count
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def main() -> int:
@@ -137,6 +212,7 @@ def main() -> int:
     ap.add_argument("--lr-adamw", type=float, default=3e-3)
     ap.add_argument("--data-mb", type=float, default=6.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--val-batches", type=int, default=8, help="validation batches per rank at the end")
     ap.add_argument("--timeout", type=float, default=300, help="process-group timeout (s)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # 4 ranks share this machine's cores
@@ -152,12 +228,15 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     counters = rank_counters if "LBS_NETNS" in os.environ else Counters
-    mesh = lowbit_strategy.node_mesh("cpu")
-    nodes, per_node = mesh["replicate"].size(), mesh["shard"].size()
+    world_group = kind == "fsdp_world"
+    mesh = lowbit_strategy.world_mesh("cpu") if world_group else lowbit_strategy.node_mesh("cpu")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", mesh["shard"].size()))  # the machines, not the mesh
+    nodes = world // per_node
 
     tokens = stdlib_bytes(int(args.data_mb * 2**20))
     split = int(len(tokens) * 0.9)
     data = Windows(tokens[:split], args.seq)
+    held_out = Windows(tokens[split:], args.seq)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -170,16 +249,19 @@ def main() -> int:
     setup = model.configure_optimizers()  # examples.causal_lm: the optimizer and its LR schedule
     opt, sched = setup["optimizer"], setup["lr_scheduler"]["scheduler"]
     cfg = None
-    hsdp_log = wire.TrafficLog()
+    harness_log = wire.TrafficLog()  # what the harness itself records: HSDP's hooks, FSDP's own calls
     if kind.startswith("hsdp"):
-        hsdp_hooks(model, mesh, torch.bfloat16 if kind == "hsdp_bf16" else torch.float32, hsdp_log)
-        logs = [hsdp_log]
+        hsdp_hooks(model, mesh, torch.bfloat16 if kind == "hsdp_bf16" else torch.float32, harness_log)
+        logs = [harness_log]
     else:
         link_bps = float(os.environ.get("LBS_LINK_BPS", "0"))
         extra = {"link_bandwidth_gbps": link_bps / 1e9} if link_bps else {}
         cfg = LowBitConfig(**fields, ranks_per_node=per_node, **extra)
         sync = lowbit_strategy.attach_sharded(model, [opt], cfg, mesh=mesh)
         logs = sync.traffic_logs()
+        if world_group:  # FSDP's own calls cross nodes too: log them beside the quantized reduce-scatter's
+            record_fsdp_calls(model, harness_log, reduce_scatter=cfg.fsdp_reduce_scatter == "fp32")
+            logs = [*logs, harness_log]
 
     def logged() -> int:
         return sum(log.bytes_sent for log in logs)
@@ -216,6 +298,7 @@ def main() -> int:
                 break
     if "start" not in marks:
         raise SystemExit(f"only {step} steps in {args.budget:g} s: lower --warm (now {args.warm}) or raise --budget")
+    val_loss = validation_loss(model, held_out, args, rank, world)
     start, end = marks["start"], marks["end"]
     n = max(1, end[0] - start[0])
     delta = end[2] - start[2]
@@ -223,7 +306,7 @@ def main() -> int:
             (end[4] - start[4]) / n, *state_bytes(opt).values(), sum(losses[-20:]) / max(1, len(losses[-20:]))]
     every = [torch.empty(len(mine), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(every, torch.tensor(mine, dtype=torch.float64))
-    want = expected(kind, opt, cfg, model, mesh)
+    want = expected(kind, opt, cfg, model, nodes, per_node)
     if rank == 0:
         keys = ("window_steps", "window_s", "wire_tx", "wire_rx", "logged_sent", "cpu_s", "state_optimizer",
                 "state_errors", "state_total", "loss")
@@ -240,11 +323,13 @@ def main() -> int:
             "logged_bytes_per_node_per_step": [sum(r["logged_sent"] for r in per_rank[k * per_node:(k + 1) * per_node])
                                                for k in range(nodes)],
             "model_bytes_per_local_rank": want["per_local_rank"], "model_bytes_per_node": want["per_node"],
+            "model_logged_bytes_per_node": want["logged_per_node"], "val_loss": val_loss,
             "state_bytes_per_rank": [int(r["state_total"]) for r in per_rank],
             "state_optimizer_bytes_per_rank": [int(r["state_optimizer"]) for r in per_rank],
             "state_error_bytes_per_rank": [int(r["state_errors"]) for r in per_rank],
             "loss_reached": sum(r["loss"] for r in per_rank) / world,
-            "plan": (f"{plan.mode}{plan.bits if plan.mode in ('lp', 'sign') else ''}" if plan else
+            "plan": (world_plan(cfg) if world_group else
+                     f"{plan.mode}{plan.bits if plan.mode in ('lp', 'sign') else ''}" if plan else
                      "/".join(forms) if forms else
                      f"1-bit, scale block {cfg.onebit_adam.scale_block}" if cfg and kind == "onebit_adam" else None),
             "per_rank": per_rank,
@@ -253,7 +338,8 @@ def main() -> int:
         print(f"  done: {step} steps, {rec['step_s'] * 1e3:.1f} ms/step, cross-node "
               f"{'/'.join(f'{b / 1e3:.1f}' for b in rec['cross_node_bytes_per_node_per_step'])} kB/step per node, "
               f"logged {'/'.join(f'{b / 1e3:.1f}' for b in rec['logged_bytes_per_node_per_step'])} kB, "
-              f"model {want['per_node'] / 1e3:.1f} kB, loss {rec['loss_reached']:.3f}", flush=True)
+              f"model {want['per_node'] / 1e3:.1f} kB, loss {rec['loss_reached']:.3f}, val {val_loss:.3f}",
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -6,6 +6,11 @@ records as network traffic during a step equals, exactly, what
 :mod:`lowbit_strategy.collectives.cost_model_sharded` (through :mod:`benchmarks.sharded_cost`)
 predicts for its local rank; summed over a node's ranks, its link's bytes.
 
+One FSDP group over all four ranks (``fsdp_shard="world"``, BitDP + AdamW, the benchmark's
+``fsdp_*`` rows): FSDP's own all-gathers and exact reduce-scatter (logged by the benchmark's
+recorder) and the quantized reduce-scatter, one hop and two, equal
+:mod:`lowbit_strategy.collectives.cost_model_world`'s bytes as gloo sends them, step by step.
+
 The model has a parameter of one row (the last linear), so the second local rank holds an
 empty shard of it (left out of its buckets, padded in FSDP's reduce-scatter output), and a
 5-row one (shards of 3 and 2 rows, one padding row)."""
@@ -132,3 +137,44 @@ def _check(rank, world_size):
 @pytest.mark.slow
 def test_cross_node_bytes_equal_the_cost_model_for_the_sharded_layout():
     run_ranks(2 * PER_NODE, _check)
+
+
+#: name -> (fsdp_reduce_scatter, topology)
+WORLD_CASES = {"fp32": ("fp32", "flat"), "int8": ("int8", "flat"), "int4_two_hops": ("int4", "auto"),
+               "int2_two_hops": ("int2", "auto")}
+
+
+def _check_world(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from benchmarks.sharded_worker import record_fsdp_calls
+    from lowbit_strategy.collectives.cost_model_world import world_sends
+
+    mesh = lowbit_strategy.world_mesh("cpu")
+    for name, (rs, topology) in WORLD_CASES.items():
+        net = _model()
+        for i in (0, 2, 4, 6):
+            fully_shard(net[i], mesh=mesh["shard"])
+        fully_shard(net, mesh=mesh["shard"])
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        cfg = LowBitConfig(algorithm="bitdp", fsdp_shard="world", fsdp_reduce_scatter=rs, topology=topology,
+                           ranks_per_node=PER_NODE)
+        sync = lowbit_strategy.attach_sharded(net, [opt], cfg, mesh=mesh)
+        fsdp_log = wire.TrafficLog()
+        record_fsdp_calls(net, fsdp_log, reduce_scatter=rs == "fp32")
+        logs = [*sync.traffic_logs(), fsdp_log]
+        want = world_sends(sharded_cost.ShardedModel.of(net).units, world_size // PER_NODE, PER_NODE,
+                           reduce_scatter=rs, two_hop=topology != "flat", impl="gloo")
+        for step in range(1, 3):
+            before = [(log.bytes_sent, log.node_bytes_sent) for log in logs]
+            opt.zero_grad()
+            _loss(net, rank, step).backward()
+            opt.step()
+            sent = sum(log.bytes_sent - b for log, (b, _) in zip(logs, before))
+            node = sum(log.node_bytes_sent - b for log, (_, b) in zip(logs, before))
+            assert (sent, node) == (want.logged, want.total.node), f"{name} step {step} rank {rank}: {sent, node}"
+
+
+@pytest.mark.slow
+def test_world_fsdp_bytes_equal_the_cost_model():
+    run_ranks(2 * PER_NODE, _check_world)
