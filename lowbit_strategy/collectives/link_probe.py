@@ -114,10 +114,15 @@ def probe(
     budget_s: float = 2.0,
     repeat: int = 3,
     sizes: Sequence[int] = SIZES,
+    kind: str = "all_gather",
 ) -> LinkFit:
     """Fit α and β of the link between the ranks of ``over`` (default ``group``) by timed
-    all-gathers (module docstring); a collective over ``group``, which every rank of it calls
-    at once with the same arguments, and every rank returns the same :class:`LinkFit`."""
+    all-gathers (module docstring), or with ``kind="all_to_all"`` by all-to-alls sending
+    ``size`` bytes to each peer (latency in P - 1 rounds, as :mod:`.cost_model` counts them);
+    a collective over ``group``, which every rank of it calls at once with the same
+    arguments, and every rank returns the same :class:`LinkFit`."""
+    if kind not in ("all_gather", "all_to_all"):
+        raise ValueError(f"probe kind: got {kind!r}; use 'all_gather' or 'all_to_all'")
     started = time.perf_counter()
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -128,19 +133,21 @@ def probe(
     points: list[tuple[int, float]] = []
     spent = 0.0
     for i, size in enumerate(s for s in sizes if s * p <= MAX_OUTPUT):
-        inp = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-        out = torch.empty(inp.numel() * p, dtype=torch.float32, device=device)
+        chunk = max(1, size // 4)
+        inp = torch.zeros(chunk * (p if kind == "all_to_all" else 1), dtype=torch.float32, device=device)
+        out = torch.empty(chunk * p, dtype=torch.float32, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        collective = dist.all_to_all_single if kind == "all_to_all" else gather
 
-        def call(inp=inp, out=out, gather=gather):
-            gather(out, inp, group=over)
+        def call(inp=inp, out=out, collective=collective):
+            collective(out, inp, group=over)
 
         if i == 0:
             call()  # warm-up: connections, buffers
         mine = torch.tensor([_timed(call, repeat, cuda)], dtype=torch.float64, device=device)
         g.all_reduce_max(mine, group, "link.probe")
         seconds = float(mine.item())
-        points.append(((p - 1) * inp.numel() * 4, seconds))
+        points.append(((p - 1) * chunk * 4, seconds))
         spent += seconds * (repeat + (i == 0))
         # every rank holds the same agreed figures, so every rank stops at the same size
         if spent + 16 * seconds * (repeat + 1) > budget_s:
@@ -148,7 +155,8 @@ def probe(
     if len(points) < 2:  # even the smallest size overran the budget: a latency-free bound
         ((x, t),) = points
         return LinkFit(0.0, min(MAX_GBPS, 8 * x / t / 1e9), tuple(points), time.perf_counter() - started)
-    alpha, bps = fit_alpha_beta([x for x, _ in points], [t for _, t in points], _rounds(p))
+    rounds = p - 1 if kind == "all_to_all" else _rounds(p)
+    alpha, bps = fit_alpha_beta([x for x, _ in points], [t for _, t in points], rounds)
     return LinkFit(alpha * 1e6, min(MAX_GBPS, bps / 1e9), tuple(points), time.perf_counter() - started)
 
 
