@@ -10,6 +10,7 @@ compute step and codecs measured on the machines at hand).
 
 from lowbit_strategy.plan.cli import main
 from lowbit_strategy.plan.inputs import Model, PlanError
-from lowbit_strategy.plan.predict import Row, Setup, predict, recommend
+from lowbit_strategy.plan.predict import Row, Setup
 
-__all__ = ["Model", "PlanError", "Row", "Setup", "main", "predict", "recommend"]
+# (the functions stay in their modules: `plan.predict` names the module, not its function)
+__all__ = ["Model", "PlanError", "Row", "Setup", "main"]

@@ -160,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure:
             from lowbit_strategy.plan.measure import run
 
-            text = run(args)
-            if text is not None:  # rank 0 prints, the others return quietly
+            m = run(args)
+            args.nodes, args.gpus_per_node = m.nodes, m.per_node
+            if m.intra is not None:
+                args.intra_link, args.intra_latency_us = f"{m.intra[0]}gbit", m.intra[1]
+            if m.compute_s is None and args.compute_s is None and not (args.gpu and args.tokens_per_step):
+                raise inputs.PlanError(
+                    "--compute-s", None, "with --measure pass --model and --inputs, --compute-s or --gpu"
+                )
+            text = render(setup_from(args, m.link, m.compute_s), args.json, m.note, m.fits)
+            if m.printer:  # rank 0 prints
                 print(text)
             return 0
         print(render(setup_from(args), args.json))

@@ -143,18 +143,31 @@ def _fits(world: int, per_node: int, device: torch.device) -> dict[str, LinkFit 
     return out
 
 
-def run(args) -> str | None:
-    """Measure (module docstring), then plan with the figures; rank 0's text, None elsewhere."""
-    from lowbit_strategy.plan.cli import render, setup_from
+@dataclasses.dataclass
+class Measured:
+    """What :func:`run` measured, agreed by every rank: the link between nodes per node
+    (Gbit/s, µs; None on one node), inside a node per GPU, the compute seconds, the layout,
+    a note for the assumptions, the raw fits for ``--json``, and whether this rank prints."""
 
+    link: tuple[float, float] | None
+    intra: tuple[float, float] | None
+    compute_s: float | None
+    nodes: int
+    per_node: int
+    note: str
+    fits: dict
+    printer: bool
+
+
+def run(args) -> Measured:
+    """Measure (module docstring) on every rank of the launcher's world."""
     started = time.perf_counter()
     rank, world, per_node = _init()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     fits = _fits(world, per_node, device)
     compute = _compute_seconds(args, device)
     nodes = world // per_node
-    args.nodes, args.gpus_per_node = nodes, per_node
-    notes, link = [], None
+    notes, link, intra = [], None, None
     cross = [f for f in (fits["all_to_all"], fits["all_gather"]) if f is not None]
     if cross:
         slow = min(cross, key=lambda f: f.bandwidth_gbps)
@@ -167,16 +180,13 @@ def run(args) -> str | None:
     else:
         notes.append(f"one node: the link between nodes is not measured ({args.link} assumed)")
     if fits["intra"] is not None:
-        args.intra_link, args.intra_latency_us = f"{fits['intra'].bandwidth_gbps}gbit", fits["intra"].latency_us
-        notes.append(f"inside a node: {fits['intra'].bandwidth_gbps:.3g} Gbit/s per GPU")
-    if compute is None and args.compute_s is None and not (args.gpu and args.tokens_per_step):
-        raise PlanError("--compute-s", None, "with --measure, pass --model with --inputs, or --compute-s, or --gpu")
-    setup = setup_from(args, link=link, compute_s=compute)
+        intra = (fits["intra"].bandwidth_gbps, fits["intra"].latency_us)
+        notes.append(f"inside a node: {intra[0]:.3g} Gbit/s per GPU")
     seconds = time.perf_counter() - started
-    measured = f" (measured on {world} ranks in {seconds:.1f} s: " + "; ".join(notes) + ")"
-    fit_json = {
+    note = f" (measured on {world} ranks in {seconds:.1f} s: " + "; ".join(notes) + ")"
+    fit_json: dict = {
         k: None if f is None else {**dataclasses.asdict(f), "points": [list(p) for p in f.points]}
         for k, f in fits.items()
     }
-    fit_json["compute_s"] = compute  # type: ignore[assignment]
-    return render(setup, args.json, measured, fit_json) if rank == 0 else None
+    fit_json["compute_s"] = compute
+    return Measured(link, intra, compute, nodes, per_node, note, fit_json, rank == 0)
