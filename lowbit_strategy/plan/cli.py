@@ -102,7 +102,8 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
     if compute_s is not None:
         compute = dataclasses.replace(compute, note=f"compute {compute_s:.3g} s per step (measured)")
     ns, note = _codecs(args)
-    return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note)
+    memory = inputs.GPU_MEMORY.get((args.gpu or "").lower())
+    return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note, memory)
 
 
 def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
@@ -117,7 +118,11 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
         f"buckets of {setup.bucket_size_mb:g} MB; steady state (warm-up steps send fp32 and are not counted)",
-    ]
+    ] + (
+        [f"'!': does not fit {setup.gpu_memory / 1e9:.0f} GB per GPU with fp32 weights and gradients (8 B/param)"]
+        if setup.gpu_memory
+        else []
+    )
 
 
 def _size(b: float) -> str:
@@ -135,6 +140,7 @@ def table(rows: list[predict.Row]) -> str:
         lines.append(
             f"{r.method:<26} {r.form:<12} {_size(r.link_bytes):>15} {r.comm_s:>8.3g} {r.exposed_s:>9.3g} "
             f"{r.codec_s:>8.3g} {r.step_s:>8.3g} {r.speedup:>10.2f}x {_size(r.memory_bytes):>10}"
+            + ("!" if r.fits is False else "")
         )
     return "\n".join(lines)
 

@@ -27,6 +27,8 @@ GPU_FLOPS = {
     "l40s": 362e12,
     "mi300x": 1307e12,
 }
+#: memory per GPU, bytes (the same data sheets)
+GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "b200": 192e9, "a100": 80e9, "l40s": 48e9, "mi300x": 192e9}
 #: model FLOP utilization assumed when estimating compute (a well-tuned dense LLM run)
 DEFAULT_MFU = 0.4
 #: columns of the synthetic matrices a bare ``--params`` count is split into

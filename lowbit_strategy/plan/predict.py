@@ -19,7 +19,9 @@ which send fp32, are not counted):
 **Memory** (fp32 state per GPU, without weights, gradients and activations): AdamW's two
 moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
 (4 B) and a server error on their 1/P chunk; PowerSGD its error feedback (4 B); BitDP
-none by default (``error_feedback`` off); the sharded rows divide all of it by L.
+none by default (``error_feedback`` off); the sharded rows divide all of it by L. With a
+GPU's memory known, a row **fits** when that plus fp32 weights and gradients (8 B/param, /L
+sharded) stays within it; activations are not counted, so a row that fits may still not.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Setup:
     #: ``turboquant``, ``bitdp``), or None: codec time not counted
     codec_ns: dict[str, float] | None = None
     codec_note: str = "codec time not counted (no codec figures; pass --measure-codecs)"
+    #: bytes of memory per GPU, or None: unknown, every row is taken to fit
+    gpu_memory: float | None = None
 
     @property
     def bucket_numel(self) -> int:
@@ -92,7 +96,8 @@ class Row:
     step_s: float
     memory_bytes: float
     speedup: float = 0.0
-    note: str = field(default="")
+    #: whether weights, gradients and this state fit the GPU's memory (None: unknown)
+    fits: bool | None = field(default=None)
 
 
 def _matrix(shape: Shape) -> tuple[int, int] | None:
@@ -320,7 +325,14 @@ def predict(setup: Setup) -> list[Row]:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
         rows += pr.sharded_rows(lane)
     base = next(r for r in rows if r.key == "ddp_bf16").step_s
-    return [replace(r, speedup=base / r.step_s) for r in rows]
+    per_node = setup.cluster.ranks_per_node
+
+    def fits(r: Row) -> bool | None:
+        if setup.gpu_memory is None:
+            return None
+        return r.memory_bytes + 8.0 * n / (per_node if r.form == "sharded" else 1) <= setup.gpu_memory
+
+    return [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
 
 
 #: a low-bit method must beat DDP bf16 by this factor to be recommended over it
@@ -333,15 +345,27 @@ def recommend(rows: list[Row]) -> str:
     """One sentence: the fastest row (naming the rows within :data:`NEAR_TIE` of it), or DDP
     with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN`."""
     base = next(r for r in rows if r.key == "ddp_bf16")
-    best = min(rows, key=lambda r: r.step_s)
     share = base.exposed_s / base.step_s
+    fitting = [r for r in rows if r.fits is not False]
+    if not fitting:
+        return "No row fits the GPU's memory with fp32 weights and gradients: shard across more GPUs (--sharded)."
+    best = min(fitting, key=lambda r: r.step_s)
+    if (
+        base.fits is False
+        and best.form == "sharded"
+        and (best.key == "hsdp_bf16" or best.step_s > 0.95 * min(r.step_s for r in fitting if r.key == "hsdp_bf16"))
+    ):
+        return (
+            f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
+            f"sharded low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
+        )
     if best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN:
         return (
             f"Use DDP with bf16 communication: its exposed communication is {share:.0%} of the step, so no "
             f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "
             f"(best: {best.method} {best.form}, {best.speedup:.2f}x)."
         )
-    near = [f"{r.method} {r.form}" for r in rows if r is not best and r.step_s <= best.step_s * (1 + NEAR_TIE)]
+    near = [f"{r.method} {r.form}" for r in fitting if r is not best and r.step_s <= best.step_s * (1 + NEAR_TIE)]
     ties = f"; within {NEAR_TIE:.0%} of it: {', '.join(near)}" if near else ""
     return (
         f"Use {best.method} ({best.form}; {best.config}): predicted {best.speedup:.2f}x DDP bf16's step "
