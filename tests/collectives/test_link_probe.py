@@ -98,3 +98,18 @@ def _ranks(rank, world):
 @pytest.mark.slow
 def test_measure_at_attach_on_gloo_ranks():
     run_ranks(2, _ranks)
+
+
+def _hierarchical(rank, world):
+    from lowbit_strategy.integrations.ddp import build_sync
+
+    os.environ.pop(link_probe.ASSUME_ENV, None)
+    sync = build_sync(LowBitConfig(algorithm="lion", ranks_per_node=2), torch.nn.Linear(8, 8))
+    assert sync.topology.hierarchical  # probed over the cross-node groups, agreed over every rank
+    gbps = sync.config.link_bandwidth_gbps
+    assert isinstance(gbps, float) and len(set(_agreed(gbps))) == 1
+
+
+@pytest.mark.slow
+def test_measure_on_a_hierarchical_topology():
+    run_ranks(4, _hierarchical)

@@ -48,6 +48,9 @@ def test_json_from_a_hf_config(tmp_path, capsys):
     assert rows["onebit_sharded"]["memory_bytes"] < rows["onebit_flat"]["memory_bytes"] / 7
     assert "8,030,261,248 params" in plan["assumptions"][0]  # Llama-3-8B's published size
     assert "h100" in plan["assumptions"][2] and plan["recommendation"]
+    # 8 B/param of weights and gradients plus AdamW's 8 B: DDP does not fit 80 GB; the sharded rows do
+    assert rows["ddp_bf16"]["fits"] is False and rows["hsdp_bf16"]["fits"] is True
+    assert "sharded" in plan["recommendation"] or "HSDP" in plan["recommendation"]
 
 
 def test_model_sizes():
