@@ -8,17 +8,23 @@ measure`` (the default) resolves the link here, at attach (:func:`resolve_config
 
 **The probe** (:func:`probe`), a collective every rank of ``group`` runs at once:
 
-* all-gathers of 4 KiB, 64 KiB, 1 MiB and 16 MiB per rank (capped at 256 MiB/P), each
+* ring allreduces of 4 KiB, 64 KiB, 1 MiB and 16 MiB (capped at 256 MiB/P), each
   size timed ``repeat`` times (median) after one warm-up call, over ``over`` — on a
   hierarchical topology the cross-node group of this local rank, so the L local ranks of a
   node probe its link together, as the hierarchical form uses it;
 * after each size the ranks agree the slowest rank's time (a MAX allreduce over ``group``)
   and, all alike, stop before a size predicted to overrun the time budget (2 s by default;
   about 0.3 s on a 100 Mbit/s link, 0.1 s on loopback): the number of transfers is bounded
-  (at most 4 sizes × (repeat + 1) all-gathers plus 4 small allreduces);
+  (at most 4 sizes × (repeat + 1) collectives plus 4 small allreduces);
 * :func:`fit_alpha_beta` fits ``t = rounds·α + 8·x/bandwidth`` to the agreed points, x the
-  bytes one rank sends ((P-1)·size), ``rounds`` = ⌈log2 P⌉ as :mod:`.cost_model` counts an
-  all-gather's latency.
+  bytes one rank sends (2(P-1)/P·size), ``rounds`` = 2⌈log2 P⌉ as :mod:`.cost_model` counts
+  an allreduce's latency.
+
+Why allreduces: on an emulated 100 Mbit/s link (``benchmarks/netem.py``) gloo's ring allreduce
+moved 89-90 Mbit/s per rank at 1 and 4 MiB, its all-gather of the same bytes 63-66 Mbit/s; the
+allreduce figure is the link's, and DDP's step time predicted from it fell within 4 % of the
+measured one. ``kind="all_gather"`` / ``"all_to_all"`` time those collectives instead
+(``lowbit-plan --measure`` reports all three).
 
 The figure is what one rank's collective gets while every rank sends at once: the
 bandwidth the planners' per-rank formulas divide by.
@@ -114,15 +120,15 @@ def probe(
     budget_s: float = 2.0,
     repeat: int = 3,
     sizes: Sequence[int] = SIZES,
-    kind: str = "all_gather",
+    kind: str = "all_reduce",
 ) -> LinkFit:
     """Fit α and β of the link between the ranks of ``over`` (default ``group``) by timed
-    all-gathers (module docstring), or with ``kind="all_to_all"`` by all-to-alls sending
-    ``size`` bytes to each peer (latency in P - 1 rounds, as :mod:`.cost_model` counts them);
+    allreduces (module docstring), ``kind="all_gather"`` (``size`` bytes from each rank,
+    ⌈log2 P⌉ rounds) or ``kind="all_to_all"`` (``size`` bytes to each peer, P - 1 rounds);
     a collective over ``group``, which every rank of it calls at once with the same
     arguments, and every rank returns the same :class:`LinkFit`."""
-    if kind not in ("all_gather", "all_to_all"):
-        raise ValueError(f"probe kind: got {kind!r}; use 'all_gather' or 'all_to_all'")
+    if kind not in ("all_reduce", "all_gather", "all_to_all"):
+        raise ValueError(f"probe kind: got {kind!r}; use 'all_reduce', 'all_gather' or 'all_to_all'")
     started = time.perf_counter()
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -135,19 +141,24 @@ def probe(
     for i, size in enumerate(s for s in sizes if s * p <= MAX_OUTPUT):
         chunk = max(1, size // 4)
         inp = torch.zeros(chunk * (p if kind == "all_to_all" else 1), dtype=torch.float32, device=device)
-        out = torch.empty(chunk * p, dtype=torch.float32, device=device)
+        out = torch.empty(chunk * p if kind != "all_reduce" else 1, dtype=torch.float32, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        collective = dist.all_to_all_single if kind == "all_to_all" else gather
 
-        def call(inp=inp, out=out, collective=collective):
-            collective(out, inp, group=over)
+        def call(inp=inp, out=out, gather=gather):
+            if kind == "all_reduce":
+                dist.all_reduce(inp, group=over)
+            elif kind == "all_to_all":
+                dist.all_to_all_single(out, inp, group=over)
+            else:
+                gather(out, inp, group=over)
 
         if i == 0:
             call()  # warm-up: connections, buffers
         mine = torch.tensor([_timed(call, repeat, cuda)], dtype=torch.float64, device=device)
         g.all_reduce_max(mine, group, "link.probe")
         seconds = float(mine.item())
-        points.append(((p - 1) * chunk * 4, seconds))
+        sent = 2 * (p - 1) * chunk * 4 // p if kind == "all_reduce" else (p - 1) * chunk * 4
+        points.append((sent, seconds))
         spent += seconds * (repeat + (i == 0))
         # every rank holds the same agreed figures, so every rank stops at the same size
         if spent + 16 * seconds * (repeat + 1) > budget_s:
@@ -155,7 +166,7 @@ def probe(
     if len(points) < 2:  # even the smallest size overran the budget: a latency-free bound
         ((x, t),) = points
         return LinkFit(0.0, min(MAX_GBPS, 8 * x / t / 1e9), tuple(points), time.perf_counter() - started)
-    rounds = p - 1 if kind == "all_to_all" else _rounds(p)
+    rounds = {"all_to_all": p - 1, "all_gather": _rounds(p), "all_reduce": 2 * _rounds(p)}[kind]
     alpha, bps = fit_alpha_beta([x for x, _ in points], [t for _, t in points], rounds)
     return LinkFit(alpha * 1e6, min(MAX_GBPS, bps / 1e9), tuple(points), time.perf_counter() - started)
 

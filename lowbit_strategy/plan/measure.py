@@ -3,12 +3,13 @@
 Run under ``torchrun`` (or any launcher that exports ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` and ``LOCAL_WORLD_SIZE``) on the cluster itself. Every rank:
 
-1. between nodes (N > 1): all-to-alls and all-gathers over the cross-node groups (local
-   rank j of every node), all L groups at once as the hierarchical form runs them, at 3
-   sizes each (64 KiB, 1 MiB, 16 MiB per peer; fewer if a size would overrun the 5 s
-   budget), α and β fitted by least squares (:func:`~lowbit_strategy.collectives.
-   link_probe.fit_alpha_beta`); the slower fit is planned for, and a node's link is L times
-   what one rank's collective got;
+1. between nodes (N > 1): allreduces, all-to-alls and all-gathers over the cross-node groups
+   (local rank j of every node), all L groups at once as the hierarchical form runs them,
+   at 3 sizes each (64 KiB, 1 MiB, 16 MiB; fewer if a size would overrun the 5 s budget),
+   α and β fitted by least squares (:func:`~lowbit_strategy.collectives.link_probe.
+   fit_alpha_beta`); the allreduce's fit is planned for (the link's rate: gloo's all-gather
+   and all-to-all are slower on the same link, reported beside it), and a node's link is L
+   times what one rank's collective got;
 2. inside a node (L > 1): all-gathers over the node's ranks, fitted the same way;
 3. with ``--model`` and ``--inputs pkg.mod:fn`` (a batch for one GPU): forward + backward
    of the model (median of 3 after a warm-up) as the compute time.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import statistics
 import time
 from datetime import timedelta
 from functools import partial
@@ -49,6 +49,18 @@ def measure_codecs(device: torch.device | str | None = None, sample: int = CODEC
     there is one, else this CPU), timed on ``sample`` random values: Lion Cub's 8-bit L1
     codes (``lp``) and 1-bit votes, 1-bit Adam's scaled signs (``compensated``), TurboQuant's
     4-bit codec, BitDP's 2-bit channel codes and PowerSGD's rank-4 products."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":  # as a CPU rank runs (launchers set OMP_NUM_THREADS=1); more threads on a
+        threads = torch.get_num_threads()  # busy machine measured 10-300x slower, spinning
+        torch.set_num_threads(1)
+        try:
+            return _measure_codecs(dev, sample)
+        finally:
+            torch.set_num_threads(threads)
+    return _measure_codecs(dev, sample)
+
+
+def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
     from lowbit_strategy.algorithms.lion_cub.plan import measure_codec_seconds
     from lowbit_strategy.codecs import (
         TurboQuantCodec,
@@ -58,7 +70,6 @@ def measure_codecs(device: torch.device | str | None = None, sample: int = CODEC
         scaled_sign_decode,
     )
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x = torch.randn(sample, device=dev)
     lion = measure_codec_seconds(("lp8", "1bit"), 2, sample, 1.0, dev, sample, 3)
     error = torch.zeros_like(x)
@@ -87,7 +98,7 @@ def measure_codecs(device: torch.device | str | None = None, sample: int = CODEC
     }
     ns = {"lp": lion["lp8"] * 1e9 / sample, "1bit": lion["1bit"] * 1e9 / sample}
     ns.update({k: median_seconds(fn, 3, dev) * 1e9 / sample for k, fn in timed.items()})
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU, one thread"
     return ns, name
 
 
@@ -134,12 +145,13 @@ def _fits(world: int, per_node: int, device: torch.device) -> dict[str, LinkFit 
     inter = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
     rank = dist.get_rank()
     run = partial(probe, None, device=device, budget_s=BUDGET_S, sizes=SIZES)
-    out: dict[str, LinkFit | None] = {"all_to_all": None, "all_gather": None, "intra": None}
+    out: dict[str, LinkFit | None] = {"all_reduce": None, "all_to_all": None, "all_gather": None, "intra": None}
     if nodes > 1:
+        out["all_reduce"] = run(over=inter[rank % per_node], kind="all_reduce")
         out["all_to_all"] = run(over=inter[rank % per_node], kind="all_to_all")
         out["all_gather"] = run(over=inter[rank % per_node], kind="all_gather")
     if per_node > 1:
-        out["intra"] = run(over=intra[rank // per_node], kind="all_gather")
+        out["intra"] = run(over=intra[rank // per_node], kind="all_reduce")
     return out
 
 
@@ -168,14 +180,13 @@ def run(args) -> Measured:
     compute = _compute_seconds(args, device)
     nodes = world // per_node
     notes, link, intra = [], None, None
-    cross = [f for f in (fits["all_to_all"], fits["all_gather"]) if f is not None]
-    if cross:
-        slow = min(cross, key=lambda f: f.bandwidth_gbps)
-        link = (slow.bandwidth_gbps * per_node, statistics.fmean(f.latency_us for f in cross))
+    ar, a2a, ag = fits["all_reduce"], fits["all_to_all"], fits["all_gather"]
+    if ar is not None and a2a is not None and ag is not None:
+        link = (ar.bandwidth_gbps * per_node, ar.latency_us)
         notes.append(
-            f"between nodes: all-to-all {cross[0].bandwidth_gbps:.3g} Gbit/s, all-gather "
-            f"{cross[-1].bandwidth_gbps:.3g} Gbit/s per rank with all {per_node} local ranks sending "
-            f"-> {link[0]:.3g} Gbit/s per node, alpha {link[1]:.0f} us"
+            f"between nodes: allreduce {ar.bandwidth_gbps:.3g}, all-to-all {a2a.bandwidth_gbps:.3g}, all-gather "
+            f"{ag.bandwidth_gbps:.3g} Gbit/s per rank with all {per_node} local ranks sending "
+            f"-> {link[0]:.3g} Gbit/s per node (allreduce), alpha {link[1]:.0f} us"
         )
     else:
         notes.append(f"one node: the link between nodes is not measured ({args.link} assumed)")
