@@ -66,8 +66,10 @@ def main(argv=None) -> int:
     codecs = None if args.no_codecs else measure_codecs("cpu")[0]
     print("codec ns per element, this CPU:", {k: round(v, 1) for k, v in (codecs or {}).items()})
     calib = {(r["config"], r["link"]): r["step_s"] for r in records if r["config"].startswith("calib_")}
-    print("| algorithm | topology | link | measured ms | predicted ms (configured rate) | predicted ms (measured rate) "
-          "| link kB/step measured | predicted |")
+    print(
+        "| algorithm | topology | link | measured ms | predicted ms (configured rate) | predicted ms (measured rate) "
+        "| link kB/step measured | predicted |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in records:
         key = ROWS.get(r["config"])

@@ -107,3 +107,17 @@ def test_rates():
     assert inputs.parse_rate("--link", "100mbit") == pytest.approx(0.1)
     assert inputs.parse_rate("--link", "3.2tbit") == pytest.approx(3200)
     assert inputs.parse_rate("--link", "400Gbps") == 400
+
+
+def test_codec_times_from_a_report(tmp_path, capsys):
+    report = tmp_path / "codecs.json"
+    report.write_text(json.dumps({"device": "NVIDIA H100", "ns_per_element": {"turboquant": 0.05, "lp": 0.02}}))
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--codecs", str(report), "--json")
+    plan = json.loads(out)
+    assert code == 0 and any("codecs.json (NVIDIA H100)" in a for a in plan["assumptions"])
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(0.02e-9 * 1e8, rel=1e-3)  # every element, flat
+    assert rows["ddp_bf16"]["codec_s"] == 0
+    report.write_text("{}")
+    code, _, err = _run(capsys, *SMALL, "--codecs", str(report))
+    assert code == 2 and "--codecs" in err
