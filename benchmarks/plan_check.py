@@ -38,16 +38,15 @@ ROWS = {
 
 
 def gpt_model(sizes: dict):
-    """The benchmark's GPT as the planner sees it (tied embeddings counted once)."""
+    """The benchmark's GPT as the planner sees it (tied embeddings counted once; BitDP's own selection)."""
     import torch
 
     from examples.gpt_lion import GPT
-    from lowbit_strategy.plan.inputs import Model, _units_by_block
+    from lowbit_strategy.plan.inputs import from_module
 
     with torch.device("meta"):
         gpt = GPT(seq=sizes["seq"], d=sizes["d_model"], layers=sizes["layers"], heads=sizes["heads"])
-    named = [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
-    return Model(tuple(s for _, s in named), _units_by_block([n for n, _ in named]), "benchmark GPT")
+    return from_module(gpt, "benchmark GPT")
 
 
 def main(argv=None) -> int:

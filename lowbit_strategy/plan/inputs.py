@@ -52,6 +52,12 @@ class Model:
     shapes: tuple[Shape, ...]
     units: tuple[tuple[int, ...], ...]
     source: str
+    #: per parameter, whether BitDP's default selection quantizes it (linear weights; not
+    #: embeddings, the output head, biases or norms); None: every matrix
+    quantized: tuple[bool, ...] | None = None
+
+    def bitdp_quantized(self, i: int) -> bool:
+        return len(self.shapes[i]) == 2 if self.quantized is None else self.quantized[i]
 
     @property
     def numel(self) -> int:
@@ -155,7 +161,10 @@ def from_hf_config(path: str | Path) -> Model:
         add("model.norm", d)
         if not cfg.get("tie_word_embeddings", False):
             add("lm_head", vocab, d)
-    return Model(tuple(shapes), _units_by_block(names), f"{Path(path).name} ({sum(map(math.prod, shapes)):,} params)")
+    embeddings = ("embed_tokens", "lm_head", "wte", "wpe")  # BitDP keeps them in full precision
+    quantized = tuple(len(s) == 2 and not any(e in n for e in embeddings) for n, s in zip(names, shapes))
+    source = f"{Path(path).name} ({sum(map(math.prod, shapes)):,} params)"
+    return Model(tuple(shapes), _units_by_block(names), source, quantized)
 
 
 def from_factory(spec: str) -> Model:
@@ -174,13 +183,23 @@ def from_factory(spec: str) -> Model:
         model = factory()
     if not isinstance(model, torch.nn.Module):
         raise PlanError("--model", spec, f"the factory returned a {type(model).__name__}; it must return an nn.Module")
-    named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
+    if not any(p.requires_grad for p in model.parameters()):
         raise PlanError("--model", spec, "the model has no trained parameters")
+    return from_module(model, spec)
+
+
+def from_module(model, label: str) -> Model:
+    """The trained parameters of ``model`` (any device, meta included), with BitDP's own
+    default selection (:func:`~lowbit_strategy.algorithms.bitdp.selection.classify`)."""
+    from lowbit_strategy.algorithms.bitdp.selection import classify
+
+    chosen = classify(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Model(
-        tuple(s for _, s in named),
+        tuple(tuple(p.shape) for _, p in named),
         _units_by_block([n for n, _ in named]),
-        f"{spec} ({sum(math.prod(s) for _, s in named):,} params)",
+        f"{label} ({sum(p.numel() for _, p in named):,} params)",
+        tuple(chosen[id(p)].quantized for _, p in named),
     )
 
 

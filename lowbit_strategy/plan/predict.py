@@ -109,9 +109,10 @@ class _Predictor:
     def __init__(self, setup: Setup):
         self.s, c = setup, setup.cluster
         self.c, self.p, self.nodes, self.per_node = c, c.world_size, c.nodes, c.ranks_per_node
-        shapes = list(reversed(setup.model.shapes))  # DDP's buckets: last parameter first
-        numels = [math.prod(x) for x in shapes]
-        self.buckets = [[shapes[i] for i in idx] for idx in buckets.plan(numels, setup.bucket_numel)]
+        order = list(reversed(range(len(setup.model.shapes))))  # DDP's buckets: last parameter first
+        numels = [math.prod(setup.model.shapes[i]) for i in order]
+        self.bucket_ids = [[order[i] for i in idx] for idx in buckets.plan(numels, setup.bucket_numel)]
+        self.buckets = [[setup.model.shapes[i] for i in ids] for ids in self.bucket_ids]
         self.sizes = [sum(math.prod(x) for x in b) for b in self.buckets]
         self.n = setup.model.numel
         self.backward = BACKWARD_SHARE * setup.compute.seconds
@@ -165,9 +166,12 @@ class _Predictor:
 
     def bitdp(self, form: str) -> Row:
         per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
-        for bucket in self.buckets:
-            mats = [m for m in map(_matrix, bucket) if m]
-            full = sum(math.prod(x) for x in bucket if not _matrix(x))
+        model = self.s.model
+        for ids in self.bucket_ids:
+            mats = [m for i in ids if model.bitdp_quantized(i) and (m := _matrix(model.shapes[i]))]
+            full = sum(
+                math.prod(model.shapes[i]) for i in ids if not (model.bitdp_quantized(i) and _matrix(model.shapes[i]))
+            )
             ranks = self.p if form == "flat" else self.nodes
             how = bitdp_form("auto", Layout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
             if form == "flat":
