@@ -38,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--link", default="25gbit", help="each node's link to the others (25gbit, 100mbit, 3.2tbit)")
     ap.add_argument("--latency-us", type=float, default=20.0, help="latency of one message between nodes")
-    ap.add_argument("--intra-link", default="2400gbit", help="per-GPU link inside a node (NVLink 3: 2400gbit)")
+    ap.add_argument(
+        "--intra-link", default=None, help="per-GPU link inside a node (default: --gpu's NVLink/PCIe, else 2400gbit)"
+    )
     ap.add_argument("--intra-latency-us", type=float, default=5.0)
     ap.add_argument("--compute-s", type=float, help="forward + backward seconds per step on one GPU")
     ap.add_argument("--gpu", help=f"estimate compute from its FLOP/s: {', '.join(inputs.GPU_FLOPS)}")
@@ -89,12 +91,13 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
     else:
         model = inputs.from_factory(args.model)
     gbps, us = link or (inputs.parse_rate("--link", args.link), args.latency_us)
+    intra = args.intra_link or inputs.GPU_INTRA_GBPS.get((args.gpu or "").lower(), 2400.0)
     cluster = Cluster(
         args.nodes,
         args.gpus_per_node,
         gbps,
         us,
-        inputs.parse_rate("--intra-link", args.intra_link),
+        inputs.parse_rate("--intra-link", intra),
         args.intra_latency_us,
     )
     given = compute_s if compute_s is not None else args.compute_s

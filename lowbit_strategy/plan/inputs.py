@@ -29,6 +29,8 @@ GPU_FLOPS = {
 }
 #: memory per GPU, bytes (the same data sheets)
 GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "b200": 192e9, "a100": 80e9, "l40s": 48e9, "mi300x": 192e9}
+#: per-GPU link inside a node, one direction, Gbit/s (NVLink 4: 450 GB/s; NVLink 5: 900 GB/s; L40S: PCIe 4 x16)
+GPU_INTRA_GBPS = {"h100": 3600.0, "h200": 3600.0, "b200": 7200.0, "a100": 2400.0, "l40s": 256.0}
 #: model FLOP utilization assumed when estimating compute (a well-tuned dense LLM run)
 DEFAULT_MFU = 0.4
 #: columns of the synthetic matrices a bare ``--params`` count is split into
