@@ -49,6 +49,15 @@ def test_config_measure_field():
         link_probe.assumed({"LOWBIT_LINK_ASSUME": "fast"})
 
 
+def tiny():
+    """A model for ``--measure --model`` (its compute step is timed)."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def tiny_batch():
+    return torch.randn(8, 16)
+
+
 def _agreed(value: float) -> list[float]:
     mine = torch.tensor([value], dtype=torch.float64)
     out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
@@ -85,10 +94,12 @@ def _ranks(rank, world):
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli.main(["--measure", "--params", "1e6", "--compute-s", "0.1", "--json"]) == 0
+        here = "tests.collectives.test_link_probe"
+        assert cli.main(["--measure", "--model", f"{here}:tiny", "--inputs", f"{here}:tiny_batch", "--json"]) == 0
     if rank == 0:
         plan = json.loads(out.getvalue())
-        assert plan["measured"]["all_to_all"]["bandwidth_gbps"] > 0
+        assert plan["measured"]["all_to_all"]["bandwidth_gbps"] > 0 and plan["measured"]["compute_s"] > 0
+        assert "(measured)" in plan["assumptions"][2]
         assert len(plan["measured"]["all_gather"]["points"]) >= 2
         assert "measured on 2 ranks" in plan["assumptions"][1]
     else:
