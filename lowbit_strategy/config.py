@@ -26,9 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
-from lowbit_strategy.collectives import emulation
+from lowbit_strategy.collectives import emulation, link_probe
 from lowbit_strategy.section import SHARED_FIELDS, Section
-from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_float, as_int, is_none, suggestion
+from lowbit_strategy.validation import (
+    ConfigError,
+    as_bool,
+    as_choice,
+    as_float,
+    as_float_or_measure,
+    as_int,
+    is_none,
+    suggestion,
+)
 
 __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 
@@ -52,7 +61,11 @@ class LowBitConfig:
             :data:`lowbit_strategy.algorithms.REGISTRY`: ``lion``, ``bitdp``).
         bucket_size_mb: size of the flat buckets synchronized with one collective each.
         warmup_steps: steps run uncompressed before compression starts.
-        link_bandwidth_gbps, link_latency_us: the network the cost model plans for.
+        link_bandwidth_gbps, link_latency_us: the network the ``auto`` plans are made for
+            (Gbit/s and µs per message), or ``"measure"`` (the default): at attach, every rank
+            probes the link for well under 2 s and the slowest figure is used
+            (:mod:`lowbit_strategy.collectives.link_probe`; only when an ``auto`` reads it).
+            :attr:`link` reads them, with 1 Gbit/s and 50 µs where nothing was measured.
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
         compile_codecs: run some codecs' elementwise chains compiled with ``torch.compile``
@@ -106,8 +119,8 @@ class LowBitConfig:
     algorithm: str
     bucket_size_mb: float
     warmup_steps: int
-    link_bandwidth_gbps: float
-    link_latency_us: float
+    link_bandwidth_gbps: float | str
+    link_latency_us: float | str
     debug: bool
     compile_codecs: bool
     topology: str
@@ -122,8 +135,8 @@ class LowBitConfig:
         algorithm: str = "lion",
         bucket_size_mb: float = 25.0,
         warmup_steps: int = 0,
-        link_bandwidth_gbps: float = 1.0,
-        link_latency_us: float = 50.0,
+        link_bandwidth_gbps: float | str = "measure",
+        link_latency_us: float | str = "measure",
         debug: bool = False,
         compile_codecs: bool = False,
         topology: str = "auto",
@@ -138,8 +151,8 @@ class LowBitConfig:
         set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
         set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True, maximum=MAX_BUCKET_MB))
         set_("warmup_steps", as_int("warmup_steps", warmup_steps, 0, 2**62))
-        set_("link_bandwidth_gbps", as_float("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
-        set_("link_latency_us", as_float("link_latency_us", link_latency_us, positive=False))
+        set_("link_bandwidth_gbps", as_float_or_measure("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
+        set_("link_latency_us", as_float_or_measure("link_latency_us", link_latency_us, positive=False))
         set_("debug", as_bool("debug", debug))
         set_("compile_codecs", as_bool("compile_codecs", compile_codecs))
         set_("topology", as_choice("topology", topology, TOPOLOGIES))
@@ -192,6 +205,14 @@ class LowBitConfig:
     def section(self) -> Section:
         """The active algorithm's section."""
         return self._sections[self.algorithm]
+
+    @property
+    def link(self) -> tuple[float, float]:
+        """``(latency in s, bandwidth in bit/s)`` for the cost models: the fields' figures,
+        or for one still ``"measure"`` (one rank, or a config no attach resolved) the
+        :mod:`~lowbit_strategy.collectives.link_probe` fallbacks, 50 µs and 1 Gbit/s."""
+        gbps, us = self.link_bandwidth_gbps, self.link_latency_us
+        return (50.0 if isinstance(us, str) else us) * 1e-6, (1.0 if isinstance(gbps, str) else gbps) * 1e9
 
     def __getattr__(self, name: str) -> Section:
         sections = object.__getattribute__(self, "_sections")
@@ -288,7 +309,7 @@ class LowBitConfig:
             values = _merge(values, cls.from_yaml(path).to_dict())
         known = {k.upper(): k for k in cls.known_keys()}
         for var in sorted(env):
-            if not var.startswith(prefix) or var in (prefix + "CONFIG", emulation.ENV):
+            if not var.startswith(prefix) or var in (prefix + "CONFIG", emulation.ENV, link_probe.ASSUME_ENV):
                 continue
             key = var[len(prefix) :]
             if key not in known:

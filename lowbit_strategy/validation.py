@@ -113,6 +113,20 @@ def as_float(name: str, value: Any, *, positive: bool, maximum: float | None = N
     return out
 
 
+def as_float_or_measure(name: str, value: Any, *, positive: bool) -> float | str:
+    """``"measure"`` (any case, from YAML or the environment) or a number as :func:`as_float`
+    takes it; the error names both forms."""
+    if isinstance(value, str) and value.strip().lower() == "measure":
+        return "measure"
+    try:
+        return as_float(name, value, positive=positive)
+    except ConfigError:
+        limit = "> 0" if positive else ">= 0"
+        raise ConfigError(
+            name, value, f"expected 'measure' (probe the link at attach) or a finite number {limit}"
+        ) from None
+
+
 def as_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value

@@ -24,6 +24,12 @@ if not torch.cuda.is_available():
 # inherited by every process the tests launch. LOWBIT_EMULATE_NCCL=0 runs plain gloo instead.
 os.environ.setdefault("LOWBIT_EMULATE_NCCL", "1")
 
+# The link every `auto` plans for: the default `link_*: measure` would probe the loopback at each
+# attach and plan for what a loaded machine gives that moment; pinned here (inherited by every rank
+# the tests spawn) to the figures the fields defaulted to before, so plans are deterministic. The
+# probe's own tests unset it (lowbit_strategy.collectives.link_probe.ASSUME_ENV).
+os.environ.setdefault("LOWBIT_LINK_ASSUME", "1.0,50")
+
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000)

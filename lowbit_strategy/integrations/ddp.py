@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, keep_local_gradients
 from lowbit_strategy.codecs import compiled
-from lowbit_strategy.collectives import hierarchy
+from lowbit_strategy.collectives import hierarchy, link_probe
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.selection import unwrap
@@ -52,7 +52,11 @@ def build_sync(
     difference raises the same :class:`~lowbit_strategy.validation.ConfigMismatchError` on
     every rank, naming the fields and the ranks. Then the node layout
     (:func:`~lowbit_strategy.collectives.hierarchy.resolve`; ``ranks_per_node``: a front end's
-    hint, e.g. Lightning's devices per node) gives the sync its :class:`Topology`."""
+    hint, e.g. Lightning's devices per node) gives the sync its :class:`Topology`. A link
+    field set to ``"measure"`` is then resolved, on every rank alike, by a short probe of the
+    link (:func:`~lowbit_strategy.collectives.link_probe.resolve_config`, over the cross-node
+    groups of a hierarchical topology) before the algorithm is built, so its ``auto`` plans
+    and ``sync.config`` hold the measured figures."""
     module = unwrap(module)
     check_same(setup_fingerprint(config, module), group, "The low-bit setup", ConfigMismatchError)
     # every front end comes through here: the codecs' compiled chains on or off for the process, as all ranks agreed
@@ -67,6 +71,8 @@ def build_sync(
             )
         logger.info("lowbit: %s has no hierarchical form yet: synchronizing flat over all ranks", config.algorithm)
         topology = dataclasses.replace(topology, hierarchical=False, intra=None, inter=None)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    config = link_probe.resolve_config(config, group, topology, device)
     sync = algo.build(config, module, group)
     sync.algorithm = algo
     sync.topology = topology

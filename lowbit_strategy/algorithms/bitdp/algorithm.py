@@ -36,7 +36,7 @@ class BitDPSync(Sync):
             error_feedback=section.error_feedback,
             traffic=TrafficLog(),
             form=section.form,
-            link=(config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9),
+            link=config.link,
         ).attach(module)
         self._module = module
         #: the sharded path's units (by their parameters) and those seen in this backward pass

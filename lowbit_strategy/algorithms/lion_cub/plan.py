@@ -78,7 +78,7 @@ def resolve_mode(
     lion = _lion(config)
     mode, bits = lion.mode, lion.bits
     if mode == "auto":
-        link = (config.link_latency_us * 1e-6, config.link_bandwidth_gbps * 1e9)
+        link = config.link
         costs = {
             name: cost_model.estimate(name, world_size, numel, *link).seconds + (codec_seconds or {}).get(name, 0.0)
             for name in auto_candidates(config, world_size, momentum_sync_every)

@@ -43,7 +43,7 @@ class TurboQuantSync(StagedSync):
             block=section.block,
             seed=section.seed,
             scale_decay=optimizer.scale_decay,
-            link=(cfg.link_latency_us * 1e-6, cfg.link_bandwidth_gbps * 1e9),
+            link=cfg.link,
             topology=self.topology,
             spec=self.spec,
         )

@@ -1,0 +1,378 @@
+"""The planner's predictions: per method and form, bytes per step on each node's link, the
+step time, and the optimizer + compression memory per GPU, from the exact byte formulas of
+:mod:`~lowbit_strategy.collectives.cost_model_nodes` (flat and hierarchical) and
+:mod:`~lowbit_strategy.collectives.cost_model_sharded` (FSDP inside the node, the exchange
+across nodes), timed by their α–β model on the given cluster.
+
+**Step time** = compute + exposed communication + codec time (steady state: warm-up steps,
+which send fp32, are not counted):
+
+* DDP, PowerSGD and the overlapping methods start each bucket's collective during backward,
+  taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
+  last bucket is ready only when backward ends);
+* the sharded rows exchange at the optimizer step: none of it is hidden (HSDP's all-reduce
+  hook overlaps backward like DDP);
+* codec time (encode + decode, per element, :class:`Setup.codec_ns`) is added in full,
+  not overlapped: on a GPU the codec's kernels take the SMs from backward. Without codec
+  figures it is not counted, which flatters the low-bit rows (the table says so).
+
+**Memory** (fp32 state per GPU, without weights, gradients and activations): AdamW's two
+moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
+(4 B) and a server error on their 1/P chunk; PowerSGD its error feedback (4 B); BitDP
+none by default (``error_feedback`` off); the sharded rows divide all of it by L. With a
+GPU's memory known, a row **fits** when that plus fp32 weights and gradients (8 B/param, /L
+sharded) stays within it; activations are not counted, so a row that fits may still not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from lowbit_strategy import buckets
+from lowbit_strategy.collectives import cost_model_sharded as sh
+from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.cost_model import _rounds, bitdp_form
+from lowbit_strategy.collectives.cost_model_nodes import (
+    Cluster,
+    NodeSends,
+    Sends,
+    bitdp_hierarchical_sends,
+    bitdp_sends,
+    bucket_seconds,
+    bucket_sends,
+    hierarchical_sends,
+)
+from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.plan.inputs import Compute, Model, Shape
+
+#: backward's share of the compute time (forward 1/3: 2·N·tokens of 6·N·tokens FLOPs)
+BACKWARD_SHARE = 2 / 3
+#: 1-bit Adam/LAMB's default scale block (``onebit_*.scale_block``)
+ONEBIT_BLOCK = 32768
+#: PowerSGD's rank, and the compression rate below which a matrix is sent uncompressed
+POWERSGD_RANK, POWERSGD_MIN_RATE = 4, 2.0
+#: TurboQuant's candidate forms (``auto`` takes the fastest per bucket)
+TURBOQUANT_FORMS = ("fp32", "turboquant_two_stage", "turboquant_allgather")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a prediction depends on."""
+
+    model: Model
+    cluster: Cluster
+    compute: Compute
+    bucket_size_mb: float = 25.0
+    sharded: bool = False
+    #: encode + decode nanoseconds per element by codec (``lp``, ``1bit``, ``compensated``,
+    #: ``turboquant``, ``bitdp``), or None: codec time not counted
+    codec_ns: dict[str, float] | None = None
+    codec_note: str = "codec time not counted (no codec figures; pass --measure-codecs)"
+    #: bytes of memory per GPU, or None: unknown, every row is taken to fit
+    gpu_memory: float | None = None
+
+    @property
+    def bucket_numel(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20 / 4))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method in one form: ``link_bytes`` per step leaving each node (each direction),
+    ``comm_s`` its communication, ``exposed_s`` what of it the step waits for, ``codec_s``,
+    ``step_s``, ``memory_bytes`` per GPU, ``speedup`` over DDP bf16, ``config`` how to ask for it."""
+
+    key: str
+    method: str
+    form: str
+    config: str
+    link_bytes: float
+    comm_s: float
+    exposed_s: float
+    codec_s: float
+    step_s: float
+    memory_bytes: float
+    speedup: float = 0.0
+    #: whether weights, gradients and this state fit the GPU's memory (None: unknown)
+    fits: bool | None = field(default=None)
+
+
+def _matrix(shape: Shape) -> tuple[int, int] | None:
+    """A parameter as BitDP/PowerSGD see it: a matrix (rows = dim 0), or None for a vector."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None
+
+
+class _Predictor:
+    def __init__(self, setup: Setup):
+        self.s, c = setup, setup.cluster
+        self.c, self.p, self.nodes, self.per_node = c, c.world_size, c.nodes, c.ranks_per_node
+        order = list(reversed(range(len(setup.model.shapes))))  # DDP's buckets: last parameter first
+        numels = [math.prod(setup.model.shapes[i]) for i in order]
+        self.bucket_ids = [[order[i] for i in idx] for idx in buckets.plan(numels, setup.bucket_numel)]
+        self.buckets = [[setup.model.shapes[i] for i in ids] for ids in self.bucket_ids]
+        self.sizes = [sum(math.prod(x) for x in b) for b in self.buckets]
+        self.n = setup.model.numel
+        self.backward = BACKWARD_SHARE * setup.compute.seconds
+        self.time = lru_cache(maxsize=None)(self._time)
+
+    # -- one bucket --------------------------------------------------------------------------
+    def _sends(self, name: str, n: int, form: str, flagged: bool, align: int, block: int | None):
+        if form == "flat":
+            return bucket_sends(name, n, self.p, flagged=flagged, block=block)
+        return hierarchical_sends(name, n, self.nodes, self.per_node, align=align, flagged=flagged, block=block)
+
+    def _time(self, name: str, n: int, form: str, flagged: bool, align: int, block: int | None):
+        sends = self._sends(name, n, form, flagged, align, block)
+        return bucket_seconds(sends, self.c), self._link(sends)
+
+    def _link(self, sends: Sends | NodeSends) -> float:
+        if isinstance(sends, NodeSends):
+            return float(sends.network_per_node)
+        return sends.link_bytes(self.p, self.per_node)
+
+    def codec(self, key: str | None, elements: float) -> float:
+        ns = (self.s.codec_ns or {}).get(key or "", 0.0)
+        return ns * 1e-9 * elements
+
+    def row(self, key, method, form, config, per_bucket: list[tuple[float, float]], codec_s, memory, overlap=True):
+        comm = sum(t for t, _ in per_bucket)
+        last = per_bucket[-1][0] if per_bucket else 0.0
+        exposed = max(comm - self.backward, last) if overlap else comm
+        step = self.s.compute.seconds + exposed + codec_s
+        link = sum(b for _, b in per_bucket)
+        return Row(key, method, form, config, link, comm, exposed, codec_s, step, memory)
+
+    # -- flat and hierarchical ----------------------------------------------------------------
+    def simple(self, key, method, form, config, name, codec_key, memory, flagged=False, align=64, block=None):
+        per = [self.time(name, n, form, flagged, align, block) for n in self.sizes]
+        share = self.n / (self.per_node if form == "hierarchical" else 1)
+        return self.row(key, method, form, config, per, self.codec(codec_key, share), memory)
+
+    def turboquant(self, form: str, memory: float) -> Row:
+        per, coded = [], 0.0
+        for n in self.sizes:
+            share = n / (self.per_node if form == "hierarchical" else 1)
+            options = [(self.time(f, n, form, True, 1024, None), f) for f in TURBOQUANT_FORMS]
+            (t, b), f = min(options, key=lambda o: o[0][0] + (o[1] != "fp32") * self.codec("turboquant", share))
+            per.append((t, b))
+            coded += share * (f != "fp32")
+        config = f"algorithm='turboquant', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
+        return self.row(
+            f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, self.codec("turboquant", coded), memory
+        )
+
+    def bitdp(self, form: str) -> Row:
+        per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
+        model = self.s.model
+        for ids in self.bucket_ids:
+            mats = [m for i in ids if model.bitdp_quantized(i) and (m := _matrix(model.shapes[i]))]
+            full = sum(
+                math.prod(model.shapes[i]) for i in ids if not (model.bitdp_quantized(i) and _matrix(model.shapes[i]))
+            )
+            ranks = self.p if form == "flat" else self.nodes
+            how = bitdp_form("auto", Layout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
+            if form == "flat":
+                sends: Sends | NodeSends = bitdp_sends(how, mats, full, self.p)
+            else:
+                sends = bitdp_hierarchical_sends(how, mats, full, self.nodes, self.per_node)
+            per.append((bucket_seconds(sends, self.c), self._link(sends)))
+        share = self.n / (self.per_node if form == "hierarchical" else 1)
+        config = f"algorithm='bitdp', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
+        return self.row(
+            f"bitdp_{form}", "BitDP 2-bit (+ AdamW)", form, config, per, self.codec("bitdp", share), 8.0 * self.n
+        )
+
+    def powersgd(self) -> Row:
+        per = []
+        alpha = self.c.inter_latency_us * 1e-6 if self.p > self.per_node else self.c.intra_latency_us * 1e-6
+        for bucket in self.buckets:
+            plain = ps = qs = 0
+            for x in bucket:
+                m = _matrix(x)
+                if m and (m[0] + m[1]) * POWERSGD_RANK * POWERSGD_MIN_RATE < m[0] * m[1]:
+                    ps, qs = ps + m[0] * POWERSGD_RANK, qs + m[1] * POWERSGD_RANK
+                else:
+                    plain += math.prod(x)
+            parts = [k for k in (plain, ps, qs) if k]
+            sends = Sends(allreduce=sum(wire.allreduce_bytes(4 * k, self.p) for k in parts))
+            extra = (len(parts) - 1) * 2 * _rounds(self.p) * alpha  # three allreduces, not one
+            per.append((bucket_seconds(sends, self.c) + extra, self._link(sends)))
+        memory = 8.0 * self.n + 4.0 * sum(math.prod(x) for b in self.buckets for x in b if _matrix(x))
+        codec = self.codec("powersgd", self.n)  # the low-rank products over every gradient element
+        return self.row(
+            "powersgd",
+            f"PowerSGD rank {POWERSGD_RANK} (+ AdamW)",
+            "flat",
+            "DDP comm hook powerSGD_hook",
+            per,
+            codec,
+            memory,
+        )
+
+    # -- sharded (FSDP inside the node) ----------------------------------------------------------
+    def sharded(self, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
+        t = sh.sharded_seconds(sends, self.c)
+        units = max(1, len(self.s.model.units))
+        link = float(sends.network_per_node)
+        per = [(t / units, link / units)] * units if overlap else [(t, link)]
+        local = self.n / self.per_node
+        return self.row(
+            key, method, "sharded", config, per, self.codec(codec_key, local), memory / self.per_node, overlap
+        )
+
+    def sharded_rows(self, lion_lane: str) -> list[Row]:
+        shapes, units = list(self.s.model.shapes), self.s.model.unit_shapes()
+        nodes, per_node, bn, n = self.nodes, self.per_node, self.s.bucket_numel, self.n
+
+        def tq(m: int) -> str:  # TurboQuant's auto per bucket at P = N (codec time included)
+            cost = {
+                f: bucket_seconds(
+                    bucket_sends(f, m, nodes, flagged=False), replace(self.c, nodes=nodes, ranks_per_node=1)
+                )
+                + (f != "fp32") * self.codec("turboquant", m)
+                for f in TURBOQUANT_FORMS
+            }
+            return min(cost, key=cost.__getitem__)
+
+        pick: Callable[[int], str] = tq
+        hsdp = sh.hsdp_sends(units, nodes, per_node, itemsize=2)
+        lion = sh.optimizer_sends(lion_lane, shapes, nodes, per_node, bucket_numel=bn, last_first=False)
+        lion = lion + sh.agreement_sends(len(shapes), nodes, per_node)
+        onebit = sh.optimizer_sends(
+            "compensated", shapes, nodes, per_node, bucket_numel=bn, last_first=True, block=ONEBIT_BLOCK
+        )
+        turbo = sh.optimizer_sends(pick, shapes, nodes, per_node, bucket_numel=bn, last_first=True)
+        server = 4.0 * n / max(1, nodes)
+        return [
+            self.sharded(
+                "hsdp_bf16", "HSDP bf16 (+ AdamW)", "FSDP2 + replicate, bf16 reduce", hsdp, None, 8.0 * n, True
+            ),
+            self.sharded(
+                "lion_sharded", f"Lion Cub {lion_lane}", "attach_sharded(algorithm='lion')", lion, "lp", 4.0 * n
+            ),
+            self.sharded(
+                "onebit_sharded",
+                "1-bit Adam/LAMB",
+                "attach_sharded(algorithm='onebit_adam')",
+                onebit,
+                "compensated",
+                12.0 * n + server,
+            ),
+            self.sharded(
+                "turboquant_sharded",
+                "TurboQuant-Adam 4-bit",
+                "attach_sharded(algorithm='turboquant')",
+                turbo,
+                "turboquant",
+                12.0 * n + server,
+            ),
+        ]
+
+
+def predict(setup: Setup) -> list[Row]:
+    """Every row of the plan (module docstring), with speed-ups over DDP bf16."""
+    from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates
+    from lowbit_strategy.config import LowBitConfig
+
+    pr, n = _Predictor(setup), setup.model.numel
+    lion_cfg = LowBitConfig(algorithm="lion", link_bandwidth_gbps=1, link_latency_us=0)
+    forms = ["flat"] + (["hierarchical"] if setup.cluster.nodes > 1 and setup.cluster.ranks_per_node > 1 else [])
+    rows = [
+        pr.simple("ddp_fp32", "DDP fp32 (+ AdamW)", "flat", "plain DDP", "ddp", None, 8.0 * n),
+        pr.simple("ddp_bf16", "DDP bf16 (+ AdamW)", "flat", "DDP comm hook bf16_compress_hook", "bf16", None, 8.0 * n),
+        pr.powersgd(),
+    ]
+    for form in forms:
+        ranks = setup.cluster.world_size if form == "flat" else setup.cluster.nodes
+        lane = auto_candidates(lion_cfg, ranks, 0)[0]
+        topo = "flat" if form == "flat" else "hierarchical"
+        server = 4.0 * n / ranks
+        rows += [
+            pr.simple(
+                f"lion_{lane}_{form}",
+                f"Lion Cub {lane}",
+                form,
+                f"algorithm='lion', mode='lp', bits={lane[2:]}, topology='{topo}'",
+                lane,
+                "lp",
+                4.0 * n,
+                flagged=True,
+            ),
+            pr.simple(
+                f"lion_1bit_{form}",
+                "Lion Cub 1-bit",
+                form,
+                f"algorithm='lion', mode='1bit', momentum_sync_every=..., topology='{topo}'",
+                "1bit",
+                "1bit",
+                4.0 * n,
+                flagged=True,
+            ),
+            pr.simple(
+                f"onebit_{form}",
+                "1-bit Adam/LAMB",
+                form,
+                f"algorithm='onebit_adam', topology='{topo}'",
+                "compensated",
+                "compensated",
+                12.0 * n + server,
+                align=ONEBIT_BLOCK,
+                block=ONEBIT_BLOCK,
+            ),
+            pr.turboquant(form, 12.0 * n + server),
+            pr.bitdp(form),
+        ]
+    if setup.sharded:
+        lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
+        rows += pr.sharded_rows(lane)
+    base = next(r for r in rows if r.key == "ddp_bf16").step_s
+    per_node = setup.cluster.ranks_per_node
+
+    def fits(r: Row) -> bool | None:
+        if setup.gpu_memory is None:
+            return None
+        return r.memory_bytes + 8.0 * n / (per_node if r.form == "sharded" else 1) <= setup.gpu_memory
+
+    return [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
+
+
+#: a low-bit method must beat DDP bf16 by this factor to be recommended over it
+RECOMMEND_MARGIN = 1.05
+#: rows this close to the fastest are named beside it (the model cannot tell them apart)
+NEAR_TIE = 0.02
+
+
+def recommend(rows: list[Row]) -> str:
+    """One sentence: the fastest row (naming the rows within :data:`NEAR_TIE` of it), or DDP
+    with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN`."""
+    base = next(r for r in rows if r.key == "ddp_bf16")
+    share = base.exposed_s / base.step_s
+    fitting = [r for r in rows if r.fits is not False]
+    if not fitting:
+        return "No row fits the GPU's memory with fp32 weights and gradients: shard across more GPUs (--sharded)."
+    best = min(fitting, key=lambda r: r.step_s)
+    if (
+        base.fits is False
+        and best.form == "sharded"
+        and (best.key == "hsdp_bf16" or best.step_s > 0.95 * min(r.step_s for r in fitting if r.key == "hsdp_bf16"))
+    ):
+        return (
+            f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
+            f"sharded low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
+        )
+    if best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN:
+        return (
+            f"Use DDP with bf16 communication: its exposed communication is {share:.0%} of the step, so no "
+            f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "
+            f"(best: {best.method} {best.form}, {best.speedup:.2f}x)."
+        )
+    near = [f"{r.method} {r.form}" for r in fitting if r is not best and r.step_s <= best.step_s * (1 + NEAR_TIE)]
+    ties = f"; within {NEAR_TIE:.0%} of it: {', '.join(near)}" if near else ""
+    return (
+        f"Use {best.method} ({best.form}; {best.config}): predicted {best.speedup:.2f}x DDP bf16's step "
+        f"({best.step_s:.3g} s against {base.step_s:.3g} s, where DDP bf16 waits {share:.0%} of its step on the "
+        f"network){ties}."
+    )

@@ -1,0 +1,123 @@
+"""lowbit-plan: the table and JSON from a parameter count and from a Hugging Face config, the
+recommendation on fast and slow links, and bad inputs named. Fast: arithmetic only."""
+import json
+
+import pytest
+
+from lowbit_strategy.plan import cli, inputs, predict
+
+SMALL = ["--params", "1e8", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5"]
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_from_a_parameter_count(capsys):
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit")
+    assert code == 0
+    for method in ("DDP fp32", "DDP bf16", "PowerSGD rank 4", "Lion Cub", "1-bit Adam/LAMB", "TurboQuant", "BitDP"):
+        assert method in out
+    assert "hierarchical" in out and "overlap:" in out and "codec time not counted" in out
+    assert out.strip().splitlines()[-1].startswith("Use ")
+
+
+def test_json_from_a_hf_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    argv = ["--hf-config", str(path), "--nodes", "8", "--gpus-per-node", "8", "--link", "25gbit"]
+    code, out, _ = _run(capsys, *argv, "--gpu", "h100", "--tokens-per-step", "4e6", "--sharded", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert {"ddp_fp32", "ddp_bf16", "powersgd", "turboquant_hierarchical", "hsdp_bf16", "onebit_sharded"} <= set(rows)
+    assert rows["ddp_bf16"]["speedup"] == pytest.approx(1.0)
+    # bf16 sends half of fp32's bytes; the sharded path divides the optimizer state by L
+    assert rows["ddp_bf16"]["link_bytes"] == pytest.approx(rows["ddp_fp32"]["link_bytes"] / 2, rel=1e-3)
+    assert rows["onebit_sharded"]["memory_bytes"] < rows["onebit_flat"]["memory_bytes"] / 7
+    assert "8,030,261,248 params" in plan["assumptions"][0]  # Llama-3-8B's published size
+    assert "h100" in plan["assumptions"][2] and plan["recommendation"]
+    # 8 B/param of weights and gradients plus AdamW's 8 B: DDP does not fit 80 GB; the sharded rows do
+    assert rows["ddp_bf16"]["fits"] is False and rows["hsdp_bf16"]["fits"] is True
+    assert "sharded" in plan["recommendation"] or "HSDP" in plan["recommendation"]
+
+
+def test_model_sizes():
+    gpt2 = {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    assert inputs.from_params(8e9).numel == 8_000_000_000
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "gpt2.json"
+        p.write_text(json.dumps(gpt2))
+        model = inputs.from_hf_config(p)
+    assert model.numel == 124_439_808  # GPT-2 small
+    assert len(model.units) == 13  # 12 blocks + the rest
+
+
+@pytest.mark.parametrize(
+    ("link", "ddp"),
+    [("3200gbit", True), ("100mbit", False)],
+)
+def test_recommendation_flips_with_the_link(link, ddp):
+    args = cli.parser().parse_args([*SMALL, "--link", link])
+    rows = predict.predict(cli.setup_from(args))
+    sentence = predict.recommend(rows)
+    assert sentence.startswith("Use DDP with bf16 communication") == ddp, sentence
+    if not ddp:
+        best = min(rows, key=lambda r: r.step_s)
+        assert best.speedup > 2 and not best.key.startswith("ddp")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--link", "fast"], "--link: got 'fast'"),
+        (["--gpu", "tpu9", "--tokens-per-step", "1e6"], "--gpu: got 'tpu9'"),
+        (["--nodes", "0"], "--nodes/--gpus-per-node"),
+    ],
+)
+def test_bad_inputs_name_the_option(capsys, argv, named):
+    base = ["--params", "1e8", *([] if "--gpu" in argv else ["--compute-s", "1"])]
+    code, _, err = _run(capsys, *base, *argv)
+    assert code == 2 and named in err
+
+
+def test_bad_hf_config_names_the_key(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64}))
+    code, _, err = _run(capsys, "--hf-config", str(path), "--compute-s", "1")
+    assert code == 2 and "missing num_hidden_layers" in err
+
+
+def test_rates():
+    assert inputs.parse_rate("--link", "25gbit") == 25
+    assert inputs.parse_rate("--link", "100mbit") == pytest.approx(0.1)
+    assert inputs.parse_rate("--link", "3.2tbit") == pytest.approx(3200)
+    assert inputs.parse_rate("--link", "400Gbps") == 400
+
+
+def test_codec_times_from_a_report(tmp_path, capsys):
+    report = tmp_path / "codecs.json"
+    report.write_text(json.dumps({"device": "NVIDIA H100", "ns_per_element": {"turboquant": 0.05, "lp": 0.02}}))
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--codecs", str(report), "--json")
+    plan = json.loads(out)
+    assert code == 0 and any("codecs.json (NVIDIA H100)" in a for a in plan["assumptions"])
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(0.02e-9 * 1e8, rel=1e-3)  # every element, flat
+    assert rows["ddp_bf16"]["codec_s"] == 0
+    report.write_text("{}")
+    code, _, err = _run(capsys, *SMALL, "--codecs", str(report))
+    assert code == 2 and "--codecs" in err
