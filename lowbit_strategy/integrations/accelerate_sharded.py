@@ -113,6 +113,8 @@ def wrap_classes(plugin: Any, model: torch.nn.Module) -> set[type]:
     names = getattr(plugin, "transformer_cls_names_to_wrap", None) if plugin is not None else None
     if names is None:
         names = getattr(model, "_no_split_modules", None) or []
+    if isinstance(names, str):  # (the Trainer's fsdp_config hands a comma-separated string)
+        names = [n.strip() for n in names.split(",") if n.strip()]
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     missing = [n for n in names if n not in by_name]
     if missing:
