@@ -32,18 +32,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_path):
+def _launch_nodes(*script: str, **env_vars: str) -> None:
+    """``accelerate launch`` of ``script`` with the FSDP2 config, once per node (2 nodes of 2 processes)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("LOWBIT_", "ACCELERATE_", "FSDP_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
            or k == "LOWBIT_EMULATE_NCCL"}  # (the test mode of the collectives: tests/conftest.py)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOWBIT_CONFIG=str(ROOT / "examples" / "lowbit.yaml"))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOWBIT_CONFIG=str(ROOT / "examples" / "lowbit.yaml"),
+               **env_vars)
     port = str(_port())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_fsdp2.yaml",
          "--num_machines", "2", "--machine_rank", str(node), "--num_processes", "4",
-         "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-         "tests/accelerate/sharded_app.py", "--out", str(tmp_path)],
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port, *script],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
     outputs = []
     try:
@@ -54,6 +54,11 @@ def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_pat
             proc.kill()
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, out[-2000:] + err[-5000:]
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_path):
+    _launch_nodes("tests/accelerate/sharded_app.py", "--out", str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in ranks:
         # Accelerate runs the plain multi-process path on CPU; the accelerator sharded the model itself
@@ -67,6 +72,20 @@ def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_pat
     assert "sharded_model_0" in ranks[0]["checkpoint"] and "lowbit_rank_states.pt" in ranks[0]["checkpoint"]
     assert not any(name.startswith(("model", "optimizer")) for name in ranks[0]["checkpoint"]), ranks[0]
     assert ranks[0]["rank_files"] == [f"rank_{r:05d}_of_00004.pt" for r in range(4)]
+
+
+@pytest.mark.slow
+def test_the_accelerate_example_trains_sharded_with_the_fsdp2_config(tmp_path):
+    # examples/accelerate_gpt.py unchanged but for the config file: the README's command
+    out, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"
+    _launch_nodes("examples/accelerate_gpt.py", "--steps", "4", "--d-model", "32", "--layers", "2", "--seq", "32",
+                  "--batch-size", "4", "--data-mb", "0.2", "--val-batches", "2", "--accumulate", "2",
+                  "--save", str(ckpt), "--out", str(out))
+    r = json.loads(out.read_text())
+    assert (r["world_size"], r["distributed_type"], r["sharded"], r["steps"]) == (4, "MULTI_CPU", True, 4), r
+    assert r["replicas_identical"] is True and r["val_loss"] == r["val_loss"]
+    assert 20 < r["ddp_bytes_per_step"] / r["bytes_per_step"] <= 32.5, r  # Lion Cub 1-bit vs HSDP fp32
+    assert (ckpt / "sharded_model_0").is_dir() and (ckpt / "lowbit_rank_states.pt").is_file()
 
 
 @pytest.fixture()
