@@ -60,9 +60,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=0, help="write a checkpoint every N steps (0: none)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last' for the newest in --output-dir")
     p.add_argument("--output-dir", default="checkpoints/hf_trainer")
-    p.add_argument("--fsdp", action="store_true",
-                   help="Trainer's FSDP arguments (fsdp='full_shard', fsdp_config version 2): sharded inside each "
-                        "node, the low-bit exchange across nodes (node size: LOWBIT_RANKS_PER_NODE or the launcher's)")
+    p.add_argument("--fsdp", nargs="?", const="args", choices=["args", "model"], default=None,
+                   help="sharded inside each node, the low-bit exchange across nodes (node size: "
+                        "LOWBIT_RANKS_PER_NODE or the launcher's): 'args' (the default) through the Trainer's FSDP "
+                        "arguments (fsdp='full_shard', fsdp_config version 2); 'model': the script shards the model "
+                        "itself (fully_shard over lowbit_strategy.sharding_mesh) before handing it over")
     p.add_argument("--report-to", default="none", help="Trainer's report_to: none, tensorboard, wandb, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summary", default="", help="write a JSON summary here (main process)")
@@ -104,6 +106,22 @@ class TokenWindows(torch.utils.data.Dataset):
         return {"input_ids": window, "labels": window.clone()}
 
 
+def shard(model) -> None:
+    """Each transformer block, then the root, ``fully_shard``-ed over the node (the process group
+    exists: TrainingArguments set it up)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import lowbit_strategy
+
+    mesh = lowbit_strategy.sharding_mesh("cuda" if torch.cuda.is_available() else "cpu",
+                                         lowbit_strategy.LowBitConfig.from_env())
+    blocks = set(model._no_split_modules or [])
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+
+
 def passages(text: str, chars: int) -> list[str]:
     """The text cut at blank lines into passages of about ``chars`` characters."""
     out, current = [], ""
@@ -136,7 +154,7 @@ def main(argv=None) -> dict:
         lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10), dataloader_num_workers=0,
         disable_tqdm=False, use_cpu=not torch.cuda.is_available(),  # CPU processes: one gloo group
     )
-    if args.fsdp:  # each GPT2Block (the model's _no_split_modules) one FSDP unit, then the root
+    if args.fsdp == "args":  # each GPT2Block (the model's _no_split_modules) one FSDP unit, then the root
         common.update(fsdp="full_shard", fsdp_config={"version": 2})
     if args.gradient_checkpointing:  # (its name since transformers 5; gradient_checkpointing before)
         name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else (
@@ -157,6 +175,8 @@ def main(argv=None) -> dict:
     if tokenizer.pad_token is None:  # (GPT-2's way: padded positions are left out of the loss)
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    if args.fsdp == "model":
+        shard(model)
 
     text = reference_manual_text()
     cut = int(len(text) * 0.95)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowbit_strategy.algorithms.base import LowBitSetupError
-from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, node_mesh
+from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, sharding_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +92,6 @@ def fsdp_env_off() -> Iterator[None]:
             os.environ.pop("ACCELERATE_USE_FSDP", None)
         else:
             os.environ["ACCELERATE_USE_FSDP"] = before
-
-
-def sharding_mesh(device_type: str, config: Any):
-    """:func:`lowbit_strategy.sharding_mesh` where this version has it, else :func:`node_mesh`."""
-    import lowbit_strategy
-
-    make = getattr(lowbit_strategy, "sharding_mesh", None)
-    return make(device_type, config) if make is not None else node_mesh(device_type, config)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

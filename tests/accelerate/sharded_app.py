@@ -8,7 +8,9 @@ the low-bit exchange across nodes. Started once per node by tests/accelerate/tes
 Every rank trains the GPT of ``examples/gpt_lion.py`` (tiny) for 6 optimizer steps of 2
 micro-batches with clipping, saving at step 3; then the same steps through plain
 :func:`lowbit_strategy.attach_sharded`; then a fresh accelerator resumed from the step-3
-checkpoint. It writes what it checked to ``DIR/rank<R>.json``.
+checkpoint; then a model the script shards itself, with no FSDP plugin; then
+``fsdp_shard="world"`` with the int8 reduce-scatter. It writes what it checked to
+``DIR/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ def _same_everywhere(flat: torch.Tensor) -> bool:
     return all(torch.equal(every[0], e) for e in every)
 
 
-def _accelerator():
+def _accelerator(lowbit=None):
     from accelerate.state import AcceleratorState, GradientState
 
     from lowbit_strategy.accelerate import LowBitAccelerator
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return LowBitAccelerator(gradient_accumulation_steps=ACCUMULATE)
+    return LowBitAccelerator(lowbit, gradient_accumulation_steps=ACCUMULATE)
 
 
 def _train_accelerate(acc, model, opt, schedule, first: int, last: int) -> None:
@@ -137,6 +139,44 @@ def run_resumed(ckpt: Path) -> torch.Tensor:
     return _full(model)
 
 
+def run_presharded(cfg) -> torch.Tensor:
+    """No FSDP plugin (the environment's FSDP config hidden), a model the script sharded itself:
+    left as it is, the same result."""
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    try:
+        acc = _accelerator()
+    finally:
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+    assert acc.lowbit_fsdp_plugin is None
+    model = _model()
+    mesh = lowbit_strategy.sharding_mesh("cpu", cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    built = model.configure_optimizers()  # on the sharded model
+    opt, schedule = built["optimizer"], built["lr_scheduler"]["scheduler"]
+    model, opt = acc.prepare(model, opt)
+    _train_accelerate(acc, model, opt, schedule, 1, STEPS)
+    return _full(model)
+
+
+def run_world(cfg) -> dict:
+    """fsdp_shard='world' with the int8 reduce-scatter, from the config alone: one FSDP group
+    over every rank."""
+    acc = _accelerator(cfg.replace(fsdp_shard="world", fsdp_reduce_scatter="int8"))
+    model = _model()
+    built = model.configure_optimizers()
+    opt, schedule = built["optimizer"], built["lr_scheduler"]["scheduler"]
+    model, opt = acc.prepare(model, opt)
+    _train_accelerate(acc, model, opt, schedule, 1, STEPS)
+    flat = _full(model)
+    return {"finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat),
+            "local_fraction": sum(p.to_local().numel() for p in model.parameters()) / flat.numel(),
+            "bytes": acc.bytes_sent}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -152,6 +192,8 @@ def main() -> None:
         identical=_same_everywhere(flat),
         equals_plain=torch.equal(flat, run_plain(cfg)),
         resume_bit_exact=torch.equal(flat, run_resumed(ckpt)),
+        presharded_equal=torch.equal(flat, run_presharded(cfg)),
+        world=run_world(cfg),
         rank_files=sorted(p.name for p in (ckpt / "lowbit_rank_states" / "model_0").iterdir()),
     )
     with open(out / f"rank{dist.get_rank()}.json", "w") as f:

@@ -67,6 +67,9 @@ def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_pat
         assert r["finite"] and r["identical"], r
         assert r["equals_plain"], "the same data and steps through attach_sharded give other weights"
         assert r["resume_bit_exact"], "3 steps + save_state + load_state + 3 steps != 6 steps straight"
+        assert r["presharded_equal"], "a model sharded by the script (no FSDP plugin) trains otherwise"
+        world = r["world"]  # LowBitConfig(fsdp_shard="world", fsdp_reduce_scatter="int8"): one FSDP group
+        assert world["finite"] and world["identical"] and world["local_fraction"] == 0.25 and world["bytes"] > 0, r
         # Lion Cub 1-bit across nodes against HSDP's fp32 all-reduce of the same shards
         assert 20 < r["hsdp_bytes_per_step"] / r["bytes_per_step"] <= 32.5, r
     assert "sharded_model_0" in ranks[0]["checkpoint"] and "lowbit_rank_states.pt" in ranks[0]["checkpoint"]

@@ -4,7 +4,8 @@
 ``examples/hf_trainer_finetune.py --fsdp`` under ``torchrun --nproc-per-node 4`` with
 ``LOWBIT_RANKS_PER_NODE=2`` (2 emulated nodes of 2 CPU processes), on the tiny local GPT-2:
 Lion Cub with Trainer's defaults (clipping) saved at step 4 and resumed from there bit for bit;
-TRL's SFTTrainer through the mixin with TurboQuant-Adam and gradient accumulation.
+TRL's SFTTrainer through the mixin on a model the script sharded itself (no FSDP arguments), with
+TurboQuant-Adam and gradient accumulation, resumed bit for bit.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ def test_trainer_fsdp_arguments_train_sharded_and_resume_bit_for_bit(tmp_path, t
     assert after and {h["step"]: h["loss"] for h in _train_logs(resumed) if h["step"] > 4} == after
 
 
-def test_sft_trainer_sharded_with_turboquant_and_accumulation(tmp_path, tiny_model):  # noqa: F811
-    run = _launch(tmp_path, "sft", tiny_model, "--fsdp", "--trainer", "sft", "--max-steps", "8", "--grad-accum", "2",
-                  "--optim-args", "warmup_steps=2", "--output-dir", str(tmp_path / "out"), nproc=4,
-                  LOWBIT_ALGORITHM="turboquant", LOWBIT_TURBOQUANT_FORM="allgather", **SHARDED)
+def test_sft_trainer_on_a_model_sharded_by_the_script_with_turboquant_accumulation_and_resume(tmp_path,
+                                                                                             tiny_model):  # noqa: F811
+    # no FSDP arguments: the script hands over a model it fully_shard-ed itself (--fsdp model)
+    common = ["--fsdp", "model", "--trainer", "sft", "--max-steps", "8", "--grad-accum", "2",
+              "--optim-args", "warmup_steps=2"]
+    env = dict(LOWBIT_ALGORITHM="turboquant", LOWBIT_TURBOQUANT_FORM="allgather", **SHARDED)
+    run = _launch(tmp_path, "sft", tiny_model, *common, "--save-steps", "4", "--output-dir", str(tmp_path / "out"),
+                  nproc=4, **env)
     _assert_sharded(run, 8)
     assert run["trainer"][:2] == ["LowBitSFTTrainer", "LowBitTrainerMixin"] and "SFTTrainer" in run["trainer"]
     assert run["optimizer"] == "lowbit_strategy.algorithms.turboquant.optimizer.TurboQuantAdamW"
     # 4-bit codes after warmup_steps=2, exchanged once per optimizer step (not per micro-batch)
     late = [h["comm/bytes_per_step"] for h in _train_logs(run) if h["step"] > 2]
     assert len(set(late)) == 1 and _train_logs(run)[-1]["comm/ratio_vs_fp32"] > 4, _train_logs(run)
+    resumed = _launch(tmp_path, "sft_resumed", tiny_model, *common, "--output-dir", str(tmp_path / "resumed"),
+                      "--resume", str(tmp_path / "out" / "checkpoint-4"), nproc=4, **env)
+    assert resumed["global_step"] == 8 and resumed["params_sha256"] == run["params_sha256"]  # bit for bit
