@@ -62,6 +62,7 @@ from lowbit_strategy.integrations.accelerate_checkpoints import STATE_FILE, Rank
 from lowbit_strategy.integrations.accelerate_sharded import (
     ShardedModels,
     fsdp_env_off,
+    is_sharded,
     switch_parameters,
     take_fsdp_plugin,
 )
@@ -346,6 +347,17 @@ class LowBitAccelerator(ShardedModels, RankStateCheckpoints, Accelerator):
         """Accelerate's ``clip_grad_value_`` (see :meth:`clip_grad_norm_`)."""
         self._refuse_if_overlapping("accelerator.clip_grad_value_")
         return super().clip_grad_value_(parameters, clip_value)
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Accelerate's ``get_state_dict`` (so ``save_model``); a sharded model's full weights,
+        gathered from the shards onto the main process's CPU, as Accelerate's own FSDP2 path
+        does (a collective: call it on every rank)."""
+        if is_sharded(_unwrap_compiled(model)):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(_unwrap_compiled(model), options=options)
+        return super().get_state_dict(model, unwrap=unwrap)
 
     # ---- telemetry ------------------------------------------------------------------
     def traffic_logs(self) -> list[wire.TrafficLog]:

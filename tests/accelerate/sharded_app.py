@@ -92,8 +92,11 @@ def run_accelerate(ckpt: Path) -> dict:
     acc.save_state(str(ckpt))
     _train_accelerate(acc, model, opt, schedule, SAVE_AT + 1, STEPS)
     flat = _full(model)
+    full = acc.get_state_dict(model)  # (what save_model writes: the main process's full weights)
+    named = {n: p.full_tensor() for n, p in model.named_parameters()}
     return {
         "flat": flat,
+        "state_dict_full": dist.get_rank() != 0 or all(torch.equal(full[n], t) for n, t in named.items()),
         "distributed_type": acc.distributed_type.name,
         "units": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "set_all_reduce_hook")}),
         "local_fraction": sum(p.to_local().numel() for p in model.parameters()) / flat.numel(),

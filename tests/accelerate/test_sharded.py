@@ -65,6 +65,7 @@ def test_two_nodes_of_two_train_like_attach_sharded_and_resume_bit_exact(tmp_pat
         assert r["distributed_type"] == "MULTI_CPU" and r["units"] == ["FSDPBlock", "FSDPGPT"], r
         assert r["local_fraction"] == 0.5 and r["optimizer_holds_shards"], r  # 1/L of the model on each rank
         assert r["finite"] and r["identical"], r
+        assert r["state_dict_full"], "get_state_dict of a sharded model is not its full weights"
         assert r["equals_plain"], "the same data and steps through attach_sharded give other weights"
         assert r["resume_bit_exact"], "3 steps + save_state + load_state + 3 steps != 6 steps straight"
         assert r["presharded_equal"], "a model sharded by the script (no FSDP plugin) trains otherwise"
