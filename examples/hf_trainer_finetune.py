@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
         disable_tqdm=False, use_cpu=not torch.cuda.is_available(),  # CPU processes: one gloo group
     )
     if args.fsdp == "args":  # each GPT2Block (the model's _no_split_modules) one FSDP unit, then the root
-        common.update(fsdp="full_shard", fsdp_config={"version": 2})
+        common.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
     if args.gradient_checkpointing:  # (its name since transformers 5; gradient_checkpointing before)
         name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else (
             "gradient_checkpointing")

@@ -72,8 +72,8 @@ def take_fsdp_plugin(kwargs: dict[str, Any], who: str) -> Any | None:
     if version != 2:
         raise LowBitSetupError(
             f"{who}: fsdp_version={version!r}: the sharded form runs FSDP2 (fully_shard) inside each node; "
-            "set fsdp_version: 2 in the accelerate config (or FullyShardedDataParallelPlugin(fsdp_version=2)), "
-            "or drop FSDP for the replicated (DDP) form"
+            "set fsdp_version: 2 in the accelerate config (FullyShardedDataParallelPlugin(fsdp_version=2); the "
+            "Trainer: fsdp_config={'fsdp_version': 2}), or drop FSDP for the replicated (DDP) form"
         )
     return plugin
 

@@ -40,7 +40,7 @@ says which optimizer an algorithm drives.
   own back: bit for bit at the same world size, the algorithm's merge (with a warning) at
   another. A save or load that fails on one rank raises on every rank.
 * **Sharded models.** With the ``Trainer``'s FSDP arguments (``fsdp="full_shard"``,
-  ``fsdp_config={"version": 2, ...}``) or a model already ``fully_shard``-ed, the model is
+  ``fsdp_config={"fsdp_version": 2, ...}``) or a model already ``fully_shard``-ed, the model is
   sharded inside each node and the algorithm runs across nodes, on CPUs and GPUs alike
   (:mod:`~lowbit_strategy.integrations.hf_sharded`; the model and optimizer are checkpointed
   through ``torch.distributed.checkpoint``).

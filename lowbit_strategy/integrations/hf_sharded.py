@@ -1,6 +1,6 @@
 """The sharded form of :class:`~lowbit_strategy.integrations.hf.LowBitTrainerMixin`: FSDP2
 inside each node, the algorithm's low-bit exchange across nodes, from the ``Trainer``'s FSDP
-arguments (``TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2, ...})``) or a model
+arguments (``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2, ...})``) or a model
 already ``fully_shard``-ed.
 
 The ``Trainer`` hands its FSDP plugin to the accelerator it builds, which is
