@@ -18,7 +18,9 @@ replicated one; :class:`ShardedTrainerCheckpoints` writes them instead:
   (``sharded_model_0/``, each rank its shards) instead of ``optimizer.pt``; the scheduler as
   ``Trainer`` writes it; every rank's low-bit state as for DDP;
 * ``resume_from_checkpoint``: the model's weights and the optimizer from ``sharded_model_0/``
-  after ``prepare``, then each rank's low-bit state: bit for bit.
+  after ``prepare``, then each rank's low-bit state: bit for bit;
+* device placement: the ``Trainer`` does not move a sharded model (or one its FSDP arguments
+  will shard) to the device whole; ``fully_shard`` places each rank's shards.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ SCHEDULER_NAME = "scheduler.pt"
 
 
 class ShardedTrainerCheckpoints:
-    """Checkpoints of a ``Trainer`` whose model the accelerator shards (module docstring); for
-    a replicated model every method is ``Trainer``'s own."""
+    """Checkpoints and device placement of a ``Trainer`` whose model is sharded (module
+    docstring); for a replicated model every method is ``Trainer``'s own."""
 
     # provided by Trainer and LowBitTrainerMixin
     args: Any
@@ -89,6 +91,15 @@ class ShardedTrainerCheckpoints:
                 lambda: self.lr_scheduler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)),
             )
         self.accelerator.load_lowbit_state(checkpoint)
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """``Trainer`` puts a model it does not see as FSDP on the device whole; not one that is
+        or will be sharded: ``fully_shard`` puts each rank's shards on the mesh's device (a whole
+        replica on every GPU first is what sharding avoids, and ``.to()`` on FSDP2 parameters
+        raises)."""
+        if is_sharded(model) or getattr(self.args, "fsdp", None):
+            return
+        super()._move_model_to_device(model, device)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """``Trainer``'s weight loading, for a model not sharded yet (sharded at ``prepare``
