@@ -36,7 +36,7 @@ def _launch_nodes(*script: str, **env_vars: str) -> None:
     """``accelerate launch`` of ``script`` with the FSDP2 config, once per node (2 nodes of 2 processes)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("LOWBIT_", "ACCELERATE_", "FSDP_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-           or k == "LOWBIT_EMULATE_NCCL"}  # (the test mode of the collectives: tests/conftest.py)
+           or k in ("LOWBIT_EMULATE_NCCL", "LOWBIT_LINK_ASSUME")}  # (the suite's test settings: tests/conftest.py)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOWBIT_CONFIG=str(ROOT / "examples" / "lowbit.yaml"),
                **env_vars)
     port = str(_port())
