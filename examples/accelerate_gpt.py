@@ -9,6 +9,11 @@ come from the environment the launcher passes on (``LOWBIT_CONFIG`` = a YAML fil
     LOWBIT_CONFIG=examples/lowbit.yaml LOWBIT_ALGORITHM=bitdp accelerate launch --config_file examples/accelerate.yaml \\
         examples/accelerate_gpt.py --steps 100 --accumulate 2 --clip 1.0 --mixed-precision bf16
 
+With ``--config_file examples/accelerate_fsdp2.yaml`` (``distributed_type: FSDP``, ``fsdp_version: 2``)
+the same script trains sharded: FSDP2 inside each node, the low-bit exchange across nodes
+(start it once per node with ``--num_machines N --machine_rank K``); the fp32 figure it prints
+is then HSDP's all-reduce of each rank's shards across nodes.
+
 Data and model are those of ``gpt_lion.py``: the bytes of the installed Python standard
 library (real text, offline), byte-level tokens, 10% held out; a GPT with tied embeddings.
 At the end the main process prints the validation loss, steps/s, the bytes each rank sent
@@ -120,6 +125,8 @@ def main(argv=None) -> dict:
         "steps_per_s": step / seconds if seconds else 0.0,
         "bytes_per_step": accelerator.bytes_sent / max(1, step),
         "ddp_bytes_per_step": accelerator.ddp_bytes_per_step(),
+        "sharded": accelerator.lowbit_fsdp_plugin is not None,
+        "fp32": "HSDP's fp32 all-reduce" if accelerator.lowbit_fsdp_plugin is not None else "DDP fp32",
         "replicas_identical": replicas_identical(accelerator, model),
     }
     if accelerator.is_main_process:
@@ -147,8 +154,10 @@ def evaluate(accelerator, model, val, args) -> float:
 
 @torch.no_grad()
 def replicas_identical(accelerator, model) -> bool:
-    """Whether every rank holds bit-identical weights (each rank's weights, gathered as bytes)."""
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).view(torch.int32)
+    """Whether every rank holds bit-identical weights (each rank's weights, gathered as bytes; a
+    sharded parameter gathered whole first, a collective)."""
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1).float() for p in full]).view(torch.int32)
     copies = accelerator.gather(flat[None])
     return bool((copies == copies[0]).all())
 
@@ -168,7 +177,8 @@ def report(s: dict) -> None:
         f"{s['params'] / 1e6:.2f}M parameters, {s['steps']} steps\n"
         f"  validation loss      {s['val_loss']:.4f}   (train {s['train_loss']:.4f}, first step {s['first_loss']:.4f})\n"
         f"  steps/s              {s['steps_per_s']:.2f}\n"
-        f"  bytes sent per step  {sent / 1024:.1f} KiB per rank; DDP fp32 would send {ddp / 1024:.1f} KiB: {saving}\n"
+        f"  bytes sent per step  {sent / 1024:.1f} KiB per rank; {s['fp32']} would send {ddp / 1024:.1f} KiB: "
+        f"{saving}\n"
         f"  replicas identical   {'yes' if s['replicas_identical'] else 'NO'}",
         flush=True,
     )

@@ -8,6 +8,8 @@ TRL). The algorithm comes from the environment the launcher passes on::
     LOWBIT_CONFIG=examples/lowbit.yaml torchrun --nproc-per-node 2 examples/hf_trainer_finetune.py
     LOWBIT_CONFIG=examples/lowbit.yaml LOWBIT_ALGORITHM=bitdp torchrun --nproc-per-node 2 \\
         examples/hf_trainer_finetune.py --trainer sft --model path/to/local/model
+    LOWBIT_CONFIG=examples/lowbit.yaml LOWBIT_RANKS_PER_NODE=2 torchrun --nproc-per-node 4 \\
+        examples/hf_trainer_finetune.py --fsdp      # sharded in 2 emulated nodes of 2, low-bit across them
 
 Model: ``--model`` names a local Hugging Face causal LM directory (a model you downloaded;
 nothing is fetched). Without it, a small GPT-2 with random weights and a byte-level BPE
@@ -58,6 +60,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=0, help="write a checkpoint every N steps (0: none)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last' for the newest in --output-dir")
     p.add_argument("--output-dir", default="checkpoints/hf_trainer")
+    p.add_argument("--fsdp", nargs="?", const="args", choices=["args", "model"], default=None,
+                   help="sharded inside each node, the low-bit exchange across nodes (node size: "
+                        "LOWBIT_RANKS_PER_NODE or the launcher's): 'args' (the default) through the Trainer's FSDP "
+                        "arguments (fsdp='full_shard', fsdp_config version 2); 'model': the script shards the model "
+                        "itself (fully_shard over lowbit_strategy.sharding_mesh) before handing it over")
     p.add_argument("--report-to", default="none", help="Trainer's report_to: none, tensorboard, wandb, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summary", default="", help="write a JSON summary here (main process)")
@@ -99,6 +106,22 @@ class TokenWindows(torch.utils.data.Dataset):
         return {"input_ids": window, "labels": window.clone()}
 
 
+def shard(model) -> None:
+    """Each transformer block, then the root, ``fully_shard``-ed over the node (the process group
+    exists: TrainingArguments set it up)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import lowbit_strategy
+
+    mesh = lowbit_strategy.sharding_mesh("cuda" if torch.cuda.is_available() else "cpu",
+                                         lowbit_strategy.LowBitConfig.from_env())
+    blocks = set(model._no_split_modules or [])
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+
+
 def passages(text: str, chars: int) -> list[str]:
     """The text cut at blank lines into passages of about ``chars`` characters."""
     out, current = [], ""
@@ -131,6 +154,8 @@ def main(argv=None) -> dict:
         lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10), dataloader_num_workers=0,
         disable_tqdm=False, use_cpu=not torch.cuda.is_available(),  # CPU processes: one gloo group
     )
+    if args.fsdp == "args":  # each GPT2Block (the model's _no_split_modules) one FSDP unit, then the root
+        common.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
     if args.gradient_checkpointing:  # (its name since transformers 5; gradient_checkpointing before)
         name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else (
             "gradient_checkpointing")
@@ -150,6 +175,8 @@ def main(argv=None) -> dict:
     if tokenizer.pad_token is None:  # (GPT-2's way: padded positions are left out of the loss)
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    if args.fsdp == "model":
+        shard(model)
 
     text = reference_manual_text()
     cut = int(len(text) * 0.95)
@@ -186,7 +213,8 @@ def report(args, trainer, evaluation: dict) -> dict:
     meter = trainer.lowbit_meter
     totals = meter.summary(trainer.state.global_step)
     digest = hashlib.sha256()
-    for p in trainer.model.parameters():
+    for p in trainer.model.parameters():  # (a sharded parameter gathered whole: a collective)
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
         digest.update(p.detach().float().cpu().numpy().tobytes())
     digests = [digest.hexdigest()]
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -204,6 +232,10 @@ def report(args, trainer, evaluation: dict) -> dict:
         "ddp_bytes_per_step": meter.ddp_bytes_per_step,
         "eval_loss": evaluation.get("eval_loss"),
         "log_history": trainer.state.log_history,
+        # sharded (--fsdp): the share of the model each rank holds, and the fp32 figure is HSDP's
+        # all-reduce of the shards across nodes
+        "local_fraction": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in trainer.model.parameters())
+        / sum(p.numel() for p in trainer.model.parameters()),
         "params_sha256": digests[0],
         "replicas_identical": len(set(digests)) == 1,
     }
@@ -211,7 +243,8 @@ def report(args, trainer, evaluation: dict) -> dict:
         sent, ddp = summary["bytes_per_step"], summary["ddp_bytes_per_step"]
         print(f"algorithm {summary['algorithm']} on {world} processes, {summary['global_step']} steps: "
               f"eval loss {summary['eval_loss']:.4f}")
-        print(f"bytes sent per step per rank: {sent:,.0f} (DDP fp32 allreduce: {ddp:,.0f}; "
+        fp32 = "DDP fp32 allreduce" if summary["local_fraction"] == 1 else "HSDP fp32 all-reduce of the shards"
+        print(f"bytes sent per step per rank: {sent:,.0f} ({fp32}: {ddp:,.0f}; "
               f"{ddp / sent if sent else 1.0:.1f}x less)")
         # the optimizer-level algorithms send fp32 during their warm-up: the last logging
         # window shows the compressed phase alone

@@ -40,6 +40,7 @@ form one gloo group (``MULTI_CPU``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -58,6 +59,13 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.accelerate_checkpoints import STATE_FILE, RankStateCheckpoints
+from lowbit_strategy.integrations.accelerate_sharded import (
+    ShardedModels,
+    fsdp_env_off,
+    is_sharded,
+    switch_parameters,
+    take_fsdp_plugin,
+)
 from lowbit_strategy.integrations.ddp import (
     attach_optimizers,
     build_sync,
@@ -117,15 +125,17 @@ def _unwrap_compiled(model: Any) -> Any:
 
 @dataclasses.dataclass
 class _Prepared:
-    """One prepared DDP model: its algorithm's :class:`Sync` and the optimizers attached to it
-    (their ids, in attach order)."""
+    """One prepared model (DDP, or sharded: ``nodes`` > 0, the number of nodes its exchange
+    spans): its algorithm's :class:`Sync` and the optimizers attached to it (their ids, in
+    attach order)."""
 
-    model: torch.nn.parallel.DistributedDataParallel
+    model: torch.nn.Module
     sync: Sync
     attached: list[int] = dataclasses.field(default_factory=list)
+    nodes: int = 0
 
 
-class LowBitAccelerator(RankStateCheckpoints, Accelerator):
+class LowBitAccelerator(ShardedModels, RankStateCheckpoints, Accelerator):
     """An ``Accelerator`` whose ``prepare`` sets up the configured low-bit algorithm.
 
     Args:
@@ -169,6 +179,11 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
         self.lowbit_overlap_turned_off = False
         self._lowbit_prepared: list[_Prepared] = []
         self._lowbit_load_dir: str | None = None
+        #: the FSDP2 plugin asked for (the sharded form: accelerate_sharded), None for DDP
+        self.lowbit_fsdp_plugin = take_fsdp_plugin(accelerator_kwargs, self._who())
+        #: unsharded parameter (id) -> its sharded replacement, for optimizers built before prepare
+        self._lowbit_remap: dict[int, torch.nn.Parameter] = {}
+        self._lowbit_hidden: list[Any] = []  # optimizers of sharded models while Accelerate saves the rest
         # Accelerate itself refuses some precisions only later (or on some devices): check
         # what was asked for first, so the message is the algorithm's, then what was set up.
         asked = accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -186,15 +201,16 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
                 _launched_world_size(),
             )
             accelerator_kwargs["cpu"] = True
-        super().__init__(**accelerator_kwargs)
+        with fsdp_env_off() if self.lowbit_fsdp_plugin is not None else contextlib.nullcontext():
+            super().__init__(**accelerator_kwargs)
         if dist.is_available() and dist.is_initialized():
             destroy_process_group_at_exit()
         self._check_precision(str(self.mixed_precision))
         if self.distributed_type.name in _NOT_DDP:
             raise LowBitSetupError(
                 f"LowBitAccelerator synchronizes DistributedDataParallel models, but Accelerate is set up for "
-                f"{self.distributed_type.name}; use a multi-GPU / multi-CPU config (distributed_type: MULTI_GPU) "
-                "without DeepSpeed, FSDP, Megatron-LM or XLA"
+                f"{self.distributed_type.name}; use a multi-GPU / multi-CPU config (distributed_type: MULTI_GPU), "
+                "or an FSDP config with fsdp_version: 2 (the sharded form), without DeepSpeed, Megatron-LM or XLA"
             )
         self._configure_ddp_kwargs()
         self.register_save_state_pre_hook(self._save_lowbit_states)
@@ -228,7 +244,16 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
         """Accelerate's ``prepare_model``; a DDP model also gets the algorithm's :class:`Sync`
-        and communication hook (before its first backward)."""
+        and communication hook (before its first backward). With an FSDP2 plugin, or a model
+        already ``fully_shard``-ed: sharded inside each node, no DDP, and
+        :func:`~lowbit_strategy.attach_sharded` (:mod:`~lowbit_strategy.integrations.accelerate_sharded`)."""
+        if self._wants_sharding(_unwrap_compiled(model)):
+            if any(_unwrap_compiled(model) is p.model for p in self._lowbit_prepared):
+                return model
+            evaluation_only = super().prepare_model  # autocast / compile, never DDP
+            return self._prepare_sharded(
+                model, lambda m: evaluation_only(m, device_placement=False, evaluation_mode=True)
+            )
         prepared = super().prepare_model(model, *args, **kwargs)
         ddp = _unwrap_compiled(prepared)
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and not any(
@@ -250,10 +275,26 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         """Accelerate's ``prepare_optimizer``; the optimizer is attached to the algorithm of
-        the prepared DDP model whose parameters it holds."""
+        the prepared model whose parameters it holds (an optimizer built on a model's unsharded
+        parameters gets the sharded ones)."""
+        switch_parameters(_real_optimizer(optimizer), self._lowbit_remap)
         prepared = super().prepare_optimizer(optimizer, *args, **kwargs)
         self._attach_optimizers()
         return prepared
+
+    def _record_sharded(self, model: torch.nn.Module, sync: Sync, nodes: int) -> None:
+        self._lowbit_prepared.append(_Prepared(model, sync, nodes=nodes))
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """Accelerate's ``no_sync`` (so ``accumulate``); for a sharded model FSDP2's gradient sync
+        off (Accelerate does that only when it set FSDP2 up itself)."""
+        with self._sharded_no_sync(model) as done:
+            if done:
+                yield
+            else:
+                with super().no_sync(model):
+                    yield
 
     def _attach_optimizers(self) -> None:
         """Attach every prepared optimizer to the sync of the model whose parameters it holds
@@ -307,6 +348,17 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
         self._refuse_if_overlapping("accelerator.clip_grad_value_")
         return super().clip_grad_value_(parameters, clip_value)
 
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Accelerate's ``get_state_dict`` (so ``save_model``); a sharded model's full weights,
+        gathered from the shards onto the main process's CPU, as Accelerate's own FSDP2 path
+        does (a collective: call it on every rank)."""
+        if is_sharded(_unwrap_compiled(model)):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(_unwrap_compiled(model), options=options)
+        return super().get_state_dict(model, unwrap=unwrap)
+
     # ---- telemetry ------------------------------------------------------------------
     def traffic_logs(self) -> list[wire.TrafficLog]:
         """This rank's traffic logs, one or more per prepared model."""
@@ -319,10 +371,18 @@ class LowBitAccelerator(RankStateCheckpoints, Accelerator):
 
     def ddp_bytes_per_step(self) -> int:
         """Bytes one rank would send per optimizer step with DDP's fp32 ring allreduce of every
-        trainable parameter of the prepared models (0 on one process)."""
-        numel = sum(p.numel() for m in self._lowbit_prepared for p in m.model.parameters() if p.requires_grad)
+        trainable parameter of the prepared models (0 on one process); for a sharded model,
+        HSDP's fp32 all-reduce of this rank's shards across nodes."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return wire.allreduce_bytes(4 * numel, world)
+        total = 0
+        for m in self._lowbit_prepared:
+            trainable = [p for p in m.model.parameters() if p.requires_grad]
+            if m.nodes:
+                local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in trainable)
+                total += wire.allreduce_bytes(4 * local, m.nodes)
+            else:
+                total += wire.allreduce_bytes(4 * sum(p.numel() for p in trainable), world)
+        return total
 
     def free_memory(self, *objects: Any):
         """Accelerate's ``free_memory``; the prepared models' algorithms are detached first."""

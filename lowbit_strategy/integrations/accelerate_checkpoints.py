@@ -4,6 +4,7 @@ mixin of :class:`~lowbit_strategy.integrations.accelerate.LowBitAccelerator`).""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any, cast
@@ -34,13 +35,21 @@ class RankStateCheckpoints:
 
         def wait_for_everyone(self) -> None: ...
 
+        def _without_sharded(self) -> contextlib.AbstractContextManager[None]: ...
+
+        def save_sharded_state(self, output_dir: str) -> None: ...
+
+        def load_sharded_state(self, input_dir: str) -> None: ...
+
     # ---- checkpoints: every rank's own state ----------------------------------------
     def _save_lowbit_states(self, models, weights, output_dir: str) -> None:
         """``save_state`` pre-hook (every rank runs it): every rank writes its own state of
         each prepared model to ``lowbit_rank_states/model_<k>/`` (a failed write on any rank
-        raises on every rank); the main process writes their index, :data:`STATE_FILE`."""
+        raises on every rank); the main process writes their index, :data:`STATE_FILE`. Sharded
+        models and their optimizers go to ``sharded_model_<k>/`` first (DCP)."""
         if not self.lowbit_syncs:
             return
+        self.save_sharded_state(output_dir)
         entries = [
             rank_state.save_files(sync.state_dict(), _model_dir(output_dir, k), sync.group)  # collective
             for k, sync in enumerate(self.lowbit_syncs)
@@ -55,9 +64,12 @@ class RankStateCheckpoints:
         as Accelerate asks). Returns once every rank's files are written; if writing failed on
         any rank (the main process writes the model and optimizer files), every rank raises
         the same error, instead of the others waiting for it until the process group's timeout."""
-        location = rank_state.together(
-            "save_state", lambda: cast(Any, super(RankStateCheckpoints, self)).save_state(output_dir, *args, **kwargs)
-        )
+
+        def save() -> Any:
+            with self._without_sharded():  # (saved by the pre-hook, through DCP)
+                return cast(Any, super(RankStateCheckpoints, self)).save_state(output_dir, *args, **kwargs)
+
+        location = rank_state.together("save_state", save)
         self.wait_for_everyone()
         return location
 
@@ -68,26 +80,32 @@ class RankStateCheckpoints:
         """Accelerate's ``load_state``, then each rank's own low-bit state (its momenta, error
         buffers, hook iteration) over the main process's optimizer state Accelerate loaded."""
         self._lowbit_load_dir = None
+
         # a rank that cannot read the checkpoint fails in Accelerate's load before the others'
         # next collective: every rank learns it here and raises, naming the ranks
-        result = rank_state.together(
-            "load_state", lambda: cast(Any, super(RankStateCheckpoints, self)).load_state(input_dir, *args, **kwargs)
-        )
+        def load() -> Any:
+            with self._without_sharded():
+                return cast(Any, super(RankStateCheckpoints, self)).load_state(input_dir, *args, **kwargs)
+
+        result = rank_state.together("load_state", load)
         if self._lowbit_load_dir is not None:
             self.load_lowbit_state(self._lowbit_load_dir)
         return result
 
     def save_lowbit_state(self, output_dir: str) -> None:
         """Every rank's own low-bit state of each prepared model into ``output_dir`` (what
-        ``save_state`` adds to Accelerate's files), for front ends that write the rest of a
-        checkpoint themselves (the Hugging Face ``Trainer``). Collective: call it on every rank."""
+        ``save_state`` adds to Accelerate's files), and the sharded models with their optimizers
+        (DCP), for front ends that write the rest of a checkpoint themselves (the Hugging Face
+        ``Trainer``). Collective: call it on every rank."""
         self._save_lowbit_states(None, None, output_dir)
 
     def load_lowbit_state(self, input_dir: str) -> None:
         """Each rank's own low-bit state from ``input_dir`` (written by :meth:`save_lowbit_state`
         or ``save_state``), loaded *after* the optimizer's state; at another world size the
-        algorithm's merge, with a logged warning. Collective: call it on every rank."""
+        algorithm's merge, with a logged warning; the sharded models and their optimizers first.
+        Collective: call it on every rank."""
         if self.lowbit_syncs:
+            self.load_sharded_state(input_dir)
             self._load_lowbit_states(input_dir)
         elif os.path.exists(os.path.join(input_dir, STATE_FILE)):
             logger.info(

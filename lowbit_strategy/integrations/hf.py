@@ -39,6 +39,11 @@ says which optimizer an algorithm drives.
   (``lowbit_rank_states/``), and ``train(resume_from_checkpoint=...)`` hands each rank its
   own back: bit for bit at the same world size, the algorithm's merge (with a warning) at
   another. A save or load that fails on one rank raises on every rank.
+* **Sharded models.** With the ``Trainer``'s FSDP arguments (``fsdp="full_shard"``,
+  ``fsdp_config={"fsdp_version": 2, ...}``) or a model already ``fully_shard``-ed, the model is
+  sharded inside each node and the algorithm runs across nodes, on CPUs and GPUs alike
+  (:mod:`~lowbit_strategy.integrations.hf_sharded`; the model and optimizer are checkpointed
+  through ``torch.distributed.checkpoint``).
 * **What users see.** Training logs (and so every ``report_to`` logger) carry
   ``comm/bytes_per_step`` (bytes this rank sent per optimizer step since the last log),
   ``comm/ratio_vs_fp32`` (DDP's fp32 ring allreduce of every trainable gradient over that) and,
@@ -63,10 +68,11 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from lowbit_strategy import algorithms, rank_state
+from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.accelerate import LowBitAccelerator, _flag, _has_device_backend, _launched_world_size
+from lowbit_strategy.integrations.hf_sharded import ShardedTrainerCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +173,7 @@ class _CommProgress(TrainerCallback):
                 )
 
 
-class LowBitTrainerMixin:
+class LowBitTrainerMixin(ShardedTrainerCheckpoints):
     """Put before a ``Trainer`` class (``class MySFT(LowBitTrainerMixin, SFTTrainer)``) to run
     it with the configured low-bit algorithm.
 
@@ -249,7 +255,7 @@ class LowBitTrainerMixin:
                 f"pass {cls.__name__} there, drop optimizer_cls_and_kwargs (the trainer then builds "
                 f"{cls.__name__} from TrainingArguments), or use algorithm 'bitdp', which keeps any optimizer"
             )
-        module = self.model if model is None else model  # type: ignore[attr-defined]
+        module = self.model if model is None else model
         kwargs = self._optimizer_kwargs(cls)
         self.optimizer = cls(self._parameter_groups(module), **kwargs)
         logger.info(
@@ -301,22 +307,6 @@ class LowBitTrainerMixin:
             kwargs[warmup] = max(1, math.floor(WARMUP_FRACTION * steps))
         kwargs.update(extra)
         return kwargs
-
-    # ---- checkpoints ------------------------------------------------------------------
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """``Trainer``'s optimizer and scheduler files, then every rank's own algorithm state
-        beside them; a failure on any rank raises on every rank."""
-        save = super()._save_optimizer_and_scheduler  # type: ignore[misc]
-        rank_state.together("saving the optimizer and scheduler", lambda: save(output_dir))
-        self.accelerator.save_lowbit_state(output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """``Trainer``'s optimizer and scheduler (the main process's state, on every rank), then
-        each rank's own algorithm state over it."""
-        load = super()._load_optimizer_and_scheduler  # type: ignore[misc]
-        rank_state.together("loading the optimizer and scheduler", lambda: load(checkpoint))
-        if checkpoint is not None:
-            self.accelerator.load_lowbit_state(checkpoint)
 
     # ---- logs -------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -80,7 +80,8 @@ def test_lion_with_trainer_defaults_accumulation_eval_and_tensorboard(tmp_path, 
     run = _launch(tmp_path, "lion", tiny_model, "--max-steps", "8", "--grad-accum", "2", "--eval-steps", "4",
                   "--report-to", "tensorboard", "--output-dir", str(tmp_path / "out"))
     _assert_trained(run, 8)
-    assert run["algorithm"] == "lion" and run["trainer"][:3] == ["LowBitTrainer", "LowBitTrainerMixin", "Trainer"]
+    assert run["algorithm"] == "lion" and run["trainer"][:2] == ["LowBitTrainer", "LowBitTrainerMixin"]
+    assert "Trainer" in run["trainer"]
     assert run["optimizer"] == "lowbit_strategy.algorithms.lion_cub.optimizer.Lion"
     # Trainer's decay / no-decay groups: biases and LayerNorms without weight decay
     (n_decay, wd_decay), (n_plain, wd_plain) = run["param_groups"]
@@ -156,7 +157,7 @@ def test_sft_trainer_through_the_mixin_with_turboquant(tmp_path, tiny_model):
                   # the codes, pinned: on this CPU at the default 1 Gbit/s, auto falls back to fp32
                   LOWBIT_ALGORITHM="turboquant", LOWBIT_TURBOQUANT_FORM="allgather")
     _assert_trained(run, 8)
-    assert run["trainer"][:3] == ["LowBitSFTTrainer", "LowBitTrainerMixin", "SFTTrainer"]
+    assert run["trainer"][:2] == ["LowBitSFTTrainer", "LowBitTrainerMixin"] and "SFTTrainer" in run["trainer"]
     assert run["optimizer"] == "lowbit_strategy.algorithms.turboquant.optimizer.TurboQuantAdamW"
     assert _train_logs(run)[-1]["comm/ratio_vs_fp32"] > 4  # 4-bit codes after warmup_steps=2
     assert run["stderr"].count("synchronizes in optimizer.step(), not during backward") == 1
