@@ -4,11 +4,16 @@ For every record of ``benchmarks/results/nodes.json`` (DDP and each algorithm, f
 hierarchical, at 1 Gbit/s and 100 Mbit/s) the planner predicts the step time and the bytes on
 each node's link for the same GPT (``examples/gpt_lion.py`` at the run's sizes), with the run's
 own comm-free step (its calibration run, same optimizer family) as the compute time and codec
-times measured on this CPU (the machine that ran the benchmark). Two predictions per row: at the
+times measured on this CPU (the machine that ran the benchmark) under the run's contention: as
+many one-thread processes at once as the run had ranks on this machine
+(:func:`~lowbit_strategy.plan.measure.measure_codecs`, ``processes``; the calibration step
+was measured under the same contention, so both terms are), with 1-bit Adam's and 1-bit
+LAMB's step beyond AdamW's timed the same way (the calibration step is AdamW's). Two
+predictions per row: at the
 link's configured rate, and at the rate ``lowbit-plan --measure`` measured on the same emulated
 links (:data:`MEASURED_GBPS`, allreduce payload rate: 98 % and 87 % of the shaper's rate, which also counts headers).
 
-    python -m benchmarks.plan_check [--results benchmarks/results/nodes.json] [--no-codecs]
+    python -m benchmarks.plan_check [--results benchmarks/results/nodes.json] [--no-codecs] [--processes 1]
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ ROWS = {
     "lowbit_lion": "lion_lp8_{form}",
     "lowbit_bitdp_adamw": "bitdp_{form}",
     "lowbit_adam": "onebit_{form}",
-    "lowbit_lamb": "onebit_{form}",
+    "lowbit_lamb": "onebit_lamb_{form}",
     "lowbit_turboquant": "turboquant_{form}",
 }
 
@@ -58,12 +63,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=str(ROOT / "benchmarks/results/nodes.json"))
     ap.add_argument("--no-codecs", action="store_true", help="leave codec time out")
+    ap.add_argument(
+        "--processes", type=int, help="codecs timed in this many processes at once (default: the run's ranks)"
+    )
     args = ap.parse_args(argv)
     data = json.loads(Path(args.results).read_text())
     settings, records = data["settings"], data["records"]
     model = gpt_model(settings["model"])
-    codecs = None if args.no_codecs else measure_codecs("cpu")[0]
-    print("codec ns per element, this CPU:", {k: round(v, 1) for k, v in (codecs or {}).items()})
+    procs = args.processes or settings["nodes"] * settings["ranks_per_node"]
+    codecs, how = (None, "not counted") if args.no_codecs else measure_codecs("cpu", processes=procs)
+    print(f"codec and optimizer-step ns per element ({how}):", {k: round(v, 1) for k, v in (codecs or {}).items()})
     calib = {(r["config"], r["link"]): r["step_s"] for r in records if r["config"].startswith("calib_")}
     print(
         "| algorithm | topology | link | measured ms | predicted ms (configured rate) | predicted ms (measured rate) "
@@ -80,7 +89,9 @@ def main(argv=None) -> int:
         cells = []
         for gbps in (r["link_bps"] / 1e9, MEASURED_GBPS[r["link"]]):
             cluster = Cluster(settings["nodes"], settings["ranks_per_node"], gbps, 50.0, INTRA_GBPS, 50.0)
-            setup = predict.Setup(model, cluster, compute, 25.0, False, codecs)
+            # the form the run took: TurboQuant's auto compressed in every recorded run (its bytes)
+            forms = predict.TURBOQUANT_FORMS[1:] if r["config"] == "lowbit_turboquant" else predict.TURBOQUANT_FORMS
+            setup = predict.Setup(model, cluster, compute, 25.0, False, codecs, turboquant_forms=forms)
             row = next(x for x in predict.predict(setup) if x.key == key.format(form=form))
             cells.append(row)
         measured = r["step_s"] * 1e3

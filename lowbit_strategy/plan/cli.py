@@ -50,6 +50,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sharded", action="store_true", help="add the sharded rows (FSDP2 inside each node)")
     ap.add_argument("--codecs", help="JSON of codec ns per element ({'ns_per_element': {...}, 'device': ...})")
     ap.add_argument("--measure-codecs", action="store_true", help="time the codecs on this machine")
+    ap.add_argument(
+        "--codec-processes",
+        type=int,
+        default=1,
+        help="with --measure-codecs on a CPU: time them in this many processes at once, the ranks the planned "
+        "run puts on this machine (their contention for its cores)",
+    )
     ap.add_argument("--measure", action="store_true", help="measure the link (run under torchrun or any launcher)")
     ap.add_argument("--inputs", help="with --measure and --model: pkg.mod:fn returning one GPU's batch")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -70,7 +77,9 @@ def _codecs(args) -> tuple[dict[str, float] | None, str]:
     if args.measure_codecs:
         from lowbit_strategy.plan.measure import measure_codecs
 
-        ns, device = measure_codecs()
+        if args.codec_processes < 1:
+            raise inputs.PlanError("--codec-processes", args.codec_processes, "pass 1 or more processes")
+        ns, device = measure_codecs(processes=args.codec_processes)
         return ns, f"codec times measured on this machine's {device} (not the GPUs planned for)"
     return None, "codec time not counted (no GPU codec report; --measure-codecs times them on this machine)"
 

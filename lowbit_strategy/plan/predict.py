@@ -14,7 +14,11 @@ which send fp32, are not counted):
   hook overlaps backward like DDP);
 * codec time (encode + decode, per element, :class:`Setup.codec_ns`) is added in full,
   not overlapped: on a GPU the codec's kernels take the SMs from backward. Without codec
-  figures it is not counted, which flatters the low-bit rows (the table says so).
+  figures it is not counted, which flatters the low-bit rows (the table says so);
+* 1-bit Adam's and 1-bit LAMB's compression-stage step beyond AdamW's (LAMB's trust ratios,
+  the staged optimizers' extra passes: ``onebit_adam_step``/``onebit_lamb_step`` of
+  ``codec_ns``, per element the rank steps) is added to their rows' codec column, since
+  the compute time (a calibration step, ``--measure``, or FLOPs) holds AdamW's step at most.
 
 **Memory** (fp32 state per GPU, without weights, gradients and activations): AdamW's two
 moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
@@ -68,11 +72,15 @@ class Setup:
     bucket_size_mb: float = 25.0
     sharded: bool = False
     #: encode + decode nanoseconds per element by codec (``lp``, ``1bit``, ``compensated``,
-    #: ``turboquant``, ``bitdp``), or None: codec time not counted
+    #: ``turboquant``, ``bitdp``, ``powersgd``) and the 1-bit optimizers' step beyond AdamW's
+    #: (``onebit_adam_step``, ``onebit_lamb_step``), or None: codec time not counted
     codec_ns: dict[str, float] | None = None
     codec_note: str = "codec time not counted (no codec figures; pass --measure-codecs)"
     #: bytes of memory per GPU, or None: unknown, every row is taken to fit
     gpu_memory: float | None = None
+    #: the forms TurboQuant's ``auto`` chooses among per bucket (a check against a run that
+    #: compressed passes the compressed ones: the run's own choice, not the planner's)
+    turboquant_forms: tuple[str, ...] = TURBOQUANT_FORMS
 
     @property
     def bucket_numel(self) -> int:
@@ -98,6 +106,26 @@ class Row:
     speedup: float = 0.0
     #: whether weights, gradients and this state fit the GPU's memory (None: unknown)
     fits: bool | None = field(default=None)
+
+
+def turboquant_codec_ns(codec_ns: dict[str, float] | None, form: str, ranks: int) -> float:
+    """TurboQuant's local nanoseconds per element of a bucket sent in ``form`` (a
+    :data:`TURBOQUANT_FORMS` name) among ``ranks``, counted as the algorithm's own plan counts
+    them (:func:`~lowbit_strategy.algorithms.turboquant.plan.measure_codec_seconds`):
+    ``allgather`` one encode, P decodes and P + 2 adds; ``two_stage`` (1 + 1/P) encodes,
+    (2 + 1/P) decodes and 4 adds (the server's re-encode of its chunk, the final decode of
+    every chunk); ``fp32`` none counted (its 1/P scaling is noise beside the wire). From
+    ``turboquant_encode``/``turboquant_decode``/``add`` when measured, else ``turboquant``
+    (encode + decode) once, as reports without the split give it."""
+    ns = codec_ns or {}
+    if form == "fp32":
+        return 0.0
+    if "turboquant_encode" not in ns or "turboquant_decode" not in ns:
+        return ns.get("turboquant", 0.0)
+    enc, dec, add, p = ns["turboquant_encode"], ns["turboquant_decode"], ns.get("add", 0.0), ranks
+    if form == "turboquant_allgather":
+        return enc + p * dec + (p + 2) * add
+    return (1 + 1 / p) * enc + (2 + 1 / p) * dec + 4 * add
 
 
 def _matrix(shape: Shape) -> tuple[int, int] | None:
@@ -146,23 +174,30 @@ class _Predictor:
         return Row(key, method, form, config, link, comm, exposed, codec_s, step, memory)
 
     # -- flat and hierarchical ----------------------------------------------------------------
-    def simple(self, key, method, form, config, name, codec_key, memory, flagged=False, align=64, block=None):
+    def simple(
+        self, key, method, form, config, name, codec_key, memory, flagged=False, align=64, block=None, step_key=None
+    ):
+        """A row whose every bucket goes one way; ``step_key`` the optimizer's step beyond
+        AdamW's (``codec_ns``), over every parameter (each rank steps a full replica)."""
         per = [self.time(name, n, form, flagged, align, block) for n in self.sizes]
         share = self.n / (self.per_node if form == "hierarchical" else 1)
-        return self.row(key, method, form, config, per, self.codec(codec_key, share), memory)
+        codec = self.codec(codec_key, share) + self.codec(step_key, self.n)
+        return self.row(key, method, form, config, per, codec, memory)
 
     def turboquant(self, form: str, memory: float) -> Row:
-        per, coded = [], 0.0
+        per, codec = [], 0.0
+        ranks = self.p if form == "flat" else self.nodes
         for n in self.sizes:
             share = n / (self.per_node if form == "hierarchical" else 1)
-            options = [(self.time(f, n, form, True, 1024, None), f) for f in TURBOQUANT_FORMS]
-            (t, b), f = min(options, key=lambda o: o[0][0] + (o[1] != "fp32") * self.codec("turboquant", share))
+            options = [
+                (self.time(f, n, form, True, 1024, None), share * turboquant_codec_ns(self.s.codec_ns, f, ranks) * 1e-9)
+                for f in self.s.turboquant_forms
+            ]
+            (t, b), c = min(options, key=lambda o: o[0][0] + o[1])
             per.append((t, b))
-            coded += share * (f != "fp32")
+            codec += c
         config = f"algorithm='turboquant', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
-        return self.row(
-            f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, self.codec("turboquant", coded), memory
-        )
+        return self.row(f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, codec, memory)
 
     def bitdp(self, form: str) -> Row:
         per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
@@ -232,7 +267,7 @@ class _Predictor:
                 f: bucket_seconds(
                     bucket_sends(f, m, nodes, flagged=False), replace(self.c, nodes=nodes, ranks_per_node=1)
                 )
-                + (f != "fp32") * self.codec("turboquant", m)
+                + m * turboquant_codec_ns(self.s.codec_ns, f, nodes) * 1e-9
                 for f in TURBOQUANT_FORMS
             }
             return min(cost, key=cost.__getitem__)
@@ -311,16 +346,23 @@ def predict(setup: Setup) -> list[Row]:
                 4.0 * n,
                 flagged=True,
             ),
-            pr.simple(
-                f"onebit_{form}",
-                "1-bit Adam/LAMB",
-                form,
-                f"algorithm='onebit_adam', topology='{topo}'",
-                "compensated",
-                "compensated",
-                12.0 * n + server,
-                align=ONEBIT_BLOCK,
-                block=ONEBIT_BLOCK,
+            *(
+                pr.simple(
+                    f"{prefix}_{form}",
+                    label,
+                    form,
+                    f"algorithm='{algo}', topology='{topo}'",
+                    "compensated",
+                    "compensated",
+                    12.0 * n + server,
+                    align=ONEBIT_BLOCK,
+                    block=ONEBIT_BLOCK,
+                    step_key=f"{algo}_step",
+                )
+                for prefix, label, algo in (
+                    ("onebit", "1-bit Adam", "onebit_adam"),
+                    ("onebit_lamb", "1-bit LAMB", "onebit_lamb"),
+                )
             ),
             pr.turboquant(form, 12.0 * n + server),
             pr.bitdp(form),
