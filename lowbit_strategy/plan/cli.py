@@ -47,7 +47,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens-per-step", type=float, help="tokens per optimizer step over all GPUs")
     ap.add_argument("--mfu", type=float, default=inputs.DEFAULT_MFU, help="assumed model FLOP utilization")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="LowBitConfig.bucket_size_mb")
-    ap.add_argument("--sharded", action="store_true", help="add the sharded rows (FSDP2 inside each node)")
+    ap.add_argument(
+        "--sharded",
+        action="store_true",
+        help="add the sharded rows (FSDP2 inside each node; on several nodes also one FSDP group over every rank)",
+    )
     ap.add_argument("--codecs", help="JSON of codec ns per element ({'ns_per_element': {...}, 'device': ...})")
     ap.add_argument("--measure-codecs", action="store_true", help="time the codecs on this machine")
     ap.add_argument(
@@ -126,7 +130,8 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         f"{c.inter_latency_us:g} us; inside {c.intra_gbps:g} Gbit/s per GPU, {c.intra_latency_us:g} us" + measured,
         setup.compute.note,
         f"overlap: collectives started in backward hide behind it (backward = {predict.BACKWARD_SHARE:.2f} of "
-        "compute) except the last bucket; the sharded rows exchange at the step, unhidden",
+        "compute) except the last bucket; the sharded rows exchange at the step, unhidden; the FSDP world rows' "
+        "gathers and reduce-scatters hide behind forward and backward but one unit's each",
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
         f"buckets of {setup.bucket_size_mb:g} MB; steady state (warm-up steps send fp32 and are not counted)",

@@ -91,6 +91,7 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
     from lowbit_strategy.algorithms.lion_cub.plan import measure_codec_seconds
     from lowbit_strategy.codecs import (
         TurboQuantCodec,
+        blockwise,
         channel_decode,
         channel_encode,
         scaled_sign_compress,
@@ -115,6 +116,10 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
         codes, scales = channel_encode(rows, 2, validate=False)
         return channel_decode(codes, scales, 2)
 
+    def blockwise_int4():  # the quantized reduce-scatter's codec (fsdp_reduce_scatter='int4')
+        codes, scales = blockwise.encode(rows_x, 4)
+        return blockwise.decode(codes, scales, 4, sample)
+
     def powersgd():
         p = torch.linalg.qr(m @ q).Q
         return p @ (m.T @ p).T
@@ -130,6 +135,7 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
         "turboquant_encode": lambda: encode_rows(turbo, rows_x),
         "turboquant_decode": lambda: decode_rows(turbo, codes, tq_scales, sample),
         "add": lambda: torch.add(x, y),
+        "blockwise": blockwise_int4,
         "bitdp": bitdp,
         "powersgd": powersgd,
     }

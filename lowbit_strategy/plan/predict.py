@@ -10,6 +10,9 @@ which send fp32, are not counted):
 * DDP, PowerSGD and the overlapping methods start each bucket's collective during backward,
   taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
   last bucket is ready only when backward ends);
+* the FSDP world rows (``--sharded`` on several nodes: one FSDP group over every rank,
+  :meth:`_Predictor.world_rows`) gather in forward and backward and reduce-scatter in
+  backward, hidden behind each but one unit's call;
 * the sharded rows exchange at the optimizer step: none of it is hidden (HSDP's all-reduce
   hook overlaps backward like DDP);
 * codec time (encode + decode, per element, :class:`Setup.codec_ns`) is added in full,
@@ -23,9 +26,11 @@ which send fp32, are not counted):
 **Memory** (fp32 state per GPU, without weights, gradients and activations): AdamW's two
 moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
 (4 B) and a server error on their 1/P chunk; PowerSGD its error feedback (4 B); BitDP
-none by default (``error_feedback`` off); the sharded rows divide all of it by L. With a
+none by default (``error_feedback`` off); the sharded rows divide all of it by L, the FSDP
+world rows by W (AdamW's 8 B/param; the int4 two-hop row adds its error feedback, 4 B/param
+over L). With a
 GPU's memory known, a row **fits** when that plus fp32 weights and gradients (8 B/param, /L
-sharded) stays within it; activations are not counted, so a row that fits may still not.
+sharded, /W world) stays within it; activations are not counted, so a row that fits may still not.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from functools import lru_cache
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import cost_model_sharded as sh
+from lowbit_strategy.collectives import cost_model_world as cw
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.cost_model import _rounds, bitdp_form
 from lowbit_strategy.collectives.cost_model_nodes import (
@@ -306,6 +312,49 @@ class _Predictor:
             ),
         ]
 
+    # -- one FSDP group over every rank (fsdp_shard="world") -----------------------------------
+    def world_rows(self) -> list[Row]:
+        """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
+        in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or
+        as int4 in two hops (exact inside the node, quantized across), bytes and α–β seconds
+        from :mod:`~lowbit_strategy.collectives.cost_model_world`. FSDP2 prefetches: the
+        forward's gathers hide behind forward compute, the backward's behind backward, except
+        one unit's each (the first gather waits, the last reduce-scatter ends the step). The
+        two-hop row's intra-node hop is timed on the intra link, and its codec (``blockwise``
+        encode + decode of ``codec_ns``) over the 1/L of the gradient a rank sends across."""
+        units = self.s.model.unit_shapes()
+        k = max(1, sum(1 for u in units if u))
+        forward = self.s.compute.seconds - self.backward
+        out = []
+        for key, method, config, rs, two_hop, errors in (
+            ("fsdp_world_bf16", "FSDP world bf16 (+ AdamW)", "fsdp_shard='world', bf16 reduce", "bf16", False, 0.0),
+            (
+                "fsdp_world_int4",
+                "FSDP world int4 (+ AdamW)",
+                "fsdp_shard='world', fsdp_reduce_scatter='int4'",
+                "int4",
+                True,
+                4.0 * self.n / self.per_node,  # the two-hop error feedback: N·c fp32 per rank
+            ),
+        ):
+            sends = cw.world_sends(
+                units,
+                self.nodes,
+                self.per_node,
+                reduce_scatter=rs,
+                two_hop=two_hop,
+                param_itemsize=2,
+                reduce_itemsize=2,
+            )
+            fwd, bwd = cw.world_seconds(sends, self.c)
+            bwd += 8 * sends.total.node / (self.c.intra_gbps * 1e9)
+            exposed = max(fwd - forward, fwd / k) + max(bwd - self.backward, bwd / k)
+            codec = self.codec("blockwise" if rs != "bf16" else None, self.n / self.per_node)
+            step = self.s.compute.seconds + exposed + codec
+            memory = 8.0 * self.n / self.p + errors
+            out.append(Row(key, method, "world", config, float(sends.link), fwd + bwd, exposed, codec, step, memory))
+        return out
+
 
 def predict(setup: Setup) -> list[Row]:
     """Every row of the plan (module docstring), with speed-ups over DDP bf16."""
@@ -370,13 +419,15 @@ def predict(setup: Setup) -> list[Row]:
     if setup.sharded:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
         rows += pr.sharded_rows(lane)
+        if setup.cluster.nodes > 1:
+            rows += pr.world_rows()
     base = next(r for r in rows if r.key == "ddp_bf16").step_s
-    per_node = setup.cluster.ranks_per_node
+    shards = {"sharded": setup.cluster.ranks_per_node, "world": setup.cluster.world_size}
 
     def fits(r: Row) -> bool | None:
         if setup.gpu_memory is None:
             return None
-        return r.memory_bytes + 8.0 * n / (per_node if r.form == "sharded" else 1) <= setup.gpu_memory
+        return r.memory_bytes + 8.0 * n / shards.get(r.form, 1) <= setup.gpu_memory
 
     return [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
 
@@ -405,7 +456,12 @@ def recommend(rows: list[Row]) -> str:
             f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
             f"sharded low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
         )
-    if best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN:
+    if best.form == "world" and not any(r.form != "world" for r in fitting):
+        return (
+            f"Use {best.method} ({best.config}): only one FSDP group over every rank fits the GPU's memory "
+            f"(predicted {best.step_s:.3g} s per step)."
+        )
+    if base.fits is not False and (best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN):
         return (
             f"Use DDP with bf16 communication: its exposed communication is {share:.0%} of the step, so no "
             f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "

@@ -150,8 +150,8 @@ def test_measured_codecs_name_every_figure():
     from lowbit_strategy.plan.measure import OPTIMIZER_STEPS, measure_codecs
 
     ns, device = measure_codecs("cpu", sample=4096)
-    keys = {"lp", "1bit", "compensated", "turboquant", "turboquant_encode", "turboquant_decode", "add", "bitdp"}
-    assert keys | {"powersgd", *OPTIMIZER_STEPS} <= set(ns) and "CPU" in device
+    keys = {"lp", "1bit", "compensated", "turboquant", "turboquant_encode", "turboquant_decode", "add", "blockwise"}
+    assert keys | {"bitdp", "powersgd", *OPTIMIZER_STEPS} <= set(ns) and "CPU" in device
     assert all(v >= 0 for v in ns.values())
 
 
@@ -161,3 +161,24 @@ def test_contended_codecs_run_in_that_many_processes():
 
     ns, device = measure_codecs("cpu", sample=4096, processes=2)
     assert "2 one-thread processes" in device and ns["turboquant_encode"] > 0
+
+
+def test_world_rows_for_a_model_that_does_not_fit_a_node():
+    """--sharded on several nodes adds FSDP over every rank, exact bf16 and int4 in two hops,
+    with cost_model_world's bytes; a 70 B model on 8 x 8 H100 fits only that way."""
+    from lowbit_strategy.collectives import cost_model_world as cw
+
+    argv = ["--params", "7e10", "--nodes", "8", "--gpus-per-node", "8", "--link", "25gbit", "--compute-s", "10"]
+    setup = cli.setup_from(cli.parser().parse_args([*argv, "--gpu", "h100", "--sharded"]))
+    rows = {r.key: r for r in predict.predict(setup)}
+    bf16, int4 = rows["fsdp_world_bf16"], rows["fsdp_world_int4"]
+    units = setup.model.unit_shapes()
+    exact = cw.world_sends(units, 8, 8, reduce_scatter="bf16", param_itemsize=2, reduce_itemsize=2)
+    assert bf16.link_bytes == exact.link and bf16.form == int4.form == "world"
+    assert int4.link_bytes < bf16.link_bytes and int4.memory_bytes > bf16.memory_bytes  # error feedback
+    assert bf16.fits and int4.fits and rows["hsdp_bf16"].fits is False and rows["ddp_bf16"].fits is False
+    sentence = predict.recommend(list(rows.values()))
+    assert "fsdp_shard='world'" in sentence, sentence
+    # one node: no world rows (FSDP inside the node is the sharded rows' layout)
+    one = cli.setup_from(cli.parser().parse_args([*argv[:2], "--nodes", "1", "--compute-s", "1", "--sharded"]))
+    assert not any(r.form == "world" for r in predict.predict(one))
