@@ -182,3 +182,16 @@ def test_world_rows_for_a_model_that_does_not_fit_a_node():
     # one node: no world rows (FSDP inside the node is the sharded rows' layout)
     one = cli.setup_from(cli.parser().parse_args([*argv[:2], "--nodes", "1", "--compute-s", "1", "--sharded"]))
     assert not any(r.form == "world" for r in predict.predict(one))
+
+
+def test_gpu_check_writes_codecs_the_planner_reads(tmp_path, capsys):
+    """benchmarks/gpu_check.py's codecs.json, read back by lowbit-plan --codecs (the format only)."""
+    from benchmarks.gpu_check import write_codecs
+
+    path = tmp_path / "gpu" / "codecs.json"
+    write_codecs({"lp": 0.02, "turboquant_encode": 0.01, "turboquant_decode": 0.01}, "NVIDIA H100", path)
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--codecs", str(path), "--json")
+    plan = json.loads(out)
+    assert code == 0 and any("codecs.json (NVIDIA H100)" in a for a in plan["assumptions"])
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(0.02e-9 * 1e8, rel=1e-3)
