@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--processes", type=int, help="codecs timed in this many processes at once (default: the run's ranks)"
     )
+    ap.add_argument("--latency-us", type=float, default=50.0, help="α between nodes (µs) the predictions assume")
     args = ap.parse_args(argv)
     runs = [(path, json.loads(Path(path).read_text())) for path in args.results]
     ranks = {d["settings"]["nodes"] * d["settings"]["ranks_per_node"] for _, d in runs}
@@ -101,7 +102,9 @@ def main(argv=None) -> int:
             kb = max(r["cross_node_bytes_per_node_per_step"]) / 1e3
             cells = []
             for gbps in (r["link_bps"] / 1e9, MEASURED_GBPS[(settings["ranks_per_node"], r["link"])]):
-                cluster = Cluster(settings["nodes"], settings["ranks_per_node"], gbps, 50.0, INTRA_GBPS, 50.0)
+                cluster = Cluster(
+                    settings["nodes"], settings["ranks_per_node"], gbps, args.latency_us, INTRA_GBPS, 50.0
+                )
                 setup = predict.Setup(model, cluster, compute, 25.0, False, codecs)
                 rows = {x.key: x for x in predict.predict(setup)}
                 if r["config"] == "lowbit_turboquant":
