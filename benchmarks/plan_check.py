@@ -1,7 +1,8 @@
 """``lowbit-plan``'s predictions against recorded multi-node runs (:mod:`benchmarks.nodes`).
 
 For every record of each ``--results`` file (by default ``benchmarks/results/nodes.json``,
-2 nodes × 2 ranks; a flat P = 4 run is ``--nodes 4 --ranks-per-node 1``), DDP and each
+2 nodes × 2 ranks; a flat P = 4 run: :mod:`benchmarks.e2e`'s ``-P 4``, every rank behind
+its own shaped link, e.g. ``benchmarks/results/e2e_p4.json``), DDP and each
 algorithm, flat and hierarchical, at 1 Gbit/s and 100 Mbit/s, the planner predicts the step
 time and the bytes on each node's link for the same GPT (``examples/gpt_lion.py`` at the
 run's sizes), with the run's own comm-free step (its calibration run, same optimizer family)
@@ -62,6 +63,16 @@ def gpt_model(sizes: dict):
     return from_module(gpt, "benchmark GPT")
 
 
+def _layout(data: dict) -> None:
+    """Give a :mod:`benchmarks.e2e` file (``settings["world_sizes"]``: every rank behind its own
+    shaped link, the flat P-node layout) the nodes × ranks settings of :mod:`benchmarks.nodes`:
+    N = P nodes of one rank, whose link bytes are each rank's wire bytes."""
+    settings = data["settings"]
+    if "nodes" not in settings:
+        (p,) = settings["world_sizes"]
+        settings.update(nodes=p, ranks_per_node=1)
+
+
 def main(argv=None) -> int:
     from lowbit_strategy.collectives.cost_model_nodes import Cluster
     from lowbit_strategy.plan import predict
@@ -77,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-us", type=float, default=50.0, help="α between nodes (µs) the predictions assume")
     args = ap.parse_args(argv)
     runs = [(path, json.loads(Path(path).read_text())) for path in args.results]
+    for _, d in runs:
+        _layout(d)
     ranks = {d["settings"]["nodes"] * d["settings"]["ranks_per_node"] for _, d in runs}
     procs = args.processes or max(ranks)
     codecs, how = (None, "not counted") if args.no_codecs else measure_codecs("cpu", processes=procs)
@@ -99,7 +112,8 @@ def main(argv=None) -> int:
             form = r.get("topology") or "flat"
             family = "calib_lion" if "lion" in r["config"] else "calib_adamw"
             compute = Compute(calib[(family, r["link"])], "the run's comm-free step")
-            kb = max(r["cross_node_bytes_per_node_per_step"]) / 1e3
+            per_node = r.get("cross_node_bytes_per_node_per_step") or [r["wire_bytes_per_step"]]
+            kb = max(per_node) / 1e3
             cells = []
             for gbps in (r["link_bps"] / 1e9, MEASURED_GBPS[(settings["ranks_per_node"], r["link"])]):
                 cluster = Cluster(
