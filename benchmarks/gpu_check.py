@@ -9,7 +9,11 @@ a GPU can show, and prints a report:
 2. the kernel benchmark (``benchmarks.turboquant_kernels``): GB/s against the device's peak;
 3. a short NCCL training run of every registered algorithm on every visible GPU (``torchrun``,
    one process per GPU, plain DDP front end): replicas identical after every step, the loss
-   falling, bytes per step against DDP's fp32 allreduce, step time.
+   falling, bytes per step against DDP's fp32 allreduce, step time;
+4. the codec timings on this GPU (:func:`lowbit_strategy.plan.measure.measure_codecs`),
+   written to ``benchmarks/results/gpu/codecs.json`` (:func:`write_codecs`), which
+   ``lowbit-plan`` reads when present: its predictions then use this GPU's codec times, not
+   none, nor this CPU's.
 
 On a machine without a GPU it says so and exits 0. ``--cpu`` runs part 3 on two CPU
 processes over gloo instead (a check of this script, not of CUDA).
@@ -32,6 +36,38 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: where ``lowbit-plan`` looks for a GPU's codec times (``lowbit_strategy.plan.cli.GPU_CODECS``)
+CODECS_JSON = ROOT / "benchmarks" / "results" / "gpu" / "codecs.json"
+
+
+def write_codecs(ns_per_element: dict[str, float], device: str, path: Path = CODECS_JSON) -> dict:
+    """Write codec nanoseconds per element (``measure_codecs``' keys) in the format
+    ``lowbit-plan --codecs`` reads: ``{"device", "ns_per_element", "measured", "torch"}``;
+    returns what it wrote."""
+    data = {
+        "device": device,
+        "ns_per_element": {str(k): float(v) for k, v in sorted(ns_per_element.items())},
+        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def _codecs() -> tuple[str, bool, str]:
+    """Part 4: time the codecs on GPU 0 and write :data:`CODECS_JSON`."""
+    from lowbit_strategy.plan.measure import measure_codecs
+
+    print("== codec timings for lowbit-plan", flush=True)
+    try:
+        ns, device = measure_codecs("cuda")
+    except Exception as exc:  # a report line, not a crash: parts 1-3 still report
+        return "codec timings", False, f"{type(exc).__name__}: {exc}"
+    write_codecs(ns, device)
+    last = f"wrote {CODECS_JSON.relative_to(ROOT)}: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(ns.items()))
+    print(last, flush=True)
+    return "codec timings", True, last
 
 #: algorithm -> (LowBitConfig fields, optimizer): each registered algorithm's default form
 RUNS = {
@@ -176,6 +212,7 @@ def main() -> None:
         results.append(_step("Triton kernels on this GPU, bit-exact against torch",
                              [sys.executable, "-m", "pytest", "-q", "tests/codecs/test_turboquant_triton.py"], env))
         results.append(_step("kernel benchmark", [sys.executable, "-m", "benchmarks.turboquant_kernels"], env))
+        results.append(_codecs())
     with tempfile.TemporaryDirectory():
         rows = _training(args)
     ok = all(r["identical"] and r["last_loss"] < r["first_loss"] for r in rows) and len(rows) == len(RUNS)

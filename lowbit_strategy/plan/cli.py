@@ -47,9 +47,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens-per-step", type=float, help="tokens per optimizer step over all GPUs")
     ap.add_argument("--mfu", type=float, default=inputs.DEFAULT_MFU, help="assumed model FLOP utilization")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="LowBitConfig.bucket_size_mb")
-    ap.add_argument("--sharded", action="store_true", help="add the sharded rows (FSDP2 inside each node)")
+    ap.add_argument(
+        "--sharded",
+        action="store_true",
+        help="add the sharded rows (FSDP2 inside each node; on several nodes also one FSDP group over every rank)",
+    )
     ap.add_argument("--codecs", help="JSON of codec ns per element ({'ns_per_element': {...}, 'device': ...})")
     ap.add_argument("--measure-codecs", action="store_true", help="time the codecs on this machine")
+    ap.add_argument(
+        "--codec-processes",
+        type=int,
+        default=1,
+        help="with --measure-codecs on a CPU: time them in this many processes at once, the ranks the planned "
+        "run puts on this machine (their contention for its cores)",
+    )
     ap.add_argument("--measure", action="store_true", help="measure the link (run under torchrun or any launcher)")
     ap.add_argument("--inputs", help="with --measure and --model: pkg.mod:fn returning one GPU's batch")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -70,7 +81,9 @@ def _codecs(args) -> tuple[dict[str, float] | None, str]:
     if args.measure_codecs:
         from lowbit_strategy.plan.measure import measure_codecs
 
-        ns, device = measure_codecs()
+        if args.codec_processes < 1:
+            raise inputs.PlanError("--codec-processes", args.codec_processes, "pass 1 or more processes")
+        ns, device = measure_codecs(processes=args.codec_processes)
         return ns, f"codec times measured on this machine's {device} (not the GPUs planned for)"
     return None, "codec time not counted (no GPU codec report; --measure-codecs times them on this machine)"
 
@@ -117,7 +130,8 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         f"{c.inter_latency_us:g} us; inside {c.intra_gbps:g} Gbit/s per GPU, {c.intra_latency_us:g} us" + measured,
         setup.compute.note,
         f"overlap: collectives started in backward hide behind it (backward = {predict.BACKWARD_SHARE:.2f} of "
-        "compute) except the last bucket; the sharded rows exchange at the step, unhidden",
+        "compute) except the last bucket; the sharded rows exchange at the step, unhidden; the FSDP world rows' "
+        "gathers and reduce-scatters hide behind forward and backward but one unit's each",
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
         f"buckets of {setup.bucket_size_mb:g} MB; steady state (warm-up steps send fp32 and are not counted)",

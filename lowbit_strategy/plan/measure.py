@@ -17,13 +17,25 @@ Run under ``torchrun`` (or any launcher that exports ``RANK``, ``WORLD_SIZE``,
 Bounded: at most 3 probes of 4 sizes × 4 collectives each plus the compute timing; every
 figure is agreed as the slowest rank's (MAX allreduce), so every rank plans alike; rank 0
 prints. Codec timings: :func:`measure_codecs` (``--measure-codecs``), on this machine.
+
+**Codecs under contention.** A CPU run of R ranks on C < R cores (the emulated cluster of
+:mod:`benchmarks.nodes`: 4 ranks on 2 cores) gives each rank's codec R/C of a core and a
+share of the memory bandwidth. Timing the codecs on one idle thread and scaling by R/C would
+assume pure time-slicing; :func:`measure_codecs` with ``processes=R`` instead runs R
+one-thread processes that time the codecs at the same moment (each keeps working until the
+last has finished, so no timing runs on a quieter machine), the contention the run will
+have, measured, cache and memory bandwidth included. The compute time it is added to is
+measured the same way (the run's own comm-free step, or ``--measure`` on every rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
+import multiprocessing as mp
 import os
+import statistics
 import time
 from datetime import timedelta
 from functools import partial
@@ -42,14 +54,29 @@ SIZES = (64 << 10, 1 << 20, 16 << 20)
 BUDGET_S = 5.0
 #: elements of the sample each codec is timed on
 CODEC_SAMPLE = 1 << 20
+#: tensors the sample is split into for the optimizer steps (the per-tensor work counts too)
+OPTIMIZER_TENSORS = 32
+#: optimizer-step keys of :func:`measure_codecs`: the step's time beyond AdamW's, per element
+OPTIMIZER_STEPS = ("onebit_adam_step", "onebit_lamb_step")
 
 
-def measure_codecs(device: torch.device | str | None = None, sample: int = CODEC_SAMPLE) -> tuple[dict, str]:
+def measure_codecs(
+    device: torch.device | str | None = None, sample: int = CODEC_SAMPLE, processes: int = 1
+) -> tuple[dict, str]:
     """Encode + decode nanoseconds per element of each codec on ``device`` (the GPU when
     there is one, else this CPU), timed on ``sample`` random values: Lion Cub's 8-bit L1
     codes (``lp``) and 1-bit votes, 1-bit Adam's scaled signs (``compensated``), TurboQuant's
-    4-bit codec, BitDP's 2-bit channel codes and PowerSGD's rank-4 products."""
+    4-bit codec, BitDP's 2-bit channel codes and PowerSGD's rank-4 products; and, per
+    element, the compression-stage step of 1-bit Adam and of 1-bit LAMB beyond AdamW's
+    (:data:`OPTIMIZER_STEPS`: LAMB's trust ratios and the staged optimizers' extra passes,
+    which a compute time measured with AdamW leaves out).
+
+    ``processes`` > 1 (CPU only): that many one-thread processes time them at once, the
+    contention of a run with that many ranks on this machine (module docstring); the figures
+    are the mean over the processes."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu" and processes > 1:
+        return _contended(sample, processes)
     if dev.type == "cpu":  # as a CPU rank runs (launchers set OMP_NUM_THREADS=1); more threads on a
         threads = torch.get_num_threads()  # busy machine measured 10-300x slower, spinning
         torch.set_num_threads(1)
@@ -64,12 +91,15 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
     from lowbit_strategy.algorithms.lion_cub.plan import measure_codec_seconds
     from lowbit_strategy.codecs import (
         TurboQuantCodec,
+        blockwise,
         channel_decode,
         channel_encode,
         scaled_sign_compress,
         scaled_sign_decode,
     )
+    from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 
+    sample = max(1024, sample // 1024 * 1024)  # whole TurboQuant rotation blocks
     x = torch.randn(sample, device=dev)
     lion = measure_codec_seconds(("lp8", "1bit"), 2, sample, 1.0, dev, sample, 3)
     error = torch.zeros_like(x)
@@ -86,20 +116,103 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
         codes, scales = channel_encode(rows, 2, validate=False)
         return channel_decode(codes, scales, 2)
 
+    def blockwise_int4():  # the quantized reduce-scatter's codec (fsdp_reduce_scatter='int4')
+        codes, scales = blockwise.encode(rows_x, 4)
+        return blockwise.decode(codes, scales, 4, sample)
+
     def powersgd():
         p = torch.linalg.qr(m @ q).Q
         return p @ (m.T @ p).T
 
+    rows_x = x.view(1, -1)
+    codes, tq_scales = encode_rows(turbo, rows_x)
+    y = torch.randn_like(x)
     timed = {
         "compensated": onebit,
         "turboquant": lambda: turbo.decode(turbo.encode(x)),
+        # TurboQuant's forms per element (predict.turboquant_codec_ns counts them as the
+        # algorithm's own plan does): one encode, one decode, one float32 add
+        "turboquant_encode": lambda: encode_rows(turbo, rows_x),
+        "turboquant_decode": lambda: decode_rows(turbo, codes, tq_scales, sample),
+        "add": lambda: torch.add(x, y),
+        "blockwise": blockwise_int4,
         "bitdp": bitdp,
         "powersgd": powersgd,
     }
     ns = {"lp": lion["lp8"] * 1e9 / sample, "1bit": lion["1bit"] * 1e9 / sample}
     ns.update({k: median_seconds(fn, 3, dev) * 1e9 / sample for k, fn in timed.items()})
+    ns.update(_optimizer_ns(dev, sample))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU, one thread"
     return ns, name
+
+
+def _optimizer_ns(dev: torch.device, sample: int, repeat: int = 5) -> dict[str, float]:
+    """Nanoseconds per element of 1-bit Adam's and 1-bit LAMB's compression-stage step beyond
+    AdamW's, on ``sample`` parameters in :data:`OPTIMIZER_TENSORS` tensors, without a process
+    group (their one-process path: the local arithmetic of their step, the codec apart)."""
+    from lowbit_strategy import OneBitAdam, OneBitLamb
+
+    size = max(1, sample // OPTIMIZER_TENSORS)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def params() -> list[torch.Tensor]:
+        out = []
+        for _ in range(OPTIMIZER_TENSORS):
+            p = torch.randn(size, device=dev, generator=gen).requires_grad_(True)
+            p.grad = torch.randn(size, device=dev, generator=gen) * 1e-2
+            out.append(p)
+        return out
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # freeze_step=2's young-variance warning
+    try:
+        opts = {
+            "adamw": torch.optim.AdamW(params(), lr=1e-3, weight_decay=0.1),
+            "onebit_adam_step": OneBitAdam(params(), lr=1e-3, weight_decay=0.1, freeze_step=2),
+            "onebit_lamb_step": OneBitLamb(params(), lr=1e-3, weight_decay=0.1, freeze_step=2),
+        }
+        for opt in opts.values():
+            for _ in range(3):  # past the warm-up: the compression stage is timed
+                opt.step()
+        seconds = {k: median_seconds(opt.step, repeat, dev) for k, opt in opts.items()}
+    finally:
+        logging.disable(previous)
+    numel = size * OPTIMIZER_TENSORS
+    return {k: max(0.0, seconds[k] - seconds["adamw"]) * 1e9 / numel for k in OPTIMIZER_STEPS}
+
+
+def _contended_worker(sample: int, processes: int, start, done, out) -> None:
+    """One of :func:`_contended`'s processes: time, report, then keep the machine as busy as
+    before until every process has reported."""
+    torch.set_num_threads(1)
+    start.wait()
+    ns, _ = _measure_codecs(torch.device("cpu"), sample)
+    out.put(ns)
+    with done.get_lock():
+        done.value += 1
+    x = torch.randn(sample)
+    while done.value < processes:
+        x.mul_(1.0001).abs_()
+
+
+def _contended(sample: int, processes: int) -> tuple[dict, str]:
+    """:func:`_measure_codecs` in ``processes`` one-thread processes at once (spawned: a
+    forked torch may hang in its thread pools); the mean of their figures."""
+    ctx = mp.get_context("spawn")
+    start, done, out = ctx.Barrier(processes), ctx.Value("i", 0), ctx.Queue()
+    procs = [
+        ctx.Process(target=_contended_worker, args=(sample, processes, start, done, out), daemon=True)
+        for _ in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=600) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    ns = {k: statistics.mean(r[k] for r in results) for k in results[0]}
+    return ns, f"CPU, {processes} one-thread processes at once on {os.cpu_count()} cores"
 
 
 def _init() -> tuple[int, int, int]:

@@ -10,18 +10,27 @@ which send fp32, are not counted):
 * DDP, PowerSGD and the overlapping methods start each bucket's collective during backward,
   taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
   last bucket is ready only when backward ends);
+* the FSDP world rows (``--sharded`` on several nodes: one FSDP group over every rank,
+  :meth:`_Predictor.world_rows`) gather in forward and backward and reduce-scatter in
+  backward, hidden behind each but one unit's call;
 * the sharded rows exchange at the optimizer step: none of it is hidden (HSDP's all-reduce
   hook overlaps backward like DDP);
 * codec time (encode + decode, per element, :class:`Setup.codec_ns`) is added in full,
   not overlapped: on a GPU the codec's kernels take the SMs from backward. Without codec
-  figures it is not counted, which flatters the low-bit rows (the table says so).
+  figures it is not counted, which flatters the low-bit rows (the table says so);
+* 1-bit Adam's and 1-bit LAMB's compression-stage step beyond AdamW's (LAMB's trust ratios,
+  the staged optimizers' extra passes: ``onebit_adam_step``/``onebit_lamb_step`` of
+  ``codec_ns``, per element the rank steps) is added to their rows' codec column, since
+  the compute time (a calibration step, ``--measure``, or FLOPs) holds AdamW's step at most.
 
 **Memory** (fp32 state per GPU, without weights, gradients and activations): AdamW's two
 moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
 (4 B) and a server error on their 1/P chunk; PowerSGD its error feedback (4 B); BitDP
-none by default (``error_feedback`` off); the sharded rows divide all of it by L. With a
+none by default (``error_feedback`` off); the sharded rows divide all of it by L, the FSDP
+world rows by W (AdamW's 8 B/param; the int4 two-hop row adds its error feedback, 4 B/param
+over L). With a
 GPU's memory known, a row **fits** when that plus fp32 weights and gradients (8 B/param, /L
-sharded) stays within it; activations are not counted, so a row that fits may still not.
+sharded, /W world) stays within it; activations are not counted, so a row that fits may still not.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from functools import lru_cache
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import cost_model_sharded as sh
+from lowbit_strategy.collectives import cost_model_world as cw
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.cost_model import _rounds, bitdp_form
 from lowbit_strategy.collectives.cost_model_nodes import (
@@ -68,11 +78,15 @@ class Setup:
     bucket_size_mb: float = 25.0
     sharded: bool = False
     #: encode + decode nanoseconds per element by codec (``lp``, ``1bit``, ``compensated``,
-    #: ``turboquant``, ``bitdp``), or None: codec time not counted
+    #: ``turboquant``, ``bitdp``, ``powersgd``) and the 1-bit optimizers' step beyond AdamW's
+    #: (``onebit_adam_step``, ``onebit_lamb_step``), or None: codec time not counted
     codec_ns: dict[str, float] | None = None
     codec_note: str = "codec time not counted (no codec figures; pass --measure-codecs)"
     #: bytes of memory per GPU, or None: unknown, every row is taken to fit
     gpu_memory: float | None = None
+    #: the forms TurboQuant's ``auto`` chooses among per bucket (a check against a run that
+    #: compressed passes the compressed ones: the run's own choice, not the planner's)
+    turboquant_forms: tuple[str, ...] = TURBOQUANT_FORMS
 
     @property
     def bucket_numel(self) -> int:
@@ -98,6 +112,26 @@ class Row:
     speedup: float = 0.0
     #: whether weights, gradients and this state fit the GPU's memory (None: unknown)
     fits: bool | None = field(default=None)
+
+
+def turboquant_codec_ns(codec_ns: dict[str, float] | None, form: str, ranks: int) -> float:
+    """TurboQuant's local nanoseconds per element of a bucket sent in ``form`` (a
+    :data:`TURBOQUANT_FORMS` name) among ``ranks``, counted as the algorithm's own plan counts
+    them (:func:`~lowbit_strategy.algorithms.turboquant.plan.measure_codec_seconds`):
+    ``allgather`` one encode, P decodes and P + 2 adds; ``two_stage`` (1 + 1/P) encodes,
+    (2 + 1/P) decodes and 4 adds (the server's re-encode of its chunk, the final decode of
+    every chunk); ``fp32`` none counted (its 1/P scaling is noise beside the wire). From
+    ``turboquant_encode``/``turboquant_decode``/``add`` when measured, else ``turboquant``
+    (encode + decode) once, as reports without the split give it."""
+    ns = codec_ns or {}
+    if form == "fp32":
+        return 0.0
+    if "turboquant_encode" not in ns or "turboquant_decode" not in ns:
+        return ns.get("turboquant", 0.0)
+    enc, dec, add, p = ns["turboquant_encode"], ns["turboquant_decode"], ns.get("add", 0.0), ranks
+    if form == "turboquant_allgather":
+        return enc + p * dec + (p + 2) * add
+    return (1 + 1 / p) * enc + (2 + 1 / p) * dec + 4 * add
 
 
 def _matrix(shape: Shape) -> tuple[int, int] | None:
@@ -146,23 +180,30 @@ class _Predictor:
         return Row(key, method, form, config, link, comm, exposed, codec_s, step, memory)
 
     # -- flat and hierarchical ----------------------------------------------------------------
-    def simple(self, key, method, form, config, name, codec_key, memory, flagged=False, align=64, block=None):
+    def simple(
+        self, key, method, form, config, name, codec_key, memory, flagged=False, align=64, block=None, step_key=None
+    ):
+        """A row whose every bucket goes one way; ``step_key`` the optimizer's step beyond
+        AdamW's (``codec_ns``), over every parameter (each rank steps a full replica)."""
         per = [self.time(name, n, form, flagged, align, block) for n in self.sizes]
         share = self.n / (self.per_node if form == "hierarchical" else 1)
-        return self.row(key, method, form, config, per, self.codec(codec_key, share), memory)
+        codec = self.codec(codec_key, share) + self.codec(step_key, self.n)
+        return self.row(key, method, form, config, per, codec, memory)
 
     def turboquant(self, form: str, memory: float) -> Row:
-        per, coded = [], 0.0
+        per, codec = [], 0.0
+        ranks = self.p if form == "flat" else self.nodes
         for n in self.sizes:
             share = n / (self.per_node if form == "hierarchical" else 1)
-            options = [(self.time(f, n, form, True, 1024, None), f) for f in TURBOQUANT_FORMS]
-            (t, b), f = min(options, key=lambda o: o[0][0] + (o[1] != "fp32") * self.codec("turboquant", share))
+            options = [
+                (self.time(f, n, form, True, 1024, None), share * turboquant_codec_ns(self.s.codec_ns, f, ranks) * 1e-9)
+                for f in self.s.turboquant_forms
+            ]
+            (t, b), c = min(options, key=lambda o: o[0][0] + o[1])
             per.append((t, b))
-            coded += share * (f != "fp32")
+            codec += c
         config = f"algorithm='turboquant', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
-        return self.row(
-            f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, self.codec("turboquant", coded), memory
-        )
+        return self.row(f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, codec, memory)
 
     def bitdp(self, form: str) -> Row:
         per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
@@ -232,7 +273,7 @@ class _Predictor:
                 f: bucket_seconds(
                     bucket_sends(f, m, nodes, flagged=False), replace(self.c, nodes=nodes, ranks_per_node=1)
                 )
-                + (f != "fp32") * self.codec("turboquant", m)
+                + m * turboquant_codec_ns(self.s.codec_ns, f, nodes) * 1e-9
                 for f in TURBOQUANT_FORMS
             }
             return min(cost, key=cost.__getitem__)
@@ -270,6 +311,49 @@ class _Predictor:
                 12.0 * n + server,
             ),
         ]
+
+    # -- one FSDP group over every rank (fsdp_shard="world") -----------------------------------
+    def world_rows(self) -> list[Row]:
+        """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
+        in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or
+        as int4 in two hops (exact inside the node, quantized across), bytes and α–β seconds
+        from :mod:`~lowbit_strategy.collectives.cost_model_world`. FSDP2 prefetches: the
+        forward's gathers hide behind forward compute, the backward's behind backward, except
+        one unit's each (the first gather waits, the last reduce-scatter ends the step). The
+        two-hop row's intra-node hop is timed on the intra link, and its codec (``blockwise``
+        encode + decode of ``codec_ns``) over the 1/L of the gradient a rank sends across."""
+        units = self.s.model.unit_shapes()
+        k = max(1, sum(1 for u in units if u))
+        forward = self.s.compute.seconds - self.backward
+        out = []
+        for key, method, config, rs, two_hop, errors in (
+            ("fsdp_world_bf16", "FSDP world bf16 (+ AdamW)", "fsdp_shard='world', bf16 reduce", "bf16", False, 0.0),
+            (
+                "fsdp_world_int4",
+                "FSDP world int4 (+ AdamW)",
+                "fsdp_shard='world', fsdp_reduce_scatter='int4'",
+                "int4",
+                True,
+                4.0 * self.n / self.per_node,  # the two-hop error feedback: N·c fp32 per rank
+            ),
+        ):
+            sends = cw.world_sends(
+                units,
+                self.nodes,
+                self.per_node,
+                reduce_scatter=rs,
+                two_hop=two_hop,
+                param_itemsize=2,
+                reduce_itemsize=2,
+            )
+            fwd, bwd = cw.world_seconds(sends, self.c)
+            bwd += 8 * sends.total.node / (self.c.intra_gbps * 1e9)
+            exposed = max(fwd - forward, fwd / k) + max(bwd - self.backward, bwd / k)
+            codec = self.codec("blockwise" if rs != "bf16" else None, self.n / self.per_node)
+            step = self.s.compute.seconds + exposed + codec
+            memory = 8.0 * self.n / self.p + errors
+            out.append(Row(key, method, "world", config, float(sends.link), fwd + bwd, exposed, codec, step, memory))
+        return out
 
 
 def predict(setup: Setup) -> list[Row]:
@@ -311,16 +395,23 @@ def predict(setup: Setup) -> list[Row]:
                 4.0 * n,
                 flagged=True,
             ),
-            pr.simple(
-                f"onebit_{form}",
-                "1-bit Adam/LAMB",
-                form,
-                f"algorithm='onebit_adam', topology='{topo}'",
-                "compensated",
-                "compensated",
-                12.0 * n + server,
-                align=ONEBIT_BLOCK,
-                block=ONEBIT_BLOCK,
+            *(
+                pr.simple(
+                    f"{prefix}_{form}",
+                    label,
+                    form,
+                    f"algorithm='{algo}', topology='{topo}'",
+                    "compensated",
+                    "compensated",
+                    12.0 * n + server,
+                    align=ONEBIT_BLOCK,
+                    block=ONEBIT_BLOCK,
+                    step_key=f"{algo}_step",
+                )
+                for prefix, label, algo in (
+                    ("onebit", "1-bit Adam", "onebit_adam"),
+                    ("onebit_lamb", "1-bit LAMB", "onebit_lamb"),
+                )
             ),
             pr.turboquant(form, 12.0 * n + server),
             pr.bitdp(form),
@@ -328,13 +419,15 @@ def predict(setup: Setup) -> list[Row]:
     if setup.sharded:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
         rows += pr.sharded_rows(lane)
+        if setup.cluster.nodes > 1:
+            rows += pr.world_rows()
     base = next(r for r in rows if r.key == "ddp_bf16").step_s
-    per_node = setup.cluster.ranks_per_node
+    shards = {"sharded": setup.cluster.ranks_per_node, "world": setup.cluster.world_size}
 
     def fits(r: Row) -> bool | None:
         if setup.gpu_memory is None:
             return None
-        return r.memory_bytes + 8.0 * n / (per_node if r.form == "sharded" else 1) <= setup.gpu_memory
+        return r.memory_bytes + 8.0 * n / shards.get(r.form, 1) <= setup.gpu_memory
 
     return [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
 
@@ -363,7 +456,12 @@ def recommend(rows: list[Row]) -> str:
             f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
             f"sharded low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
         )
-    if best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN:
+    if best.form == "world" and not any(r.form != "world" for r in fitting):
+        return (
+            f"Use {best.method} ({best.config}): only one FSDP group over every rank fits the GPU's memory "
+            f"(predicted {best.step_s:.3g} s per step)."
+        )
+    if base.fits is not False and (best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN):
         return (
             f"Use DDP with bf16 communication: its exposed communication is {share:.0%} of the step, so no "
             f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "

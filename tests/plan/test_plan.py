@@ -1,5 +1,6 @@
 """lowbit-plan: the table and JSON from a parameter count and from a Hugging Face config, the
 recommendation on fast and slow links, and bad inputs named. Fast: arithmetic only."""
+
 import json
 
 import pytest
@@ -27,7 +28,8 @@ def _run(capsys, *argv):
 def test_table_from_a_parameter_count(capsys):
     code, out, _ = _run(capsys, *SMALL, "--link", "1gbit")
     assert code == 0
-    for method in ("DDP fp32", "DDP bf16", "PowerSGD rank 4", "Lion Cub", "1-bit Adam/LAMB", "TurboQuant", "BitDP"):
+    methods = ("DDP fp32", "DDP bf16", "PowerSGD rank 4", "Lion Cub", "1-bit Adam", "1-bit LAMB", "TurboQuant", "BitDP")
+    for method in methods:
         assert method in out
     assert "hierarchical" in out and "overlap:" in out and "codec time not counted" in out
     assert out.strip().splitlines()[-1].startswith("Use ")
@@ -121,3 +123,75 @@ def test_codec_times_from_a_report(tmp_path, capsys):
     report.write_text("{}")
     code, _, err = _run(capsys, *SMALL, "--codecs", str(report))
     assert code == 2 and "--codecs" in err
+
+
+def test_optimizer_steps_and_turboquant_forms_priced_from_the_report(tmp_path, capsys):
+    """1-bit LAMB's step beyond AdamW's lands on its rows only, over every parameter; with
+    TurboQuant's encode and decode apart, each form counts them as the algorithm's plan does."""
+    ns = {"onebit_adam_step": 1.0, "onebit_lamb_step": 3.0, "turboquant_encode": 2.0, "turboquant_decode": 1.0}
+    report = tmp_path / "codecs.json"
+    report.write_text(json.dumps({"device": "test", "ns_per_element": ns}))
+    code, out, _ = _run(capsys, *SMALL, "--link", "100mbit", "--codecs", str(report), "--json")
+    rows = {r["key"]: r for r in json.loads(out)["rows"]}
+    assert code == 0
+    for form in ("flat", "hierarchical"):
+        assert rows[f"onebit_{form}"]["codec_s"] == pytest.approx(1e-9 * 1e8)
+        assert rows[f"onebit_lamb_{form}"]["codec_s"] == pytest.approx(3e-9 * 1e8)
+        assert rows[f"onebit_lamb_{form}"]["link_bytes"] == rows[f"onebit_{form}"]["link_bytes"]
+    # P = 8: allgather 1 encode + 8 decodes; two-stage 1.125 encodes + 2.125 decodes (no adds given)
+    assert predict.turboquant_codec_ns(ns, "turboquant_allgather", 8) == pytest.approx(2 + 8)
+    assert predict.turboquant_codec_ns(ns, "turboquant_two_stage", 8) == pytest.approx(2.25 + 2.125)
+    assert predict.turboquant_codec_ns(ns, "fp32", 8) == 0
+    assert predict.turboquant_codec_ns({"turboquant": 5.0}, "turboquant_two_stage", 8) == 5.0  # older reports
+
+
+def test_measured_codecs_name_every_figure():
+    """Every key the planner reads, from a tiny sample on this CPU (one process)."""
+    from lowbit_strategy.plan.measure import OPTIMIZER_STEPS, measure_codecs
+
+    ns, device = measure_codecs("cpu", sample=4096)
+    keys = {"lp", "1bit", "compensated", "turboquant", "turboquant_encode", "turboquant_decode", "add", "blockwise"}
+    assert keys | {"bitdp", "powersgd", *OPTIMIZER_STEPS} <= set(ns) and "CPU" in device
+    assert all(v >= 0 for v in ns.values())
+
+
+@pytest.mark.slow
+def test_contended_codecs_run_in_that_many_processes():
+    from lowbit_strategy.plan.measure import measure_codecs
+
+    ns, device = measure_codecs("cpu", sample=4096, processes=2)
+    assert "2 one-thread processes" in device and ns["turboquant_encode"] > 0
+
+
+def test_world_rows_for_a_model_that_does_not_fit_a_node():
+    """--sharded on several nodes adds FSDP over every rank, exact bf16 and int4 in two hops,
+    with cost_model_world's bytes; a 70 B model on 8 x 8 H100 fits only that way."""
+    from lowbit_strategy.collectives import cost_model_world as cw
+
+    argv = ["--params", "7e10", "--nodes", "8", "--gpus-per-node", "8", "--link", "25gbit", "--compute-s", "10"]
+    setup = cli.setup_from(cli.parser().parse_args([*argv, "--gpu", "h100", "--sharded"]))
+    rows = {r.key: r for r in predict.predict(setup)}
+    bf16, int4 = rows["fsdp_world_bf16"], rows["fsdp_world_int4"]
+    units = setup.model.unit_shapes()
+    exact = cw.world_sends(units, 8, 8, reduce_scatter="bf16", param_itemsize=2, reduce_itemsize=2)
+    assert bf16.link_bytes == exact.link and bf16.form == int4.form == "world"
+    assert int4.link_bytes < bf16.link_bytes and int4.memory_bytes > bf16.memory_bytes  # error feedback
+    assert bf16.fits and int4.fits and rows["hsdp_bf16"].fits is False and rows["ddp_bf16"].fits is False
+    sentence = predict.recommend(list(rows.values()))
+    assert "fsdp_shard='world'" in sentence, sentence
+    # one node: no world rows (FSDP inside the node is the sharded rows' layout)
+    one = cli.setup_from(cli.parser().parse_args([*argv[:2], "--nodes", "1", "--compute-s", "1", "--sharded"]))
+    assert not any(r.form == "world" for r in predict.predict(one))
+
+
+def test_gpu_check_writes_codecs_the_planner_reads(tmp_path, capsys):
+    """benchmarks/gpu_check.py's codecs.json, read back by lowbit-plan --codecs (the format only)."""
+    from benchmarks.gpu_check import write_codecs
+
+    path = tmp_path / "gpu" / "codecs.json"
+    write_codecs({"lp": 0.02, "turboquant_encode": 0.01, "turboquant_decode": 0.01}, "NVIDIA H100", path)
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--codecs", str(path), "--json")
+    plan = json.loads(out)
+    assert code == 0 and any("codecs.json (NVIDIA H100)" in a for a in plan["assumptions"])
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(0.02e-9 * 1e8, rel=1e-3)
