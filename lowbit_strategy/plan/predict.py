@@ -27,8 +27,8 @@ which send fp32, are not counted):
 moments 8 B/param, Lion's one 4 B; 1-bit Adam/LAMB and TurboQuant add a worker error
 (4 B) and a server error on their 1/P chunk; PowerSGD its error feedback (4 B); BitDP
 none by default (``error_feedback`` off); the sharded rows divide all of it by L, the FSDP
-world rows by W (AdamW's 8 B/param; the int4 two-hop row adds its error feedback, 4 B/param
-over L). With a
+world rows by W (AdamW's 8 B/param; the int4 row without error feedback, off by default:
+``fsdp_error_feedback`` would add 4 B/param over L). With a
 GPU's memory known, a row **fits** when that plus fp32 weights and gradients (8 B/param, /L
 sharded, /W world) stays within it; activations are not counted, so a row that fits may still not.
 """
@@ -334,7 +334,7 @@ class _Predictor:
                 "fsdp_shard='world', fsdp_reduce_scatter='int4'",
                 "int4",
                 True,
-                4.0 * self.n / self.per_node,  # the two-hop error feedback: N·c fp32 per rank
+                0.0,  # fsdp_error_feedback is off by default (on: 4 B/param over L, N·c fp32 per rank)
             ),
         ):
             sends = cw.world_sends(
