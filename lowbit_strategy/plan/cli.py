@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from lowbit_strategy.collectives.cost_model_nodes import Cluster
-from lowbit_strategy.plan import inputs, predict
+from lowbit_strategy.plan import inputs, predict, recommend
 
 #: where a GPU run leaves codec timings (ns per element by codec), read when present
 GPU_CODECS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "codecs.json"
@@ -164,7 +164,7 @@ def table(rows: list[predict.Row]) -> str:
 
 def render(setup: predict.Setup, as_json: bool, measured: str = "", fit: dict | None = None) -> str:
     rows = predict.predict(setup)
-    sentence = predict.recommend(rows)
+    sentence = recommend.recommend(rows)
     notes = assumptions(setup, measured)
     if as_json:
         out = {

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lowbit_strategy.plan import cli, inputs, predict
+from lowbit_strategy.plan import cli, inputs, predict, recommend
 
 SMALL = ["--params", "1e8", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5"]
 LLAMA3_8B = {
@@ -76,7 +76,7 @@ def test_model_sizes():
 def test_recommendation_flips_with_the_link(link, ddp):
     args = cli.parser().parse_args([*SMALL, "--link", link])
     rows = predict.predict(cli.setup_from(args))
-    sentence = predict.recommend(rows)
+    sentence = recommend.recommend(rows)
     assert sentence.startswith("Use DDP with bf16 communication") == ddp, sentence
     if not ddp:
         best = min(rows, key=lambda r: r.step_s)
@@ -178,7 +178,7 @@ def test_world_rows_for_a_model_that_does_not_fit_a_node():
     # fewer bytes; the same state (fsdp_error_feedback is off by default)
     assert int4.link_bytes < bf16.link_bytes and int4.memory_bytes == bf16.memory_bytes
     assert bf16.fits and int4.fits and rows["hsdp_bf16"].fits is False and rows["ddp_bf16"].fits is False
-    sentence = predict.recommend(list(rows.values()))
+    sentence = recommend.recommend(list(rows.values()))
     assert "fsdp_shard='world'" in sentence, sentence
     # one node: no world rows (FSDP inside the node is the sharded rows' layout)
     one = cli.setup_from(cli.parser().parse_args([*argv[:2], "--nodes", "1", "--compute-s", "1", "--sharded"]))
