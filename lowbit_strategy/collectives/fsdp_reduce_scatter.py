@@ -13,7 +13,7 @@ with FSDP dividing around it (fp16, ``set_force_sum_reduction_for_comms(True)``)
 One hop (the group inside one node, or a flat topology): each row is quantized in blocks
 (:mod:`lowbit_strategy.codecs.blockwise`: symmetric, one float32 scale per 256 elements,
 stochastic rounding at 2 bits) and exchanged with ``all_to_all_single`` (codes, then scales);
-every rank dequantizes the ``W`` rows it receives and sums them in float32 in rank order,
+every rank dequantizes the ``W`` rows it receives and sums them in float32 (``rank_sum``'s order),
 its own row exact (it never crosses the wire). Bytes sent per rank:
 ``(W-1)·(code bytes + scale bytes)`` of one row.
 
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.codecs import blockwise
+from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
 
@@ -65,11 +66,10 @@ BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Float32 sum of a ``(P, c)`` tensor's rows, in row order (a fixed order on every device)."""
-    acc = rows[0].to(torch.float32).clone()
-    for i in range(1, rows.shape[0]):
-        acc += rows[i]
-    return acc
+    """Float32 sum of a ``(P, c)`` tensor's rows in :func:`~lowbit_strategy.codecs.reduce.rank_sum`'s
+    fixed pairwise order (the same bits on every device, log2 P kernels). Callers pass rows
+    they own: with one row the result is a view of it."""
+    return rank_sum(rows.to(torch.float32))
 
 
 def salt(unit: int, rank: int) -> int:
@@ -104,7 +104,7 @@ def exchange_sum(
     error: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row ``r`` of ``(P, c)`` ``rows`` goes to rank ``r`` of ``group``; returns the float32 sum,
-    in rank order, of the rows this rank receives (its own row exact). ``bits`` None: the rows
+    in rank_sum's order, of the rows this rank receives (its own row exact). ``bits`` None: the rows
     travel in their dtype; else blockwise codes and scales (``error``: :func:`encode_rows`)."""
     p, c = rows.shape
     me = g.rank(group)
