@@ -197,17 +197,16 @@ def _unit_hook(sync: Sync, params: list[torch.Tensor]) -> Callable[[torch.Tensor
     return hook
 
 
-def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync) -> None:
+def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes: hierarchy.Topology) -> None:
     """Every unit's reduce-scatter becomes ``cfg.fsdp_reduce_scatter``'s
     (:mod:`lowbit_strategy.collectives.fsdp_reduce_scatter`): two hops when the FSDP group is
-    the world and it spans nodes (the launcher's node layout), else one. Its bytes go to
+    the world and it spans nodes (``nodes``: the launcher's node layout as ``build_sync``
+    resolved it, with its node and cross-node groups), else one. Its bytes go to
     ``sync.node_traffic``, each with its scope."""
     world, rank = dist.get_world_size(), dist.get_rank()
     hops = None
-    if mesh["shard"].size() == world > 1:
-        nodes = hierarchy.resolve(cfg, None)  # collective; the groups are shared with the DDP path's
-        if nodes.hierarchical:
-            hops = (nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
+    if mesh["shard"].size() == world > 1 and nodes.hierarchical:
+        hops = (nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
     bits = fsdp_reduce_scatter.BITS[cfg.fsdp_reduce_scatter]
     comms = []
     for i, (unit, _) in enumerate(units):
@@ -297,7 +296,7 @@ def attach_sharded(
         if params:
             unit.set_all_reduce_hook(_unit_hook(sync, params))  # type: ignore[operator]
     if cfg.fsdp_reduce_scatter != "fp32":
-        _quantize_reduce_scatters(units, cfg, mesh, sync)
+        _quantize_reduce_scatters(units, cfg, mesh, sync, topology)
     attach_optimizers(sync, list(optimizers))
     logger.info(
         "lowbit: %s sharded: FSDP2 inside %d node(s) of %d rank(s), the low-bit exchange across nodes",
