@@ -67,9 +67,9 @@ demo-hf: $(STAMP)
 	    $(VENV)/bin/torchrun --nproc-per-node 2 examples/hf_trainer_finetune.py $(HF_ARGS)
 
 # The first command on a machine with GPUs: Triton kernels compiled and bit-exact, the kernel
-# benchmark, an NCCL training run of every algorithm (benchmarks/gpu_check.py). Exits 0 without a GPU.
+# benchmark, ranks sharing the GPU over gloo, where the time goes (benchmarks/gpu_check/). Exits 0 without a GPU.
 gpu-check: $(STAMP)
-	$(PY) -m benchmarks.gpu_check
+	$(PY) -m benchmarks.gpu_check --out benchmarks/results/gpu
 
 # End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e.py)
 bench-e2e-quick: $(STAMP)

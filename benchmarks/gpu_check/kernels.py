@@ -1,0 +1,29 @@
+"""Part 1: the TurboQuant Triton kernels compiled for this GPU, bit-exact against the torch
+codec: ``tests/codecs/test_turboquant_triton.py`` run without ``TRITON_INTERPRET`` (so Triton
+compiles for the device instead of interpreting on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from benchmarks.gpu_check import ROOT, Part
+
+TEST = "tests/codecs/test_turboquant_triton.py"
+
+
+def run(args) -> Part:
+    part = Part("kernels", "1. Triton kernels on this GPU, bit-exact against the torch codec")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOWBIT_EMULATE_NCCL")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST, "-m", "slow or not slow"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    print("\n".join(tail[-15:]), flush=True)
+    last = tail[-1] if tail else "(no output)"
+    part.data = {"returncode": proc.returncode, "summary": last}
+    part.markdown = f"`pytest {TEST}` without the interpreter: {last}"
+    if proc.returncode != 0:
+        part.failures.append(f"{TEST}: {last}")
+    return part
