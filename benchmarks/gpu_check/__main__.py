@@ -75,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=None,
                         help=f"comma-separated subset of {','.join(PARTS)} (default: all; with --cpu: "
                              f"{','.join(CPU_PARTS)})")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run in part 3 (default 12, --cpu 8)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per run in part 3 (default 12)")
     args = parser.parse_args(argv)
-    if args.steps is None:
-        args.steps = 8 if args.cpu else 12
     if not args.cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here, nothing to check. Without a GPU the project is verified by the CPU "
               "suite (NCCL's completion semantics emulated, Triton kernels in the interpreter), and "

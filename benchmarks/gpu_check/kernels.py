@@ -17,8 +17,8 @@ def run(args) -> Part:
     part = Part("kernels", "1. Triton kernels on this GPU, bit-exact against the torch codec")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOWBIT_EMULATE_NCCL")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST, "-m", "slow or not slow"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST, "-m", "slow or not slow"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     print("\n".join(tail[-15:]), flush=True)
     last = tail[-1] if tail else "(no output)"

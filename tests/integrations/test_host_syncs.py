@@ -11,9 +11,6 @@ the reads are counted where they start: the Python entry points of ``torch.Tenso
 while ``optimizer.step()`` runs is counted.
 """
 
-import threading
-import traceback
-
 import pytest
 import torch
 from torch import nn
@@ -21,10 +18,9 @@ from torch import nn
 import lowbit_strategy
 from lowbit_strategy import Lion, LowBitConfig, OneBitAdam, OneBitLamb, TurboQuantAdamW
 from tests.distributed import run_ranks
+from tests.host_reads import HostReads
 from tests.training import loss, model
 
-#: torch.Tensor methods that read a tensor's value on the host
-READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "nonzero", "cpu")
 STEPS = 5
 
 #: (name, LowBitConfig keyword arguments, optimizer factory): every registered algorithm,
@@ -41,51 +37,6 @@ CASES = [
     *[(f"turboquant-{f}", dict(algorithm="turboquant", turboquant_form=f, turboquant_block=16, bucket_size_mb=0.0005),
        lambda ps: TurboQuantAdamW(ps, lr=1e-3, warmup_steps=2)) for f in ("allgather", "two_stage")],
 ]
-
-
-class HostReads:
-    """Counts calls of :data:`READS` (and ``torch.nonzero``) made while a phase is open."""
-
-    def __init__(self):
-        self.phase: str | None = None
-        self.counts: dict[str, int] = {}
-        self.where: dict[str, list[str]] = {}
-        self._lock = threading.Lock()
-        self._saved = {}
-
-    def _wrap(self, orig):
-        def counted(*args, **kwargs):
-            phase = self.phase
-            if phase is not None:
-                with self._lock:
-                    self.counts[phase] = self.counts.get(phase, 0) + 1
-                    self.where.setdefault(phase, []).append("".join(traceback.format_stack(limit=6)[:-1]))
-            return orig(*args, **kwargs)
-
-        return counted
-
-    def __enter__(self):
-        for name in READS:
-            self._saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
-        self._saved[(torch, "nonzero")] = torch.nonzero
-        torch.nonzero = self._wrap(torch.nonzero)
-        return self
-
-    def __exit__(self, *exc):
-        for (owner, name), orig in self._saved.items():
-            setattr(owner, name, orig)
-
-    def run(self, phase: str, fn):
-        self.phase = phase
-        try:
-            return fn()
-        finally:
-            self.phase = None
-
-    def take(self, phase: str) -> tuple[int, list[str]]:
-        with self._lock:
-            return self.counts.pop(phase, 0), self.where.pop(phase, [])
 
 
 def _check(rank, world_size):
