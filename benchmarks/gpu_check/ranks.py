@@ -182,7 +182,8 @@ def _markdown(records: list[dict], gaps: dict, args) -> str:
     head = ["run", "front end", "device", "P", "layout", "replicas identical", "loss", "NaN skipped everywhere",
             "backward host reads / CUDA syncs", "side-stream phases", "fp32 bytes ÷ sent", "ms/step",
             "vs CPU: loss gap / update gap"]
-    note = (f"\n\n{args.steps} steps per run, rank 1's loss NaN at step {args.steps // 2}; backend `cpu:gloo,cuda:gloo`, "
+    note = (f"\n\n{args.steps} steps per run, rank 1's loss NaN at step {args.steps // 2}; "
+            "backend `cpu:gloo,cuda:gloo`, "
             f"one GPU shared by every rank. The CPU twin is the same run on CPU processes; tolerances: loss "
             f"{LOSS_TOL:.0%} at every step, final-parameter disagreement ≤ {UPDATE_TOL} of the update. "
             "Side-stream phases: deferred second phases run on the CUDA side stream (0 on CPU by construction; "
