@@ -55,6 +55,9 @@ LAYOUTS = {
     "2x2": {"topology": "hierarchical", "ranks_per_node": 2},
 }
 SAMPLES, FEATURES, CLASSES, BATCH = 64, 256, 16, 8
+#: torch.distributed calls counted by the device of their tensors (which run on CUDA over gloo)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_to_all_single",
+               "broadcast", "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list")
 
 
 def config(run: str, layout: str) -> lb.LowBitConfig:
@@ -107,13 +110,31 @@ class Counters:
             return orig(side, device, handle, phase)
 
         self._orig, self._counted = orig, counted
+        #: (collective, device type of its first tensor) -> calls, over every run
+        self.collectives: dict[str, int] = {}
+        self._saved: dict[str, object] = {}
+
+    def _count(self, name: str, fn):
+        def counted(*args, **kwargs):
+            t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            key = f"{name} ({t.device.type if t is not None else 'objects'})"
+            self.collectives[key] = self.collectives.get(key, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
 
     def __enter__(self):
         self.reads.__enter__()
         streams.SideStream.run = self._counted
+        for name in COLLECTIVES:
+            if hasattr(dist, name):  # all_gather_single: newer torch only
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._count(name, self._saved[name]))
         return self
 
     def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
         streams.SideStream.run = self._orig
         self.reads.__exit__(*exc)
 
@@ -327,6 +348,8 @@ def main() -> None:
                                 "error": f"{type(exc).__name__}: {exc}"[:800]}
                         print(f"RANKFAIL {json.dumps(said)}", flush=True)
                         raise
+    if rank == 0:
+        print("RANKCOLLECTIVES " + json.dumps(counters.collectives), flush=True)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
