@@ -104,7 +104,7 @@ def _buckets(model: GPT) -> tuple[list[list[torch.nn.Parameter]], int]:
     return [[order[i] for i in r] for r in plan], mb
 
 
-def _builders(quantized: dict[int, bool], lanes: dict[str, int]):
+def _builders(quantized: dict[int, bool], lanes: dict[str, int], cuda: bool):
     """Per codec: bucket params -> Work on the bucket's gradients (``lanes``: Lion Cub's lanes
     and the world size each is timed at). BitDP takes the bucket's
     quantized matrices only (the rest travels in float32, no codec)."""
@@ -123,6 +123,8 @@ def _builders(quantized: dict[int, bool], lanes: dict[str, int]):
         "bitdp": bitdp,
         "turboquant": lambda ps: cw.turboquant(flat(ps), SERVER_P),
     })
+    if cuda:  # auto runs the Triton kernels on CUDA: the torch backend beside them
+        out["turboquant_torch"] = lambda ps: cw.turboquant(flat(ps), SERVER_P, "torch")
     return out
 
 
@@ -213,7 +215,7 @@ def _run(args) -> Part:
     chosen = classify(model)
     quantized = {id(p): chosen[id(p)].quantized for p in model.parameters()}
     lanes = {_lane(p): p for p in WORLDS}  # Lion Cub's lane at each world size, timed at that P
-    times = _codec_times(bucket_list, _builders(quantized, lanes), dev, part)
+    times = _codec_times(bucket_list, _builders(quantized, lanes, cuda), dev, part)
     try:
         steps = _optimizer_ns(dev, min(n, 1 << 24))
     except Exception as exc:
@@ -242,6 +244,11 @@ def _run(args) -> Part:
         total = t["total"] + extra
         rows_codec.append([label] + [f"{t[s] * 1e3:.2f}" for s in ("encode", "server", "decode")]
                           + [f"{extra * 1e3:.2f}", f"{total * 1e3:.2f}", f"{total / compute_s:.0%}"])
+    if "turboquant_torch" in times:
+        t = times["turboquant_torch"]
+        rows_codec.append(["TurboQuant 4-bit, torch backend (not projected)"]
+                          + [f"{t[s] * 1e3:.2f}" for s in ("encode", "server", "decode")]
+                          + ["0.00", f"{t['total'] * 1e3:.2f}", f"{t['total'] / compute_s:.0%}"])
     part.data = {"model": dict(shape, parameters=n, buckets=len(bucket_list), bucket_size_mb=mb, batch=batch,
                                loss=loss, forward_backward_ms=compute_s * 1e3),
                  "codec_ms": {k: {s: v * 1e3 for s, v in d.items()} for k, d in times.items()},
@@ -291,6 +298,8 @@ def _run(args) -> Part:
         "", "Codec time per step, ms (real codec calls on every bucket, summed; server: its chunk from "
         f"P = {SERVER_P} gathered rows; Lion Cub at its P = {WORLDS[0]} lane {_lane(WORLDS[0])}):", "",
         table(["algorithm", "encode", "server", "decode", "optimizer beyond AdamW", "total", "of fwd+bwd"], rows_codec),
+        "", "TurboQuant's rows run its default backend (`auto`: the Triton kernels on CUDA, torch on a CPU); on CUDA "
+        "the torch backend's time is shown beside it, not projected.",
         "", "Projected step time (`lowbit_strategy.plan.predict`, the planner's model) with the compute and codec "
         f"times above: P nodes of one GPU, ring allreduce for DDP, α = {ALPHA_US:g} µs per message round, "
         "communication overlapping backward (2/3 of compute; the last bucket's exposed), codec time added in full, "
