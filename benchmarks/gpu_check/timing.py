@@ -1,0 +1,42 @@
+"""Timing for parts 2 and 4: CUDA events on a GPU (the kernels' time on the stream, after a
+warm-up that compiles kernels and grows the allocator), the wall clock on a CPU; the median
+of a few calls."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_s(fn: Callable[[], object], device: torch.device, repeat: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``repeat`` calls of ``fn`` after ``warmup`` calls. On CUDA each call
+    is bracketed by two events on the current stream (so a call that syncs the host counts
+    its idle gaps too, as a training step would wait for them)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_s(numel: int, device: torch.device, repeat: int = 5) -> float:
+    """Median seconds of a device-to-device copy of ``numel`` float32 (``dst.copy_(src)``)."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return median_s(lambda: dst.copy_(src), device, repeat)
