@@ -15,8 +15,9 @@ import torch
 
 from benchmarks.gpu_check import ROOT, Part
 
-#: part name -> module, in the order they run (the package docstring's 1-4)
-PARTS = {"kernels": "kernels", "codecs": "codec_speed", "ranks": "ranks", "time": "where_time"}
+#: part name -> module, in the order they run: the correctness parts first, so a run cut short
+#: by its time limit has them (the report is rewritten after every part)
+PARTS = {"kernels": "kernels", "ranks": "ranks", "codecs": "codec_speed", "time": "where_time"}
 #: what ``--cpu`` runs: the parts a CPU can check (the script, not CUDA)
 CPU_PARTS = ("ranks", "time")
 
@@ -66,6 +67,14 @@ def render(env: dict, parts: list[Part]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(out: Path, env: dict, parts: list[Part], started: float) -> None:
+    (out / "report.md").write_text(render(env, parts))
+    (out / "report.json").write_text(json.dumps(
+        {"environment": env, "seconds": time.perf_counter() - started,
+         "parts": {p.name: {"title": p.title, "passed": p.passed, "failures": p.failures, "seconds": p.seconds,
+                            "data": p.data} for p in parts}}, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="make gpu-check: what only a GPU can show (see the package docstring)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu",
@@ -90,13 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check on {env['device']}, torch {env['torch']}, Triton {env['triton']}: parts {', '.join(names)}",
           flush=True)
     started = time.perf_counter()
-    parts = [_run_part(n, args) for n in names]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.md").write_text(render(env, parts))
-    (args.out / "report.json").write_text(json.dumps(
-        {"environment": env, "seconds": time.perf_counter() - started,
-         "parts": {p.name: {"title": p.title, "passed": p.passed, "failures": p.failures, "seconds": p.seconds,
-                            "data": p.data} for p in parts}}, indent=1, default=str) + "\n")
+    parts: list[Part] = []
+    for n in names:
+        parts.append(_run_part(n, args))
+        _write(args.out, env, parts, started)
     print(f"\ngpu-check summary ({time.perf_counter() - started:.0f} s; {args.out / 'report.md'}):")
     for p in parts:
         print(f"  {'ok  ' if p.passed else 'FAIL'} {p.title}" + (f": {'; '.join(p.failures)}" if p.failures else ""))
