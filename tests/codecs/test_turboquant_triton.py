@@ -207,6 +207,13 @@ def test_backend_selection(monkeypatch):
     # kernels built for the interpreter are never picked for CUDA tensors by "auto"
     assert not TurboQuantCodec(backend="auto")._use_triton(torch.device("cuda"))
     monkeypatch.setattr(tt, "INTERPRETED", False)
+    # compiled kernels on CUDA: auto decodes with Triton, encodes with torch (measured faster)
+    from lowbit_strategy.codecs import turboquant
+
+    monkeypatch.setattr(turboquant, "_TRITON_OK", True)
+    auto = TurboQuantCodec(backend="auto")
+    assert auto._use_triton(torch.device("cuda")) and not auto._use_triton(torch.device("cuda"), "encode")
+    assert TurboQuantCodec(backend="triton")._use_triton(torch.device("cuda"), "encode")
     with pytest.raises(RuntimeError, match=r"needs a CUDA tensor.*TRITON_INTERPRET=1"):
         TurboQuantCodec(backend="triton").encode(torch.randn(64))
     monkeypatch.setattr(tt, "AVAILABLE", False)
