@@ -47,7 +47,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, layouts: str, cpu: bool, steps: int, out: Path) -> list[subprocess.Popen]:
+def _launch(world: int, layouts: str, cpu: bool, steps: int, out: Path, logs_dir: Path) -> list[subprocess.Popen]:
     port = _port()
     procs = []
     for rank in range(world):
@@ -59,8 +59,8 @@ def _launch(world: int, layouts: str, cpu: bool, steps: int, out: Path) -> list[
         cmd = [sys.executable, "-m", "benchmarks.gpu_check.ranks_worker", "--steps", str(steps), "--layouts", layouts,
                "--out", str(out)] + (["--cpu"] if cpu else [])
         # to files, not pipes: a rank blocked on a full pipe would hang its peers in a collective
-        logs = (open(out / f"P{world}-{layouts}-{'cpu' if cpu else 'cuda'}-{rank}.out", "w+"),
-                open(out / f"P{world}-{layouts}-{'cpu' if cpu else 'cuda'}-{rank}.err", "w+"))
+        stem = logs_dir / f"P{world}-{layouts.replace(',', '+')}-{'cpu' if cpu else 'cuda'}-rank{rank}"
+        logs = (open(f"{stem}.out", "w+"), open(f"{stem}.err", "w+"))
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[0], stderr=logs[1], text=True)
         proc.logs = logs
         procs.append(proc)
@@ -146,6 +146,8 @@ def run(args) -> Part:
     launches = [(2, "flat"), (4, "flat,2x2")] if not args.cpu else [(2, "flat"), (4, "2x2")]
     devices = ["cpu"] if args.cpu else ["cuda", "cpu"]
     records, failures = [], []
+    logs_dir = args.out / "ranks-logs"  # every rank's stdout and stderr, kept for a failure's diagnosis
+    logs_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         params = Path(tmp)
         # CUDA launches and their CPU twins run at once on a GPU machine (it has the cores);
@@ -154,7 +156,7 @@ def run(args) -> Part:
             [[(w, lay, "cpu")] for w, lay in launches]
         for group in groups:
             deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            started = [(f"{dev} P={w} {lay}", _launch(w, lay, dev == "cpu", args.steps, params))
+            started = [(f"{dev} P={w} {lay}", _launch(w, lay, dev == "cpu", args.steps, params, logs_dir))
                        for w, lay, dev in group]
             print(f"   launched {', '.join(n for n, _ in started)}", flush=True)
             for name, procs in started:
