@@ -62,13 +62,11 @@ Choices (the paper's formulas for these steps did not survive; documented here):
   decoded bits); the tail past the last full block, and blocks above 8192 elements, run the
   torch code. Needs ``triton`` (``pip install "lowbit-strategy[triton]"``) and CUDA tensors,
   or CPU tensors with ``TRITON_INTERPRET=1`` set before the first Triton use (slow: tests).
-* ``"auto"`` (default): for CUDA tensors when triton is installed, the Triton *decode* and
-  the torch *encode*; otherwise ``"torch"``. Decided per call from the tensor's device, so one
-  codec serves CPU and GPU. Why the torch encode: measured on an H100 (torch 2.11, Triton
-  3.6; ``python -m benchmarks.gpu_check``, part 2), the Triton encode kernel ran at 0.9 GB/s
-  of float32 input (71 ms for 2^24 elements) against torch's 27 GB/s (2.5 ms), while the
-  Triton decode ran at 300-860 GB/s against torch's 50. The encode kernel stays available
-  (``backend="triton"``) and bit-exact; ``"auto"`` picks it again once it measures faster.
+* ``"auto"`` (default): ``"triton"`` for CUDA tensors when triton is installed, otherwise
+  ``"torch"``. Decided per call from the tensor's device, so one codec serves CPU and GPU.
+  Measured on an H100 (torch 2.11, Triton 3.6; ``python -m benchmarks.gpu_check``, part 2):
+  at 2^26 float32 elements the Triton encode takes 0.46 ms (580 GB/s of input) against
+  torch's 9.3 ms, the decode 0.26 ms against 4.9 ms.
 
 The backends agree bit for bit on one device type, so ranks may mix them there (a payload
 encoded by one decodes identically by the other).
@@ -134,9 +132,19 @@ def _stream(cache: dict[torch.device, torch.Tensor], device: torch.device, n: in
     have = cache.get(device)
     covered = 0 if have is None else have.numel() * (8 if have.dtype == torch.uint8 else 1)
     if have is None or covered < n:
-        have = draw(-(-max(n, 2 * covered) // 8) * 8).to(device)
-        cache[device] = have
+        have = cache[device] = _to_device(draw(-(-max(n, 2 * covered) // 8) * 8), device)
     return have
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU ``t`` on ``device``; to a GPU through pinned memory, asynchronously. A pageable
+    copy synchronizes the host with the GPU, and the codec's tables and sign streams reach
+    a device inside DDP's hooks, during backward (2 to 6 syncs per run, found on an H100 by
+    ``benchmarks/gpu_check`` part 3). The caching host allocator keeps the pinned block
+    until the copy has run."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass(frozen=True)
@@ -216,7 +224,7 @@ class TurboQuantCodec:
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._device_tables.get(device)
         if t is None:
-            t = self._device_tables[device] = (self._levels.to(device), self._midpoints.to(device))
+            t = self._device_tables[device] = (_to_device(self._levels, device), _to_device(self._midpoints, device))
         return t
 
     def signs(self, n: int, device: torch.device) -> torch.Tensor:
@@ -245,13 +253,12 @@ class TurboQuantCodec:
             raise ValueError(f"scale must hold 1 or ceil(n / block) = {groups} values, got {s.numel()}")
         return s.clone()
 
-    def _use_triton(self, device: torch.device, op: str = "decode") -> bool:
-        """Whether this ``op`` (``"encode"`` or ``"decode"``) runs the Triton kernels (see
-        ``backend`` in the module docstring: ``"auto"`` encodes with torch)."""
+    def _use_triton(self, device: torch.device) -> bool:
+        """Whether this call runs the Triton kernels (see ``backend`` in the module docstring)."""
         if self.backend == "torch" or self.block > _MAX_FUSED_BLOCK:
             return False
         if self.backend == "auto":
-            return op == "decode" and device.type == "cuda" and _triton_available()
+            return device.type == "cuda" and _triton_available()
         tt = _triton_module()
         tt.check_device(device)
         return True
@@ -303,7 +310,7 @@ class TurboQuantCodec:
             codes = torch.zeros(0, dtype=torch.uint8, device=x.device)
             return TurboQuantPayload(codes, scales, x.shape, x.dtype, 0, self.bits, self.block)
         given = None if scale is None else self._check_scale(scale, n, x.device)
-        if self._use_triton(x.device, "encode"):
+        if self._use_triton(x.device):
             codes, scales = self._encode_triton(x, given)
         else:
             v = x.reshape(-1).to(torch.float32)

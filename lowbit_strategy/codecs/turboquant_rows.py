@@ -75,7 +75,7 @@ def encode_rows(codec: TurboQuantCodec, x: torch.Tensor, scale=None) -> tuple[to
         payloads = [codec.encode(x[r], one[r]) for r in range(rows)]
         return torch.stack([q.codes for q in payloads]), torch.stack([q.scales.reshape(-1) for q in payloads])
     k = m * codec.lane_bits // 8
-    if codec._use_triton(device, "encode") and m % 8 == 0:
+    if codec._use_triton(device) and m % 8 == 0:
         tt = turboquant._triton_module()
         codes = torch.empty(rows * k, dtype=torch.uint8, device=device)
         scales = torch.empty(rows * g, dtype=torch.float32, device=device)

@@ -137,10 +137,15 @@ if AVAILABLE:
 
     @triton.jit
     def _sign_flip(x, sgn_ptr, offs, mask):
-        """``x · D``: bit ``i % 8`` of byte ``i // 8`` set means the sign at ``i`` is −1."""
-        byte = tl.load(sgn_ptr + (offs >> 3), mask=mask, other=0).to(tl.int32)
-        neg = ((byte >> (offs & 7).to(tl.int32)) & 1) != 0
-        return tl.where(neg, -x, x)
+        """``x · D``: bit ``i % 8`` of byte ``i // 8`` set means the sign at ``i`` is −1.
+
+        The sign bit is flipped with an integer XOR, which is what torch's multiply by −1
+        does to every non-NaN float, +0.0 included. ``tl.where(neg, -x, x)`` compiled (sm_90,
+        Triton 3.6) to an ``FSEL`` with a negated operand that gave +0.0 for −(+0.0): on an
+        H100, 32 of 120 decoded payloads differed from torch's in signed zeros only."""
+        byte = tl.load(sgn_ptr + (offs >> 3), mask=mask, other=0).to(tl.uint32)
+        flip = ((byte >> (offs & 7).to(tl.uint32)) & 1) << 31
+        return (x.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _encode_kernel(
