@@ -123,7 +123,7 @@ def _builders(quantized: dict[int, bool], lanes: dict[str, int], cuda: bool):
         "bitdp": bitdp,
         "turboquant": lambda ps: cw.turboquant(flat(ps), SERVER_P),
     })
-    if cuda:  # auto: Triton decode, torch encode on CUDA; the torch backend throughout beside it
+    if cuda:  # auto runs the Triton kernels on CUDA: the torch backend beside them
         out["turboquant_torch"] = lambda ps: cw.turboquant(flat(ps), SERVER_P, "torch")
     return out
 
@@ -298,7 +298,7 @@ def _run(args) -> Part:
         "", "Codec time per step, ms (real codec calls on every bucket, summed; server: its chunk from "
         f"P = {SERVER_P} gathered rows; Lion Cub at its P = {WORLDS[0]} lane {_lane(WORLDS[0])}):", "",
         table(["algorithm", "encode", "server", "decode", "optimizer beyond AdamW", "total", "of fwd+bwd"], rows_codec),
-        "", "TurboQuant's rows run its default backend (`auto`: on CUDA the Triton decode and the torch encode, "
+        "", "TurboQuant's rows run its default backend (`auto`: the Triton kernels on CUDA, "
         "torch on a CPU); on CUDA "
         "the torch backend's time is shown beside it, not projected.",
         "", "Projected step time (`lowbit_strategy.plan.predict`, the planner's model) with the compute and codec "
