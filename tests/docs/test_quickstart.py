@@ -14,10 +14,10 @@ import shlex
 import socket
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "quickstart.md"
@@ -106,7 +106,7 @@ def _with_port(command: str) -> str:
 
 
 def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    for attempt in range(2):
+    for _attempt in range(2):
         proc = subprocess.run(["bash", "-c", _with_port(command)], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=300)
         if proc.returncode == 0 or FINALIZATION_ABORT not in proc.stderr:
