@@ -171,8 +171,8 @@ def _headline(records: list[dict]) -> str:
         got = {r["config"]: r for r in records if r["P"] == p and r["link"] == link and not r.get("failed")}
         b = got.get(BASELINE)
         for name in ("lowbit_lion", "lowbit_lion_1bit", "lowbit_lion_4bit", "ddp_bf16_lion", "ddp_bf16_adamw",
-                     "ddp_fp16_adamw", "ddp_powersgd_lion", "ddp_powersgd_adamw", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-                     "lowbit_lamb", "lowbit_turboquant"):
+                     "ddp_fp16_adamw", "ddp_powersgd_lion", "ddp_powersgd_adamw", "lowbit_bitdp_adamw",
+                     "lowbit_bitdp_1bit_adamw", "lowbit_adam", "lowbit_lamb", "lowbit_turboquant"):
             r = got.get(name)
             if r and b:
                 at = max(1, min(r["steps"], b["steps"]) - 10)
@@ -183,7 +183,8 @@ def _headline(records: list[dict]) -> str:
                             f"{r['val_loss']:.3f} vs {b['val_loss']:.3f} | "
                             f"{_f(_loss_at(r, at), fmt='{:.3f}')} vs {_f(_loss_at(b, at), fmt='{:.3f}')} (step {at}) |")
     return ("| P | link | comparison | step-time speed-up | × DDP bf16 (same optimizer) | wire bytes ÷ | "
-            "steps in budget | loss reached | val loss | loss @ equal step |\n|---|---|---|---:|---:|---:|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "steps in budget | loss reached | val loss | loss @ equal step |\n"
+            "|---|---|---|---:|---:|---:|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def _loss_at(r: dict, step: int, half: int = 10) -> float | None:
