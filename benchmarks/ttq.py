@@ -281,6 +281,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: default lr")
     parser.add_argument("--validate", default=None, help="CONFIG@LINK,...: full runs on the link ('' for none)")
     parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
+    parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
+                        help=f"model/data changes to the preset's {MODEL} (e.g. d_model=64,layers=2)")
     parser.add_argument("--skip-existing", action="store_true", help="keep runs whose JSON has the same settings")
     parser.add_argument("--max-minutes", type=float, default=24 * 60, help="start no run after this")
     parser.add_argument("--output", default=None, help="folder (default results/ttq, --quick results/ttq/quick)")
@@ -292,6 +294,13 @@ def main(argv=None) -> int:
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    model = dict(preset["model"])
+    for item in filter(None, args.model.split(",")):
+        key, _, value = item.partition("=")
+        if key not in MODEL:
+            parser.error(f"--model: {key!r} is not one of {sorted(MODEL)}")
+        model[key] = type(MODEL[key])(value)
+    args.model = model
     out = Path(args.output) if args.output else (RESULTS / "quick" if args.quick else RESULTS)
     configs = args.configs.split(",") if isinstance(args.configs, str) else list(args.configs)
     unknown = sorted(set(configs) - set(CONFIGS))
@@ -317,6 +326,10 @@ def main(argv=None) -> int:
                 "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR}
     if args.report_only:
         study.load_only = True
+        if (out / "ttq.json").exists():  # the date and duration of the run that made it
+            before = json.loads((out / "ttq.json").read_text())
+            settings.update({k: before["settings"][k] for k in ("date", "total_seconds") if k in before["settings"]})
+            command = before["command"]
         ttq_report.write(out, settings, command, machine(), execute(study, configs, seeds, factors, swept, validate))
         return 0
     n_quality = sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds) for c in configs)

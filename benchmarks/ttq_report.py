@@ -99,7 +99,7 @@ def validation(full: dict, link: dict, runs: dict, settings: dict) -> dict:
            "projected_seconds": row.get("projected_seconds"), "measured_seconds_to_target": measured_t,
            "projected_seconds_to_target": proj.get("seconds_to_target"), "full_final_val": full["evals"][-1][2],
            "quality_final_val": proj.get("final_val"), "plan_full": full["plan"], "plan_quality": proj.get("plan"),
-           "other_load": full.get("other_load")}
+           "other_load": full.get("other_load"), "timing_other_load": row.get("timing_other_load")}
     for what in ("seconds", "seconds_to_target"):
         m, p = out[f"measured_{what}"], out[f"projected_{what}"]
         out[f"error_{what}"] = (p - m) / m if m and p is not None else None
@@ -193,15 +193,20 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            "## Time to target\n\n"]
     out += [link_table(link, data, settings) + "\n" for link, data in result["links"].items()]
     out.append("## Verdict facts (computed)\n\n" + facts(result, settings))
-    out.append("\n## Projection against full runs on the link\n\n| config | link | training s measured | projected | "
-               "error | time to target measured | projected | error | final val (full / quality run) | plans |\n"
-               "|---|---|---:|---:|---:|---:|---:|---:|---|---|\n")
+    out.append("\n## Projection against full runs on the link\n\n")
+    out.append("**other load**: share of the 2 cores busy with anything but this benchmark while the run ran "
+               "(other jobs on this shared machine): a timing run under more load than the full run projects "
+               "slower steps.\n\n" if result["validation"] else "")
+    out.append("| config | link | training s measured | projected | "
+               "error | time to target measured | projected | error | final val (full / quality run) | plans | "
+               "other load (timing / full run) |\n|---|---|---:|---:|---:|---:|---:|---:|---|---|---|\n")
     for v in result["validation"]:
         out.append(f"| {v['config']} | {v['link']} | {_f(v['measured_seconds'])} | {_f(v['projected_seconds'])} | "
                    f"{_f(v['error_seconds'], '{:+.1%}')} | {_f(v['measured_seconds_to_target'])} | "
                    f"{_f(v['projected_seconds_to_target'])} | {_f(v['error_seconds_to_target'], '{:+.1%}')} | "
                    f"{_f(v['full_final_val'], '{:.4f}')} / {_f(v['quality_final_val'], '{:.4f}')} | "
-                   f"{'same' if v['plan_full'] == v['plan_quality'] else 'DIFFER'} |\n")
+                   f"{'same' if v['plan_full'] == v['plan_quality'] else 'DIFFER'} | "
+                   f"{_f(v['timing_other_load'], '{:.0%}')} / {_f(v['other_load'], '{:.0%}')} |\n")
     out.append("\n## Learning-rate sweep (seed 0, final validation loss)\n\n| quality key | " +
                "lr: final val | chosen |\n|---|---|---|\n")
     for key, s in result["sweep"].items():
@@ -229,6 +234,7 @@ def plot(result: dict, runs: dict, settings: dict, path: Path) -> None:
     colors = list(plt.get_cmap("tab20").colors)
     for ax, link in zip(axes[0], links):
         data = result["links"][link]
+        tops = []
         for i, (config, r) in enumerate(data["rows"].items()):
             if "missing" in r:
                 continue
@@ -237,17 +243,19 @@ def plot(result: dict, runs: dict, settings: dict, path: Path) -> None:
             cum = ta.cumulative_seconds(settings["steps"], r["switch"], r["phase_times"])
             xs = [ta.seconds_at(cum, p[0][0]) for p in points]
             ys = [statistics.fmean(v for _, v in p) for p in points]
+            tops += [y for p, y in zip(points, ys) if p[0][0] >= 0.1 * settings["steps"]][:1]
             style = "--" if _opt(config, settings) == "lion" else "-"
             ax.plot(xs, ys, style, color=colors[i % len(colors)], label=LABEL.get(config, config), lw=1.4)
         if data["target"] is not None:
             ax.axhline(data["target"], color="k", lw=0.8, ls=":")
         if data["budget_s"]:
             ax.axvline(data["budget_s"], color="grey", lw=0.8, ls=":")
-        ax.set(title=f"{link} between 2 nodes", xlabel="training seconds (projected)", ylabel="validation loss",
-               xscale="log")
+        ax.set(title=f"{link} between 2 nodes", xlabel="training seconds (projected)", ylabel="validation loss")
+        if tops:  # from 10 % of the run on: the first steps' losses would flatten the rest
+            ax.set_ylim(top=max(tops) + 0.02)
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7, title="dashed: Lion family", title_fontsize=7)
-    fig.suptitle("Validation loss vs wall-clock (mean over seeds; dotted: target, budget)")
+    fig.suptitle("Validation loss vs training wall-clock on the link (mean over seeds; dotted: target, budget)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
