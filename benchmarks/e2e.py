@@ -1,6 +1,7 @@
 """End to end: the GPT of ``examples/gpt_lion.py`` trained for a fixed wall-clock budget on
 P ranks over emulated 1 Gbit/s and 100 Mbit/s links, with what users would otherwise run
-(DDP fp32 allreduce with Lion or AdamW, DDP ``fp16_compress_hook``, DDP PowerSGD) next to
+(:mod:`benchmarks.baselines`: DDP fp32 allreduce, torch's ``bf16_compress_hook``,
+``fp16_compress_hook`` and PowerSGD, each with Lion or AdamW) next to
 this package's strategies (``lowbit_lion`` and its 1/4/8/32-bit variants; ``lowbit_bitdp``
 and ``lowbit_bitdp_1bit`` with AdamW when that strategy is registered).
 
@@ -42,7 +43,7 @@ MODEL_ARGS = ("d_model", "layers", "heads", "seq", "batch", "val_batches", "data
 def calibrations(configs: list[str]) -> list[str]:
     """The calibration runs the DDP-hook configurations need (one per optimizer)."""
     opts = {report.CALIBRATION_OF.get(CONFIGS[c][1], CONFIGS[c][1]) for c in configs
-            if CONFIGS[c][0] in ("ddp", "fp16", "powersgd", "lowbit_bitdp", "lowbit_bitdp_1bit", "lowbit_adam",
+            if CONFIGS[c][0] in ("ddp", "bf16", "fp16", "powersgd", "lowbit_bitdp", "lowbit_bitdp_1bit", "lowbit_adam",
                                  "lowbit_lamb", "lowbit_turboquant")}
     opts |= {CONFIGS[c][1] for c in configs if c.startswith("lowbit_lion")}  # codec overhead reference
     return [f"calib_{o}" for o in ("lion", "adamw") if o in opts]

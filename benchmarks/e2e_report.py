@@ -4,7 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ORDER = ("ddp_lion", "ddp_adamw", "ddp_fp16_adamw", "ddp_powersgd_adamw", "lowbit_lion", "lowbit_lion_1bit",
+ORDER = ("ddp_lion", "ddp_adamw", "ddp_bf16_lion", "ddp_bf16_adamw", "ddp_fp16_lion", "ddp_fp16_adamw",
+         "ddp_powersgd_lion", "ddp_powersgd_adamw", "lowbit_lion", "lowbit_lion_1bit",
          "lowbit_lion_4bit", "lowbit_lion_8bit", "lowbit_lion_fp32", "lowbit_bitdp_adamw",
          "lowbit_bitdp_1bit_adamw", "calib_lion", "calib_adamw")
 LINK_ORDER = ("1gbit", "100mbit", "unshaped")
@@ -56,6 +57,8 @@ How to read this (see `benchmarks/e2e.py` and `benchmarks/e2e_worker.py`):
 - **loss reached**: training loss of the last 20 steps, mean over steps and ranks.
   **val loss**: held-out batches (last 10 % of the data), the same ones in every run.
 - **speed-up**: step time of DDP + Lion (fp32 allreduce) on the same link / this step time.
+  **× DDP bf16**: step time of DDP with torch's `bf16_compress_hook` and the same optimizer
+  family (AdamW for 1-bit Adam/LAMB and TurboQuant) / this step time.
   Wire ×: DDP + Lion's wire bytes per step / this configuration's. For a calibration row the
   speed-up is the bound with no communication at all.
 - Headline **loss @ equal step**: rank 0's training loss around the step both runs of the
@@ -100,6 +103,7 @@ def annotate(data: dict) -> dict:
     calib = {(r["P"], r["optimizer"]): r for r in ok if r["config"].startswith("calib_")}
     calib.update({(r["P"], r["link"], r["optimizer"]): r for r in ok if r["config"].startswith("calib_")})
     base = {(r["P"], r["link"]): r for r in ok if r["config"] == BASELINE}
+    bf16 = {(r["P"], r["link"], r["optimizer"]): r for r in ok if r["config"].startswith("ddp_bf16_")}
     for r in ok:
         opt = CALIBRATION_OF.get(r["optimizer"], r["optimizer"])
         c = calib.get((r["P"], r["link"], opt), calib.get((r["P"], opt)))
@@ -116,6 +120,9 @@ def annotate(data: dict) -> dict:
         r["step_minus_calib_s"] = r["step_s"] - c["step_s"] if c else None
         b = base.get((r["P"], r["link"]))
         r["speedup_vs_ddp_lion"] = b["step_s"] / r["step_s"] if b else None
+        # "× DDP bf16": against DDP with bf16 communication and the same optimizer family
+        h = bf16.get((r["P"], r["link"], opt))
+        r["speedup_vs_ddp_bf16"] = h["step_s"] / r["step_s"] if h and not r["config"].startswith("calib_") else None
         r["wire_x_vs_ddp_lion"] = (b["wire_bytes_per_step"] / r["wire_bytes_per_step"]
                                    if b and r["wire_bytes_per_step"] and r["split"] != "calibration" else None)
     return data
@@ -127,13 +134,13 @@ def _f(x, scale=1.0, fmt="{:.1f}") -> str:
 
 HEADER = ("| config | optimizer | steps | step ms | of bound | compute ms | comm ms | split | calib compute ms | "
           "step − calib ms | CPU ms/step | wire kB/step | payload kB/step | wire × | loss reached | val loss | "
-          "speed-up | other load |\n"
-          "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+          "speed-up | × DDP bf16 | other load |\n"
+          "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 
 
 def _row(r: dict) -> str:
     if r.get("failed"):
-        return f"| {r['config']} | – | FAILED{' (timed out)' if r.get('timed_out') else ''} |" + " – |" * 15
+        return f"| {r['config']} | – | FAILED{' (timed out)' if r.get('timed_out') else ''} |" + " – |" * 16
     name = r["config"] + (f" ({', '.join(_plan(x) for x in r['plan'])})" if r.get("plan") else "")
     if r["config"].startswith("calib_"):
         name += f" ({r['link']})"
@@ -144,7 +151,8 @@ def _row(r: dict) -> str:
             f"{_f(r['step_minus_calib_s'], 1e3)} | {_f(r.get('cpu_s_per_step'), 1e3, '{:.0f}')} | "
             f"{_f(r['wire_bytes_per_step'], 1e-3)} | {_f(r['recorded_bytes_per_step'] or None, 1e-3)} | "
             f"{_f(r['wire_x_vs_ddp_lion'], fmt='{:.1f}×')} | {r['loss_reached']:.3f} | {r['val_loss']:.3f} | "
-            f"{_f(r['speedup_vs_ddp_lion'], fmt='{:.2f}×')} | {_f(r.get('other_load'), 100, '{:.0f} %')} |")
+            f"{_f(r['speedup_vs_ddp_lion'], fmt='{:.2f}×')} | {_f(r.get('speedup_vs_ddp_bf16'), fmt='{:.2f}×')} | "
+            f"{_f(r.get('other_load'), 100, '{:.0f} %')} |")
 
 
 def _plan(text: str) -> str:
@@ -162,19 +170,21 @@ def _headline(records: list[dict]) -> str:
                                                                                          "config": ""})):
         got = {r["config"]: r for r in records if r["P"] == p and r["link"] == link and not r.get("failed")}
         b = got.get(BASELINE)
-        for name in ("lowbit_lion", "lowbit_lion_1bit", "lowbit_lion_4bit", "ddp_fp16_adamw",
-                     "ddp_powersgd_adamw", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-                     "lowbit_lamb", "lowbit_turboquant"):
+        for name in ("lowbit_lion", "lowbit_lion_1bit", "lowbit_lion_4bit", "ddp_bf16_lion", "ddp_bf16_adamw",
+                     "ddp_fp16_adamw", "ddp_powersgd_lion", "ddp_powersgd_adamw", "lowbit_bitdp_adamw",
+                     "lowbit_bitdp_1bit_adamw", "lowbit_adam", "lowbit_lamb", "lowbit_turboquant"):
             r = got.get(name)
             if r and b:
                 at = max(1, min(r["steps"], b["steps"]) - 10)
                 rows.append(f"| {p} | {link} | {name} vs {BASELINE} | {b['step_s'] / r['step_s']:.2f}× | "
+                            f"{_f(r.get('speedup_vs_ddp_bf16'), fmt='{:.2f}×')} | "
                             f"{b['wire_bytes_per_step'] / r['wire_bytes_per_step']:.1f}× | "
                             f"{r['steps']} vs {b['steps']} | {r['loss_reached']:.3f} vs {b['loss_reached']:.3f} | "
                             f"{r['val_loss']:.3f} vs {b['val_loss']:.3f} | "
                             f"{_f(_loss_at(r, at), fmt='{:.3f}')} vs {_f(_loss_at(b, at), fmt='{:.3f}')} (step {at}) |")
-    return ("| P | link | comparison | step-time speed-up | wire bytes ÷ | steps in budget | loss reached | "
-            "val loss | loss @ equal step |\n|---|---|---|---:|---:|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    return ("| P | link | comparison | step-time speed-up | × DDP bf16 (same optimizer) | wire bytes ÷ | "
+            "steps in budget | loss reached | val loss | loss @ equal step |\n"
+            "|---|---|---|---:|---:|---:|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def _loss_at(r: dict, step: int, half: int = 10) -> float | None:
@@ -237,8 +247,9 @@ def markdown(data: dict) -> str:
         "- optimizers: Lion lr 1e-3, betas (0.9, 0.99), wd 0.1; AdamW lr 3e-3, wd 0.1 (the example's defaults); "
         "20 warm-up steps, cosine over 2000 steps (the same step schedule in every run)\n",
         f"- PowerSGD: torch's `powerSGD_hook`, {s['powersgd']}, error feedback and warm start on; "
-        "fp16: torch's `fp16_compress_hook`; both registered by `benchmarks.e2e_worker.HookedDDP`, since "
-        "Lightning's DDPStrategy registers comm hooks on CUDA only\n",
+        "bf16: torch's `bf16_compress_hook`; fp16: torch's `fp16_compress_hook`; all registered by "
+        "`benchmarks.baselines.HookedDDP`, since Lightning's DDPStrategy registers comm hooks on CUDA only "
+        "(and DDP refuses `bf16_compress_hook` by name outside NCCL)\n",
         f"- links (namespaces joined by a bridge, `benchmarks/netem.py`):\n{links}\n", skipped, "\n", NOTES,
         "\n## Headline\n\n", _headline(records), _noise(records),
     ]

@@ -11,11 +11,12 @@ is initialized with env:// over gloo on the interface the harness named. With no
 ``NODE_RANK``), it is ``devices=L, num_nodes=N``: global rank = ``NODE_RANK`` * L +
 ``LOCAL_RANK``, as torchrun numbers them.
 
-**Configurations** (:data:`CONFIGS`): DDP with fp32 allreduce (Lion or AdamW), DDP with
-``fp16_compress_hook`` or ``powerSGD_hook`` (AdamW), the registered ``lowbit_*`` strategies,
-and two calibration runs (``calib_*``) whose comm hook keeps every gradient local, so that
-nothing but the budget flag crosses the wire: their step time is the compute time.
-Lightning registers DDP comm hooks on CUDA only; :class:`HookedDDP` registers them on CPU.
+**Configurations** (:data:`CONFIGS`): the baselines of :mod:`benchmarks.baselines` (DDP's
+fp32 allreduce, torch's ``bf16_compress_hook``, ``fp16_compress_hook`` and ``powerSGD_hook``,
+each with Lion and with AdamW), the registered ``lowbit_*`` strategies, and two calibration
+runs (``calib_*``) whose comm hook keeps every gradient local, so that nothing but the
+budget flag crosses the wire: their step time is the compute time. PowerSGD's fp32 warm-up
+is :data:`POWERSGD_START` steps here (the steady-state window times its compressed stage).
 
 **What is measured** (rank 0's clock; the ranks run in lock-step, see :class:`Probe`):
 
@@ -55,22 +56,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 import lowbit_strategy  # noqa: E402,F401  (registers the lowbit_* strategies)
+from benchmarks.baselines import HOOKS, HookedDDP, make_baseline, powersgd_settings  # noqa: E402,F401
 from benchmarks.netem import rank_counters  # noqa: E402
 from callbacks import CommStats  # noqa: E402
 from examples.gpt_lion import GPT, Windows, stdlib_bytes  # noqa: E402
-from lowbit_strategy import keep_local_gradients  # noqa: E402
 
 #: name -> (strategy kind, optimizer). Kinds: "ddp", "fp16", "powersgd", "local" (calibration,
 #: nothing synchronized) or a registered strategy name.
 CONFIGS: dict[str, tuple[str, str]] = {
     "ddp_lion": ("ddp", "lion"),
     "ddp_adamw": ("ddp", "adamw"),
+    "ddp_bf16_lion": ("bf16", "lion"),
+    "ddp_bf16_adamw": ("bf16", "adamw"),
+    "ddp_fp16_lion": ("fp16", "lion"),
     "ddp_fp16_adamw": ("fp16", "adamw"),
+    "ddp_powersgd_lion": ("powersgd", "lion"),
     "ddp_powersgd_adamw": ("powersgd", "adamw"),
     "lowbit_lion": ("lowbit_lion", "lion"),
     "lowbit_lion_1bit": ("lowbit_lion_1bit", "lion"),
@@ -85,48 +89,16 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "calib_lion": ("local", "lion"),
     "calib_adamw": ("local", "adamw"),
 }
-POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 10}
+#: PowerSGD's fp32 warm-up in these timing runs: short, so that the steady-state window (after
+#: ``--warm`` steps) times the compressed stage; rank and the rest: :data:`benchmarks.baselines.POWERSGD`
+POWERSGD_START = 10
+POWERSGD = powersgd_settings(POWERSGD_START)
 
 
 def available(name: str) -> bool:
     """Whether configuration ``name`` can run with the strategies registered now."""
     kind = CONFIGS[name][0]
-    return kind in ("ddp", "fp16", "powersgd", "local") or kind in StrategyRegistry
-
-
-class HookedDDP(DDPStrategy):
-    """DDPStrategy that registers a comm hook on any device (Lightning's does on CUDA only).
-
-    ``make_state`` is called once the process group exists. The hook is wrapped to count
-    its calls (the wrapper is unannotated, so DDP's signature check passes it through).
-
-    ``serialize``: before a bucket's hook starts, wait until the previous bucket's future is
-    done. torch's ``powerSGD_hook`` issues its 2nd and 3rd allreduce from future callbacks;
-    on gloo those run on the backend's threads, so with two DDP buckets the collectives of
-    bucket 0's tail and bucket 1's head reach gloo in a rank-dependent order and the run
-    aborts (``gloo::EnforceNotMet ... Received data size doesn't match expected size``).
-    DDP calls the hooks in bucket order on every rank, so waiting makes the order the same.
-    The wait happens when bucket 1 is ready, i.e. at the end of the backward pass: bucket
-    0's communication still overlaps the backward pass.
-    """
-
-    def __init__(self, hook, make_state=lambda: None, serialize: bool = False, **kwargs):
-        super().__init__(**kwargs)
-        self._hook, self._make_state, self._serialize, self.hook_calls = hook, make_state, serialize, 0
-        self._previous = None
-
-    def configure_ddp(self) -> None:
-        super().configure_ddp()
-
-        def counted(state, bucket):
-            self.hook_calls += 1
-            if self._serialize and self._previous is not None:
-                self._previous.wait()
-            fut = self._hook(state, bucket)
-            self._previous = fut if self._serialize else None
-            return fut
-
-        self.model.register_comm_hook(self._make_state(), counted)
+    return kind in HOOKS or kind in StrategyRegistry
 
 
 def parse_overrides(text: str) -> dict:
@@ -140,16 +112,10 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def make_strategy(kind: str, overrides: dict | None = None):
-    if kind == "ddp":
-        return DDPStrategy()
-    if kind == "fp16":
-        return HookedDDP(default_hooks.fp16_compress_hook)
-    if kind == "powersgd":
-        return HookedDDP(powerSGD_hook.powerSGD_hook,
-                         lambda: powerSGD_hook.PowerSGDState(process_group=None, **POWERSGD), serialize=True)
-    if kind == "local":
-        return HookedDDP(keep_local_gradients)
+def make_strategy(kind: str, overrides: dict | None = None, powersgd_start: int = POWERSGD_START):
+    """A baseline of :mod:`benchmarks.baselines` or a registered lowbit strategy (with overrides)."""
+    if kind in HOOKS:
+        return make_baseline(kind, powersgd_start)
     if overrides:  # a registered name, with LowBitConfig overrides on top of its own
         entry = StrategyRegistry[kind]
         return entry["strategy"](**{**entry["init_params"], **overrides})

@@ -50,7 +50,11 @@ from benchmarks.e2e_worker import CONFIGS, available
 from benchmarks.netem import NetemError, Network, require_root
 
 RESULTS = e2e.RESULTS
-BASELINES = ("ddp_lion", "ddp_adamw")
+#: DDP's fp32 allreduce: what "vs DDP" divides by
+FP32 = ("ddp_lion", "ddp_adamw")
+#: what users would run instead (:mod:`benchmarks.baselines`): fp32, bf16 communication (torch's
+#: ``bf16_compress_hook``: "vs DDP bf16"), PowerSGD rank 4; each with Lion and with AdamW
+BASELINES = (*FP32, "ddp_bf16_lion", "ddp_bf16_adamw", "ddp_powersgd_lion", "ddp_powersgd_adamw")
 TOPOLOGIES = ("flat", "hierarchical")
 QUICK = {"budget": 20.0, "warm": 20, "freeze_step": 15}
 FULL = {"budget": 40.0, "warm": 40, "freeze_step": 30}
@@ -106,24 +110,28 @@ def _bound(r: dict) -> float | None:
 def table(records: list[dict]) -> str:
     """The markdown table: one row per (algorithm, topology, link)."""
     lines = ["| algorithm | config | topology | link | step ms | of bound | cross-node kB/step per node | "
-             "vs DDP (same optimizer) | loss reached | other load |",
-             "|---|---|---|---|---:|---:|---|---:|---:|---:|"]
-    ddp = {(r["link"], r["optimizer"]): r for r in records if r["config"] in BASELINES and not r.get("failed")}
+             "vs DDP (same optimizer) | vs DDP bf16 | loss reached | other load |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    ddp = {(r["link"], r["optimizer"]): r for r in records if r["config"] in FP32 and not r.get("failed")}
+    bf16 = {(r["link"], r["optimizer"]): r for r in records if r["config"].startswith("ddp_bf16_")
+            and not r.get("failed")}
     for r in records:
         if r["config"].startswith("calib_"):
             continue
         topo = r.get("topology") or "–"
         if r.get("failed"):
             lines.append(f"| {r.get('algorithm', '–')} | {r['config']} | {topo} | {r['link']} | FAILED"
-                         f"{' (timed out)' if r.get('timed_out') else ''} | – | – | – | – | – |")
+                         f"{' (timed out)' if r.get('timed_out') else ''} | – | – | – | – | – | – |")
             continue
-        base = ddp.get((r["link"], report.CALIBRATION_OF.get(r["optimizer"], r["optimizer"]))) or \
-            ddp.get((r["link"], "lion"))
+        family = report.CALIBRATION_OF.get(r["optimizer"], r["optimizer"])
+        base = ddp.get((r["link"], family)) or ddp.get((r["link"], "lion"))
+        half = bf16.get((r["link"], family))
         nodes = ", ".join(f"{b / 1e3:.1f}" for b in r.get("cross_node_bytes_per_node_per_step", []))
         speed = f"{base['step_s'] / r['step_s']:.2f}× ({base['config']})" if base and base is not r else "–"
+        speed_bf16 = f"{half['step_s'] / r['step_s']:.2f}×" if half and half is not r else "–"
         plan = f" ({', '.join(report._plan(x) for x in r['plan'])})" if r.get("plan") else ""
         lines.append(f"| {r.get('algorithm', '–')} | {r['config']}{plan} | {topo} | {r['link']} | "
-                     f"{r['step_s'] * 1e3:.1f} | {report._f(_bound(r), fmt='{:.2f}')} | {nodes} | {speed} | "
+                     f"{r['step_s'] * 1e3:.1f} | {report._f(_bound(r), fmt='{:.2f}')} | {nodes} | {speed} | {speed_bf16} | "
                      f"{r['loss_reached']:.3f} | {report._f(r.get('other_load'), 100, '{:.0f} %')} |")
     calib = [f"{r['config']} {r['link']}: {r['step_s'] * 1e3:.1f} ms" for r in records
              if r["config"].startswith("calib_") and not r.get("failed")]
@@ -151,7 +159,8 @@ def markdown(data: dict) -> str:
             "shaped link (qdisc counters: frames with headers; max of the two directions; 1 kB = 1000 B). "
             "Traffic between the ranks of a node stays on its loopback and is not in it.\n"
             "- **vs DDP**: step time of DDP (fp32 allreduce) with the same optimizer family ÷ this "
-            "step time.\n- **other load**: share of the machine's cores busy with anything but this "
+            "step time; **vs DDP bf16**: the same with DDP + torch's `bf16_compress_hook` (half the bytes; "
+            "benchmarks/baselines.py).\n- **other load**: share of the machine's cores busy with anything but this "
             "benchmark during the run (other jobs, softirq): 4 ranks share 2 CPU cores, so read "
             "differences under ~20 % as noise, more where the other load is high. One run per row.\n")
 

@@ -81,6 +81,14 @@ SUITES = {
                                                                   "--compress-activations", "--scale-decay", "0.9"]),
         ("DDP AdamW + 4-bit activations", "ddp", ["--optimizer", "adamw", "--compress-activations"]),
     ],
+    # what users would run instead of this package (benchmarks/baselines.py): DDP fp32, torch's
+    # bf16_compress_hook, torch's powerSGD_hook (rank 4, its default warm-up of 1000 steps: below
+    # that it is the fp32 allreduce), each with Lion and with AdamW
+    "baselines": [
+        *[(f"DDP {name} + {opt_label}", strategy, opt)
+          for opt_label, opt in (("Lion", []), ("AdamW", ["--optimizer", "adamw"]))
+          for name, strategy in (("fp32", "ddp"), ("bf16", "ddp_bf16"), ("PowerSGD r4", "ddp_powersgd"))],
+    ],
     "onebit": [
         ("DDP fp32 AdamW", "ddp", ["--optimizer", "adamw"]),
         ("1-bit Adam", "lowbit_adam", ["--optimizer", "onebit_adam"]),
@@ -117,6 +125,8 @@ SUITES = {
                       (f"{name} at N = 2 (1 x 2 ranks, batch 32)", strategy, [*extra, "--batch-size", "32"])]],
     ],
 }
+#: DDP baselines record no bytes (their hooks are torch's): bytes per step as a share of fp32's
+MODELED = {"ddp": 1.0, "ddp_bf16": 0.5, "ddp_fp16": 0.5}
 #: suite -> (nodes, processes per node); the others run one node of ``--devices`` processes
 LAYOUT = {"nodes": (2, 2)}
 #: rows run on another layout than their suite's: label suffix -> (nodes, processes per node);
@@ -224,9 +234,10 @@ def report(suite: str, tag: str = "", devices: int = 2, lr: float | None = None,
         if not path.exists():
             continue
         d = json.loads(path.read_text())
-        sent = d["bytes_per_step"]
-        ratio = f"{d['fp32_bytes_per_step'] / sent:.1f}× less" if sent else "1.0× (modeled)"
-        kib = sent / 1024 if sent else d["fp32_bytes_per_step"] / 1024
+        sent = d["bytes_per_step"] or MODELED.get(strategy, math.nan) * d["fp32_bytes_per_step"]
+        ratio = (f"{d['fp32_bytes_per_step'] / sent:.1f}× less" if d["bytes_per_step"] else
+                 f"{d['fp32_bytes_per_step'] / sent:.1f}× (modeled)" if math.isfinite(sent) else "not recorded")
+        kib = sent / 1024
         loss = "diverged" if not math.isfinite(d["val_loss"]) else f"{d['val_loss']:.4f}"
         last = d.get("last_bytes_per_step")
         last_cells = (f"{last / 1024:.2f} | {d['fp32_bytes_per_step'] / last:.1f}× less" if last and

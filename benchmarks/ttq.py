@@ -1,0 +1,362 @@
+"""Time to quality: how long each method takes to reach a given validation loss on 2 emulated
+nodes x 2 ranks joined by a 1 Gbit/s or 100 Mbit/s link (issue 33, the benchmark of record).
+
+Methods: every algorithm's default form (hierarchical on this 2 x 2 layout: ``topology``
+``auto``) and its 1-bit form where it has one, against the DDP baselines of
+:mod:`benchmarks.baselines` (fp32, torch's ``bf16_compress_hook``, torch's ``powerSGD_hook``
+rank 4 with its default warm-up), each with AdamW and with Lion.
+
+How (the issue allows it; :mod:`benchmarks.ttq_analysis` holds the arithmetic):
+
+1. **timing** runs, per (configuration, link): the worker on :mod:`benchmarks.netem`'s
+   2 x 2 nodes, a few steps of each phase (start-up, full-precision warm-up, compressed),
+   every step timed, each phase's wire bytes counted;
+2. **lr sweep**: per configuration, seed 0 at the default learning rate x ``--lr-factors``
+   (3 values), the same steps; the lowest final validation loss wins (recorded);
+3. **quality** runs on loopback (the same 2 x 2 ranks, node variables set, no shaping):
+   seeds ``--seeds`` at the chosen lr, validation loss every ``--eval-every`` steps;
+4. the projection: loss after step s is reached on a link at the training seconds of steps
+   1..s, each timed in its phase on that link;
+5. **validation**: ``--validate CONFIG@LINK`` runs the whole training on the link, measured;
+   the report states how far the projection is from it.
+
+Lion Cub's and TurboQuant's ``auto`` plans depend on the link: their runs are told the link
+(``link_bandwidth_gbps``, ``link_latency_us`` fixed at :data:`LATENCY_US`) and their quality
+runs are per link, unless both links' timing runs resolved the same plan.
+
+Every run is one JSON under ``<out>/runs/`` carrying the settings it ran with; with
+``--skip-existing`` a run whose JSON exists with the same settings is not run again, so the
+study can be continued across sessions (``--max-minutes`` stops it cleanly).
+
+Usage (root needed for the links)::
+
+    python -m benchmarks.ttq --quick               # <= 10 min: small model, 4 configs -> results/ttq/quick/
+    python -m benchmarks.ttq --skip-existing       # the full study (hours; see --dry-run) -> results/ttq/
+    python -m benchmarks.ttq --dry-run             # the runs it would do
+    python -m benchmarks.ttq --report-only
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import procs, ttq_report
+from benchmarks.baselines import POWERSGD
+from benchmarks.collectives import machine, parse_link
+from benchmarks.e2e import cpu_busy_s, own_cpu_s
+from benchmarks.e2e_worker import CONFIGS, available
+from benchmarks.netem import NetemError, Network, require_root
+from benchmarks.ttq_analysis import STARTUP, best_lr
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "ttq"
+BASELINES = ["ddp_adamw", "ddp_lion", "ddp_bf16_adamw", "ddp_bf16_lion", "ddp_powersgd_adamw", "ddp_powersgd_lion"]
+#: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)
+ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
+              "lowbit_lamb", "lowbit_turboquant"]
+#: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
+LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
+LATENCY_US = 50
+#: the example's learning rates (examples/gpt_lion.py): the centre of each sweep
+DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3e-3, "turboquant": 3e-3}
+MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0}
+FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
+        "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "timing_warm": 15, "timing_main": 30,
+        "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@1gbit", "model": MODEL, "powersgd_start": None}
+#: a smoke run of every stage: 0.44M parameters, 120 steps, one seed, one configuration swept
+QUICK = {"configs": ["ddp_adamw", "ddp_bf16_adamw", "ddp_powersgd_adamw", "lowbit_adam"], "steps": 120,
+         "eval_every": 20, "val_batches": 8, "lr_warmup": 10, "seeds": "0", "lr_factors": "0.5,1,2",
+         "sweep": "lowbit_adam", "timing_warm": 8, "timing_main": 15,
+         "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@100mbit",
+         "model": {**MODEL, "d_model": 128, "layers": 2, "data_mb": 2.0}, "powersgd_start": "20%"}
+
+
+def switch_of(config: str, steps: int, powersgd_start: str | None) -> int:
+    """The compression warm-up of ``config`` in a run of ``steps``: PowerSGD's
+    ``start_powerSGD_iter`` (torch's default unless ``powersgd_start``, "N" or "P%"), 1-bit
+    Adam/LAMB's freeze step and TurboQuant's warm-up at the example's 20 % of the run, else 0."""
+    kind, optimizer = CONFIGS[config]
+    if kind == "powersgd":
+        if powersgd_start is None:
+            return int(POWERSGD["start_powerSGD_iter"])
+        return int(steps * float(powersgd_start[:-1]) / 100) if powersgd_start.endswith("%") else int(powersgd_start)
+    return max(1, steps // 5) if optimizer in ("onebit_adam", "onebit_lamb", "turboquant") else 0
+
+
+class Study:
+    """Settings, run files, and the runs themselves (see the module doc)."""
+
+    def __init__(self, args, out: Path):
+        self.args, self.out = args, out
+        self.links = [parse_link(t.strip()) for t in args.links.split(",")]
+        self.model = dict(args.model)
+        self.start, self.done_runs, self.planned = time.monotonic(), 0, 0
+        self.deadline = self.start + args.max_minutes * 60
+        #: only read the runs that exist (--report-only)
+        self.load_only = False
+
+    def base(self) -> dict:
+        return {**self.model, "val_batches": self.args.val_batches, "lr_warmup": self.args.lr_warmup,
+                "schedule_steps": self.args.steps}
+
+    def overrides(self, config: str, link) -> str:
+        if config not in LINK_PLANNED:
+            return ""
+        return f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}"
+
+    def timing_settings(self, config: str, link) -> dict:
+        warm = STARTUP + self.args.timing_warm if switch_of(config, self.args.steps, self.args.powersgd_start) else 0
+        steps = max(STARTUP, warm) + self.args.timing_main
+        return {**self.base(), "config": config, "steps": steps, "switch": warm, "eval_every": 0,
+                "lr": DEFAULT_LR[CONFIGS[config][1]], "seed": 0, "lowbit": self.overrides(config, link),
+                "marks": ",".join(str(m) for m in sorted({STARTUP, max(STARTUP, warm), steps}))}
+
+    def quality_settings(self, config: str, plan_link, lr: float, seed: int, eval_every: int | None = None) -> dict:
+        return {**self.base(), "config": config, "steps": self.args.steps, "lr": lr, "seed": seed,
+                "switch": switch_of(config, self.args.steps, self.args.powersgd_start),
+                "eval_every": eval_every or self.args.eval_every, "lowbit": self.overrides(config, plan_link),
+                "marks": ""}
+
+    # ---- files --------------------------------------------------------------------------
+    def path(self, kind: str, name: str) -> Path:
+        return self.out / "runs" / kind / f"{name}.json"
+
+    def load(self, path: Path, settings: dict) -> dict | None:
+        if not path.exists():
+            return None
+        rec = json.loads(path.read_text())
+        return rec if rec.get("settings") == settings else None
+
+    # ---- running ------------------------------------------------------------------------
+    def _command(self, settings: dict, out: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "benchmarks.ttq_worker", "--out", str(out), "--timeout", "900"]
+        for key, value in settings.items():
+            if value != "" and value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        return cmd
+
+    def run(self, kind: str, name: str, settings: dict, link=None, net: Network | None = None) -> dict | None:
+        """One run (cached): ``net`` given, on its shaped link; else on loopback."""
+        path = self.path(kind, name)
+        if self.load_only:
+            return self.load(path, settings)
+        if self.args.skip_existing and (rec := self.load(path, settings)) is not None:
+            return rec
+        self.done_runs += 1
+        elapsed = time.monotonic() - self.start
+        if time.monotonic() > self.deadline:
+            print(f"[{elapsed:7.1f}s] {kind} {name}: skipped (--max-minutes)", flush=True)
+            return None
+        eta = (f", ~{elapsed / (self.done_runs - 1) * (self.planned - self.done_runs + 1) / 60:.0f} min left"
+               if self.done_runs > 1 and self.planned else "")
+        print(f"[{elapsed:7.1f}s] ({self.done_runs}/{self.planned or '?'}) {kind} {name}{eta}", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.unlink(missing_ok=True)
+        cmd = self._command(settings, partial)
+        env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+        limit = 600 + 10 * settings["steps"] * (1 if net is None else 3)
+        busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.monotonic()
+        echo = () if self.args.quiet else (0,)
+        if net is not None:
+            if net.link != link:
+                net.set_link(link)
+            result = net.run(cmd, timeout=limit, env=env, echo=echo, cwd=str(ROOT))
+            ok, outputs = result.ok, [r.output for r in result.ranks]
+        else:
+            done = procs.launch([cmd] * 4, loopback_envs(env), timeout=limit, echo=echo, cwd=str(ROOT))
+            ok, outputs = not done.timed_out and all(c == 0 for c in done.returncodes), done.outputs
+        wall = time.monotonic() - t0
+        if not ok or not partial.exists():
+            tail = next((o for o in outputs if "Error" in o), outputs[0])[-1500:]
+            print(f"    FAILED after {wall:.0f} s:\n{tail}", flush=True)
+            return None
+        rec = json.loads(partial.read_text())
+        partial.unlink()
+        rec.update(settings=settings, run_seconds=round(wall, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   other_load=round(max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) /
+                                    (wall * (os.cpu_count() or 1)), 3))
+        path.write_text(json.dumps(rec) + "\n")
+        last = f", val {rec['evals'][-1][2]:.4f}" if rec["evals"] else ""
+        print(f"    {rec['steps']} steps, {sum(rec['step_s']):.1f} s of training{last}; {wall:.0f} s in all",
+              flush=True)
+        return rec
+
+
+def loopback_envs(env: dict, nodes: int = 2, per_node: int = 2) -> list[dict]:
+    """torchrun's variables for ``nodes`` x ``per_node`` ranks on 127.0.0.1 (no shaping)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = nodes * per_node
+    return [{**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+             "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+             "NODE_RANK": str(r // per_node), "GROUP_RANK": str(r // per_node), "GROUP_WORLD_SIZE": str(nodes),
+             "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1"} for r in range(world)]
+
+
+def quality_keys(study: Study, configs: list[str], timing: dict) -> dict[tuple[str, str], tuple[str, object]]:
+    """(config, link name) -> (quality key, the link its runs are planned for): one key per
+    configuration, one per distinct plan for :data:`LINK_PLANNED` ones."""
+    keys = {}
+    for c in configs:
+        for link in study.links:
+            if c not in LINK_PLANNED:
+                keys[(c, link.name)] = (c, study.links[0])
+                continue
+            plan = (timing.get((c, link.name)) or {}).get("plan")
+            same = next(ln for ln in study.links if ln == link or
+                        (plan is not None and (timing.get((c, ln.name)) or {}).get("plan") == plan))
+            keys[(c, link.name)] = (f"{c}@{same.name}", same)
+    return keys
+
+
+def lrs_of(config: str, factors: list[float]) -> list[float]:
+    base = DEFAULT_LR[CONFIGS[config][1]]
+    return [float(f"{base * f:.3g}") for f in factors]
+
+
+def execute(study: Study, configs: list[str], seeds: list[int], factors: list[float], swept: list[str],
+            validate: list[tuple[str, str]]) -> dict:
+    """Every run of the study in order (timing, sweep, seeds, validation), or with
+    ``study.load_only`` the ones that exist; what :func:`benchmarks.ttq_report.write` reads."""
+    runs: dict = {"timing": {}, "sweep": {}, "chosen": {}, "quality": {}, "full": [], "keys": {}}
+    with contextlib.nullcontext() if study.load_only else Network(nodes=2, ranks_per_node=2,
+                                                                    link=study.links[0]) as net:
+        for link in study.links:
+            for c in configs:
+                runs["timing"][(c, link.name)] = study.run("timing", f"{c}@{link.name}",
+                                                           study.timing_settings(c, link), link, net)
+        keys = quality_keys(study, configs, runs["timing"])
+        runs["keys"] = {k: v[0] for k, v in keys.items()}
+        for key, plan_link in dict.fromkeys(keys.values()):
+            config = key.split("@")[0]
+            lrs = lrs_of(config, factors) if config in swept else lrs_of(config, [1.0])
+            final, runs["quality"][key] = {}, {}
+            for lr in lrs:
+                rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
+                                study.quality_settings(config, plan_link, lr, seeds[0]))
+                if rec and rec["evals"]:
+                    final[lr] = rec["evals"][-1][2]
+                    runs["quality"][key][(lr, seeds[0])] = rec
+            runs["sweep"][key] = final
+            runs["chosen"][key] = best_lr(final, DEFAULT_LR[CONFIGS[config][1]]) if final else lrs_of(config, [1.0])[0]
+        for seed in seeds[1:]:
+            for key, plan_link in dict.fromkeys(keys.values()):
+                config, lr = key.split("@")[0], runs["chosen"][key]
+                rec = study.run("quality", f"{key}_lr{lr:g}_seed{seed}",
+                                study.quality_settings(config, plan_link, lr, seed))
+                if rec:
+                    runs["quality"][key][(lr, seed)] = rec
+        for config, link_name in validate:
+            link = next((ln for ln in study.links if ln.name == link_name), None)
+            if link is None or config not in configs:
+                print(f"--validate {config}@{link_name}: not in this study's configs/links; skipped", flush=True)
+                continue
+            key, plan_link = keys[(config, link.name)]
+            lr = runs["chosen"][key]
+            rec = study.run("full", f"{config}@{link.name}_lr{lr:g}_seed{seeds[0]}",
+                            {**study.quality_settings(config, plan_link, lr, seeds[0]),
+                             "lowbit": study.overrides(config, link)}, link, net)
+            if rec:
+                runs["full"].append(rec)
+    return runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ttq", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the smoke form of every stage (<= 10 min)")
+    parser.add_argument("--configs", default=None, help=f"comma-separated, from {BASELINES + ALGORITHMS}")
+    parser.add_argument("--links", default="1gbit,100mbit")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seeds", default=None)
+    parser.add_argument("--lr-factors", default=None, help="the sweep: default lr x these (seed 0)")
+    parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: default lr")
+    parser.add_argument("--validate", default=None, help="CONFIG@LINK,...: full runs on the link ('' for none)")
+    parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
+    parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
+                        help=f"model/data changes to the preset's {MODEL} (e.g. d_model=64,layers=2)")
+    parser.add_argument("--skip-existing", action="store_true", help="keep runs whose JSON has the same settings")
+    parser.add_argument("--max-minutes", type=float, default=24 * 60, help="start no run after this")
+    parser.add_argument("--output", default=None, help="folder (default results/ttq, --quick results/ttq/quick)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and stop")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    model = dict(preset["model"])
+    for item in filter(None, args.model.split(",")):
+        key, _, value = item.partition("=")
+        if key not in MODEL:
+            parser.error(f"--model: {key!r} is not one of {sorted(MODEL)}")
+        model[key] = type(MODEL[key])(value)
+    args.model = model
+    out = Path(args.output) if args.output else (RESULTS / "quick" if args.quick else RESULTS)
+    configs = args.configs.split(",") if isinstance(args.configs, str) else list(args.configs)
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}")
+    configs = [c for c in configs if available(c)]
+    args.val_batches, args.eval_every = preset["val_batches"], preset["eval_every"]
+    for key in ("lr_warmup", "timing_warm", "timing_main"):
+        setattr(args, key, preset[key])
+    factors = [float(f) for f in args.lr_factors.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    swept = configs if args.sweep == "all" else [c for c in args.sweep.split(",") if c in configs]
+    validate = [tuple(v.split("@")) for v in args.validate.split(",") if v]
+    study = Study(args, out)
+    command = " ".join(["python -m benchmarks.ttq", *(argv if argv is not None else sys.argv[1:])])
+    settings = {"configs": configs, "links": [ln.name for ln in study.links], "steps": args.steps, "seeds": seeds,
+                "lr_factors": factors, "swept": swept, "validate": validate, "model": study.model,
+                "eval_every": args.eval_every, "val_batches": args.val_batches, "lr_warmup": args.lr_warmup,
+                "timing_warm": args.timing_warm, "timing_main": args.timing_main, "startup_steps": STARTUP,
+                "powersgd": {**POWERSGD, "start_powerSGD_iter": switch_of("ddp_powersgd_adamw", args.steps,
+                                                                        args.powersgd_start)},
+                "switch": {c: switch_of(c, args.steps, args.powersgd_start) for c in configs},
+                "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR}
+    if args.report_only:
+        study.load_only = True
+        if (out / "ttq.json").exists():  # the date and duration of the run that made it
+            before = json.loads((out / "ttq.json").read_text())
+            settings.update({k: before["settings"][k] for k in ("date", "total_seconds") if k in before["settings"]})
+            command = before["command"]
+        ttq_report.write(out, settings, command, machine(), execute(study, configs, seeds, factors, swept, validate))
+        return 0
+    n_quality = sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds) for c in configs)
+    study.planned = len(configs) * len(study.links) + n_quality + len(validate)
+    print(f"time to quality: {len(configs)} configs x links {settings['links']}; {args.steps} steps, seeds {seeds}, "
+          f"lr x {factors} for {len(swept)} configs; ~{study.planned} runs (more where an auto plan differs by "
+          f"link); results -> {out}", flush=True)
+    if args.dry_run:
+        return 0
+    try:
+        require_root()
+    except NetemError as err:
+        print(f"benchmarks.ttq: {err}", file=sys.stderr)
+        return 2
+    try:
+        runs = execute(study, configs, seeds, factors, swept, validate)
+    except NetemError as err:
+        print(f"benchmarks.ttq: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("benchmarks.ttq: interrupted; ranks killed, namespaces removed", file=sys.stderr)
+        return 130
+    settings["total_seconds"] = round(time.monotonic() - study.start, 1)
+    ttq_report.write(out, settings, command, machine(), runs)
+    print(f"[{time.monotonic() - study.start:7.1f}s] wrote {out}/ttq.json, ttq.md, ttq_loss.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""benchmarks/ttq_analysis.py and ttq_report.py on synthetic curves and step times: the
+time-to-target arithmetic (interpolation, "not reached", mean ± std), the phase-by-phase
+projection of loopback losses onto step times measured on a link, the lr choice, and the
+report's tables from run records. No training here (the slow tier runs the worker)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import ttq, ttq_analysis as ta, ttq_report
+
+
+def test_phases_split_startup_warmup_and_main():
+    assert ta.phases(100, 0) == [("startup", 1, 3), ("main", 4, 100)]
+    assert ta.phases(100, 20) == [("startup", 1, 3), ("warm-up", 4, 20), ("main", 21, 100)]
+    # a warm-up inside the start-up (BitDP's 2 fp32 steps) is timed there, step by step
+    assert ta.phases(100, 2) == [("startup", 1, 3), ("main", 4, 100)]
+    # PowerSGD's default 1000-step warm-up longer than the run: no compressed phase
+    assert ta.phases(500, 1000) == [("startup", 1, 3), ("warm-up", 4, 500)]
+
+
+def test_phase_times_first_step_and_mean_of_the_rest():
+    step_s = [5.0, 2.0, 1.5] + [1.0, 0.5, 0.5, 0.5] + [3.0, 0.2, 0.2, 0.2, 0.2]
+    pt = ta.phase_times(step_s, switch=7)
+    assert pt["startup"] == [5.0, 2.0, 1.5]
+    assert pt["warm-up"] == {"first": 1.0, "mean": 0.5, "steps": 4}
+    assert pt["main"]["first"] == 3.0 and pt["main"]["mean"] == pytest.approx(0.2) and pt["main"]["steps"] == 5
+
+
+def test_projection_times_each_phase_of_the_longer_run_as_measured():
+    timing = {"startup": [5.0, 2.0, 1.5], "warm-up": {"first": 1.0, "mean": 0.5, "steps": 4},
+              "main": {"first": 3.0, "mean": 0.2, "steps": 5}}
+    cum = ta.cumulative_seconds(steps=100, switch=20, timing=timing)
+    assert len(cum) == 101 and cum[0] == 0
+    assert cum[3] == pytest.approx(8.5)
+    assert cum[20] == pytest.approx(8.5 + 1.0 + 16 * 0.5)  # warm-up: its first step, then its mean
+    assert cum[100] == pytest.approx(cum[20] + 3.0 + 79 * 0.2)
+    # the same losses at full precision all along would be timed as warm-up: slower here
+    with pytest.raises(KeyError):  # a timing run without the warm-up phase cannot time one
+        ta.cumulative_seconds(100, 20, {"startup": [1.0] * 3, "main": timing["main"]})
+
+
+def test_steps_to_target_interpolates_and_says_not_reached():
+    points = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.5)]
+    assert ta.steps_to_target(points, 2.5) == pytest.approx(15.0)
+    assert ta.steps_to_target(points, 2.0) == pytest.approx(20.0)
+    assert ta.steps_to_target(points, 6.0) == 0.0
+    assert ta.steps_to_target(points, 1.0) is None
+    # the first crossing counts, not a later dip
+    assert ta.steps_to_target([(0, 4.0), (10, 2.0), (20, 3.0), (30, 1.0)], 2.5) == pytest.approx(7.5)
+    assert ta.at_step(points, 25) == pytest.approx(1.75)
+    assert ta.at_step(points, 31) is None
+
+
+def test_seconds_and_steps_are_inverse_and_bounded_by_the_run():
+    cum = [0.0, 1.0, 3.0, 6.0]
+    assert ta.seconds_at(cum, 1.5) == pytest.approx(2.0)
+    assert ta.step_at_seconds(cum, 2.0) == pytest.approx(1.5)
+    assert ta.step_at_seconds(cum, 6.0) == pytest.approx(3.0)
+    assert ta.step_at_seconds(cum, 6.5) is None
+
+
+def test_mean_std_and_not_reached():
+    assert ta.summary([10.0, 12.0, 14.0]) == "12.0 ± 2.0"
+    assert ta.summary([10.0]) == "10.0"
+    assert ta.summary([None, None]) == "not reached"
+    assert ta.summary([10.0, None, 12.0]) == "not reached (1/3 seeds)"
+    m, s = ta.mean_std([1.0, 2.0, 3.0])
+    assert (m, s) == (2.0, 1.0)
+
+
+def test_best_lr_lowest_loss_then_nearest_default_then_smaller():
+    assert ta.best_lr({1e-3: 2.0, 2e-3: 1.9, 5e-4: 2.1}, 1e-3) == 2e-3
+    assert ta.best_lr({1e-3: 2.0, 2e-3: 2.0, 5e-4: 2.0}, 1e-3) == 1e-3
+    assert ta.best_lr({2e-3: 2.0, 5e-4: 2.0}, 1e-3) == 5e-4
+    assert ta.best_lr({1e-3: math.nan, 2e-3: 3.0}, 1e-3) == 2e-3
+
+
+def test_target_is_the_reference_at_80_percent_mean_over_seeds():
+    curves = [[(0, 5.0), (80, 2.0), (100, 1.9)], [(0, 5.0), (80, 2.2), (100, 2.0)]]
+    assert ta.target_loss(curves, 100) == pytest.approx(2.1)
+    with pytest.raises(ValueError):
+        ta.target_loss([[(0, 5.0), (50, 3.0)]], 100)
+
+
+def test_switch_follows_torch_default_for_powersgd_and_20_percent_for_onebit():
+    assert ttq.switch_of("ddp_powersgd_adamw", 1500, None) == 1000  # torch's start_powerSGD_iter
+    assert ttq.switch_of("ddp_powersgd_lion", 120, "20%") == 24
+    assert ttq.switch_of("lowbit_adam", 1500, None) == 300
+    assert ttq.switch_of("lowbit_turboquant", 100, None) == 20
+    assert ttq.switch_of("ddp_bf16_adamw", 1500, None) == 0
+    assert ttq.switch_of("lowbit_lion_1bit", 1500, None) == 0
+
+
+def _timing(config, step, switch, wire):
+    steps = 3 + (8 if switch else 0) + 10
+    step_s = [1.0, 1.0, 1.0] + ([0.5] * 8 if switch else []) + [step] * 10
+    marks = {"3": [[0, 0, 0, 0]] * 2, str(steps): [[0, 0, wire * steps, wire * steps]] * 2}
+    return {"config": config, "step_s": step_s, "switch": switch, "plan": [], "topology": "flat (DDP)",
+            "counters": marks, "params": 1000, "link": "1gbit"}
+
+
+def _quality(config, lr, seed, slope):
+    evals = [(s, 0.0, 5.0 - slope * s / 100) for s in range(0, 101, 10)]
+    return {"config": config, "lr": lr, "seed": seed, "evals": evals, "plan": [], "link": "loopback"}
+
+
+def test_report_projects_loopback_losses_onto_link_step_times(tmp_path):
+    """ddp_adamw (0.2 s/step) learns slower per step than ddp_bf16_adamw (0.1 s/step): target at step
+    80 of ddp_adamw's curve; bf16 reaches it sooner in steps and seconds; 'lowbit_adam' never does."""
+    configs = ["ddp_adamw", "ddp_bf16_adamw", "lowbit_adam"]
+    settings = {"configs": configs, "links": ["1gbit"], "steps": 100, "switch": {"ddp_adamw": 0,
+                "ddp_bf16_adamw": 0, "lowbit_adam": 20}, "seeds": [0, 1], "lr_factors": [1.0], "swept": [],
+                "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}, "eval_every": 10,
+                "val_batches": 1, "lr_warmup": 1, "powersgd": {}, "default_lr": {}}
+    slopes = {"ddp_adamw": 2.0, "ddp_bf16_adamw": 2.5, "lowbit_adam": 0.5}
+    runs = {"timing": {("ddp_adamw", "1gbit"): _timing("ddp_adamw", 0.2, 0, 1000),
+                       ("ddp_bf16_adamw", "1gbit"): _timing("ddp_bf16_adamw", 0.1, 0, 500),
+                       ("lowbit_adam", "1gbit"): _timing("lowbit_adam", 0.05, 11, 50)},
+            "keys": {(c, "1gbit"): c for c in configs}, "chosen": {c: 1e-3 for c in configs},
+            "sweep": {c: {1e-3: 5.0 - slopes[c]} for c in configs},
+            "quality": {c: {(1e-3, s): _quality(c, 1e-3, s, slopes[c] + 0.1 * s) for s in (0, 1)}
+                        for c in configs}, "full": []}
+    result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
+    link = result["links"]["1gbit"]
+    assert link["target"] == pytest.approx(5.0 - (2.0 + 2.1) / 2 * 0.8)
+    bf16 = link["rows"]["ddp_bf16_adamw"]["per_seed"][0]
+    s_t = (5.0 - link["target"]) / 2.5 * 100
+    assert bf16["steps_to_target"] == pytest.approx(s_t)
+    assert bf16["seconds_to_target"] == pytest.approx(3.0 + (s_t - 3) * 0.1)
+    # 13 steps' bytes counted over the 10 steps after the start-up mark
+    assert link["rows"]["ddp_bf16_adamw"]["wire_bytes_per_step"]["main"] == pytest.approx(500 * 13 / 10)
+    assert link["rows"]["lowbit_adam"]["per_seed"][0]["steps_to_target"] is None
+    # budget: the fastest whole run: ddp_bf16_adamw's (lowbit_adam's takes 3 + 17 x 0.5 + 80 x 0.05 = 15.5 s)
+    assert link["budget_s"] == pytest.approx(3 + 97 * 0.1)
+    assert link["rows"]["lowbit_adam"]["projected_seconds"] == pytest.approx(15.5)
+    at = (link["budget_s"] - 3 - 17 * 0.5) / 0.05 + 20  # the step lowbit_adam reaches in that budget
+    assert link["rows"]["lowbit_adam"]["per_seed"][0]["loss_at_budget"] == pytest.approx(5.0 - 0.5 * at / 100)
+    md = (tmp_path / "ttq.md").read_text()
+    assert "not reached" in md and "DDP bf16 + AdamW" in md and (tmp_path / "ttq_loss.png").exists()
+    assert "fastest to the target: DDP bf16 + AdamW" in md
