@@ -89,7 +89,7 @@ clean:
 
 .PHONY: bench-ttq bench-ttq-quick
 
-# Time to quality : steps and seconds to DDP fp32 + AdamW's loss at 80 % of the run, per
+# Time to quality: steps and seconds to DDP fp32 + AdamW's loss at 80 % of the run, per
 # method, at 2 emulated nodes x 2 ranks over 1 Gbit/s and 100 Mbit/s (root; benchmarks/ttq.py ->
 # benchmarks/results/ttq/). The full study takes many hours on a 2-core machine: it keeps every run
 # as JSON and continues where it stopped. `make bench-ttq TTQ_ARGS=--quick` (= bench-ttq-quick):
