@@ -52,8 +52,12 @@ from lowbit_strategy.plan.inputs import PlanError
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 #: seconds each probe may take
 BUDGET_S = 5.0
-#: elements of the sample each codec is timed on
+#: elements of the sample each codec is timed on (a CPU)
 CODEC_SAMPLE = 1 << 20
+#: ... on a GPU: 2^20 elements in 32 tensors leave a GPU launch-bound (the H100's first report
+#: priced 1-bit Adam's extra optimizer pass at 2.7 ns per element, ~16x what the same pass
+#: took on a 124M-parameter model's buckets), so GPUs time 2^24
+GPU_CODEC_SAMPLE = 1 << 24
 #: tensors the sample is split into for the optimizer steps (the per-tensor work counts too)
 OPTIMIZER_TENSORS = 32
 #: optimizer-step keys of :func:`measure_codecs`: the step's time beyond AdamW's, per element
@@ -61,7 +65,7 @@ OPTIMIZER_STEPS = ("onebit_adam_step", "onebit_lamb_step")
 
 
 def measure_codecs(
-    device: torch.device | str | None = None, sample: int = CODEC_SAMPLE, processes: int = 1
+    device: torch.device | str | None = None, sample: int | None = None, processes: int = 1
 ) -> tuple[dict, str]:
     """Encode + decode nanoseconds per element of each codec on ``device`` (the GPU when
     there is one, else this CPU), timed on ``sample`` random values: Lion Cub's 8-bit L1
@@ -69,12 +73,15 @@ def measure_codecs(
     4-bit codec, BitDP's 2-bit channel codes and PowerSGD's rank-4 products; and, per
     element, the compression-stage step of 1-bit Adam and of 1-bit LAMB beyond AdamW's
     (:data:`OPTIMIZER_STEPS`: LAMB's trust ratios and the staged optimizers' extra passes,
-    which a compute time measured with AdamW leaves out).
+    which a compute time measured with AdamW leaves out). ``sample``: :data:`CODEC_SAMPLE`
+    on a CPU, :data:`GPU_CODEC_SAMPLE` elsewhere (None).
 
     ``processes`` > 1 (CPU only): that many one-thread processes time them at once, the
     contention of a run with that many ranks on this machine (module docstring); the figures
     are the mean over the processes."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if sample is None:
+        sample = CODEC_SAMPLE if dev.type == "cpu" else GPU_CODEC_SAMPLE
     if dev.type == "cpu" and processes > 1:
         return _contended(sample, processes)
     if dev.type == "cpu":  # as a CPU rank runs (launchers set OMP_NUM_THREADS=1); more threads on a

@@ -25,7 +25,11 @@ def _run(capsys, *argv):
     return code, out.out, out.err
 
 
-def test_table_from_a_parameter_count(capsys):
+def test_table_from_a_parameter_count(capsys, monkeypatch):
+    from lowbit_strategy.plan import cli
+
+    # without a GPU codec report (the repository holds one from an H100: tested below)
+    monkeypatch.setattr(cli, "GPU_CODECS", cli.GPU_CODECS.with_name("absent.json"))
     code, out, _ = _run(capsys, *SMALL, "--link", "1gbit")
     assert code == 0
     methods = ("DDP fp32", "DDP bf16", "PowerSGD rank 4", "Lion Cub", "1-bit Adam", "1-bit LAMB", "TurboQuant", "BitDP")
@@ -33,6 +37,17 @@ def test_table_from_a_parameter_count(capsys):
         assert method in out
     assert "hierarchical" in out and "overlap:" in out and "codec time not counted" in out
     assert out.strip().splitlines()[-1].startswith("Use ")
+
+
+def test_the_h100_codec_report_reads_back(capsys, monkeypatch):
+    """The H100's report (benchmarks/results/gpu/codecs_h100.json, by make gpu-check) prices
+    the low-bit rows' codecs; without any report the table says codec time is not counted."""
+    from lowbit_strategy.plan import cli
+
+    monkeypatch.setattr(cli, "GPU_CODECS", cli.GPU_CODECS.with_name("absent.json"))
+    h100 = cli.GPU_CODECS.with_name("codecs_h100.json")
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--codecs", str(h100))
+    assert code == 0 and "codec times from codecs_h100.json (NVIDIA H100" in out, out
 
 
 def test_json_from_a_hf_config(tmp_path, capsys):
