@@ -26,8 +26,6 @@ Not a test: figures depend on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -61,28 +59,10 @@ def device_peak(name: str) -> tuple[float | None, str]:
 
 
 def _timer(device: torch.device, repeat: int):
-    def run(fn) -> float:
-        for _ in range(3):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(repeat):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            return statistics.median(samples)
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+    """``fn -> median seconds`` after 3 warm-up calls (:func:`benchmarks.gpu_check.timing.median_s`)."""
+    from benchmarks.gpu_check.timing import median_s
 
-    return run
+    return lambda fn: median_s(fn, device, repeat, warmup=3)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

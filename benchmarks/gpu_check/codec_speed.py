@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.gpu_check import CODECS_JSON, ROOT, Part, table, write_codecs
 from benchmarks.gpu_check import codec_work as cw
-from benchmarks.gpu_check.timing import copy_s, median_s
+from benchmarks.gpu_check.timing import copy_s, cpu_rank_threads, median_s
 
 #: seconds of torch.compile this part may spend; no new compile starts past it
 COMPILE_BUDGET_S = 75.0
@@ -101,13 +101,8 @@ def _compiled(name, build, x, dev, budget) -> tuple[str, dict]:
 def run(args) -> Part:
     """Time every codec (module docstring). On a CPU with one thread, as a CPU rank runs (more
     threads on a busy machine spin and time 10-300x slower, :mod:`lowbit_strategy.plan.measure`)."""
-    threads = torch.get_num_threads()
-    if args.cpu:
-        torch.set_num_threads(1)
-    try:
+    with cpu_rank_threads(args.cpu):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args) -> Part:

@@ -4,9 +4,10 @@ of a few calls."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -40,3 +41,16 @@ def copy_s(numel: int, device: torch.device, repeat: int = 5) -> float:
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     return median_s(lambda: dst.copy_(src), device, repeat)
+
+
+@contextlib.contextmanager
+def cpu_rank_threads(cpu: bool) -> Iterator[None]:
+    """One torch thread while timing on a CPU (``cpu``), as a CPU rank runs: more threads on a
+    busy machine spin and time 10-300x slower (:mod:`lowbit_strategy.plan.measure`)."""
+    threads = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

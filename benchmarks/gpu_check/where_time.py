@@ -36,7 +36,7 @@ import torch
 from benchmarks.gpu_check import Part, table
 from benchmarks.gpu_check import codec_work as cw
 from benchmarks.gpu_check.gpt import GPT, SMALL, TINY
-from benchmarks.gpu_check.timing import median_s
+from benchmarks.gpu_check.timing import cpu_rank_threads, median_s
 
 LINKS = (10.0, 25.0, 100.0, 400.0)
 WORLDS = (8, 64)
@@ -183,13 +183,8 @@ def _break_even(step_at, key: str, ref: str) -> float | str:
 
 def run(args) -> Part:
     """Measure and project (module docstring); one thread on a CPU, as a CPU rank runs."""
-    threads = torch.get_num_threads()
-    if args.cpu:
-        torch.set_num_threads(1)
-    try:
+    with cpu_rank_threads(args.cpu):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args) -> Part:
