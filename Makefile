@@ -74,8 +74,10 @@ demo-hf: $(STAMP)
 
 # The first command on a machine with GPUs: Triton kernels compiled and bit-exact, the kernel
 # benchmark, ranks sharing the GPU over gloo, where the time goes (benchmarks/gpu_check/). Exits 0 without a GPU.
-gpu-check: $(STAMP)
-	$(PY) -m benchmarks.gpu_check --out benchmarks/results/gpu
+# No install: a GPU machine often has torch, Triton and Lightning and no network, so this uses
+# .venv when it exists and the machine's python3 otherwise, from this checkout (PYTHONPATH=.).
+gpu-check:
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check --out benchmarks/results/gpu
 
 # End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e.py)
 bench-e2e-quick: $(STAMP)
