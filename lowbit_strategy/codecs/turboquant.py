@@ -133,7 +133,7 @@ def _stream(cache: dict[torch.device, torch.Tensor], device: torch.device, n: in
     covered = 0 if have is None else have.numel() * (8 if have.dtype == torch.uint8 else 1)
     if have is None or covered < n:
         have = cache[device] = _to_device(draw(-(-max(n, 2 * covered) // 8) * 8), device)
-    return have
+    return _ready(have)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -141,10 +141,25 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy synchronizes the host with the GPU, and the codec's tables and sign streams reach
     a device inside DDP's hooks, during backward (2 to 6 syncs per run, found on an H100 by
     ``benchmarks/gpu_check`` part 3). The caching host allocator keeps the pinned block
-    until the copy has run."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    until the copy has run; an event recorded after the copy lets every stream that later
+    reads the cached tensor wait for it (:func:`_ready`)."""
+    if device.type != "cuda":
+        return t.to(device)
+    out = t.pin_memory().to(device, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(device))
+    out._lowbit_copied = copied  # type: ignore[attr-defined]
+    return out
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, once the current stream waits for its copy (:func:`_to_device`). The caches
+    are read from the compute stream, the side stream and gloo's callback streams, and the
+    copy ran on whichever stream first asked: a device-side wait, no host sync."""
+    copied = getattr(t, "_lowbit_copied", None)
+    if copied is not None:
+        torch.cuda.current_stream(t.device).wait_event(copied)
+    return t
 
 
 @dataclass(frozen=True)
@@ -225,7 +240,7 @@ class TurboQuantCodec:
         t = self._device_tables.get(device)
         if t is None:
             t = self._device_tables[device] = (_to_device(self._levels, device), _to_device(self._midpoints, device))
-        return t
+        return _ready(t[0]), _ready(t[1])
 
     def signs(self, n: int, device: torch.device) -> torch.Tensor:
         """The rotation's ±1 signs for ``n`` elements, as float32 on ``device``.
