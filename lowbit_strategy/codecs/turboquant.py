@@ -80,6 +80,7 @@ import torch
 
 from lowbit_strategy.codecs import turboquant_torch
 from lowbit_strategy.codecs.bits import unpack
+from lowbit_strategy.codecs.device_cache import grown, ready, to_device
 from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_rotation_block, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import check_bits, lloyd_max_codebook
 
@@ -123,43 +124,6 @@ _TRITON_OK: bool | None = None
 
 def _lane_bits(bits: int) -> int:
     return 2 if bits == 2 else 4 if bits <= 4 else 8
-
-
-def _stream(cache: dict[torch.device, torch.Tensor], device: torch.device, n: int, draw) -> torch.Tensor:
-    """``cache[device]``, first grown (``draw(length)`` on the CPU, at least 2x the old length,
-    copied to ``device`` once) until it covers ``n`` elements (``n / 8`` bytes for packed bits:
-    ``draw`` returns either; a stream only ever grows)."""
-    have = cache.get(device)
-    covered = 0 if have is None else have.numel() * (8 if have.dtype == torch.uint8 else 1)
-    if have is None or covered < n:
-        have = cache[device] = _to_device(draw(-(-max(n, 2 * covered) // 8) * 8), device)
-    return _ready(have)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """CPU ``t`` on ``device``; to a GPU through pinned memory, asynchronously. A pageable
-    copy synchronizes the host with the GPU, and the codec's tables and sign streams reach
-    a device inside DDP's hooks, during backward (2 to 6 syncs per run, found on an H100 by
-    ``benchmarks/gpu_check`` part 3). The caching host allocator keeps the pinned block
-    until the copy has run; an event recorded after the copy lets every stream that later
-    reads the cached tensor wait for it (:func:`_ready`)."""
-    if device.type != "cuda":
-        return t.to(device)
-    out = t.pin_memory().to(device, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(device))
-    out._lowbit_copied = copied  # type: ignore[attr-defined]
-    return out
-
-
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """``t``, once the current stream waits for its copy (:func:`_to_device`). The caches
-    are read from the compute stream, the side stream and gloo's callback streams, and the
-    copy ran on whichever stream first asked: a device-side wait, no host sync."""
-    copied = getattr(t, "_lowbit_copied", None)
-    if copied is not None:
-        torch.cuda.current_stream(t.device).wait_event(copied)
-    return t
 
 
 @dataclass(frozen=True)
@@ -239,8 +203,8 @@ class TurboQuantCodec:
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._device_tables.get(device)
         if t is None:
-            t = self._device_tables[device] = (_to_device(self._levels, device), _to_device(self._midpoints, device))
-        return _ready(t[0]), _ready(t[1])
+            t = self._device_tables[device] = (to_device(self._levels, device), to_device(self._midpoints, device))
+        return ready(t[0]), ready(t[1])
 
     def signs(self, n: int, device: torch.device) -> torch.Tensor:
         """The rotation's ±1 signs for ``n`` elements, as float32 on ``device``.
@@ -250,7 +214,7 @@ class TurboQuantCodec:
         per device, as long as the longest tensor it has encoded (grown at least 2x at a
         time), and every bucket and every length is a slice of it: no drawing on the CPU and
         no copy to the GPU per bucket and step, however many buckets or sequence lengths."""
-        return _stream(self._signs, torch.device(device), n, lambda length: hadamard_signs(length, self.seed))[:n]
+        return grown(self._signs, torch.device(device), n, lambda length: hadamard_signs(length, self.seed))[:n]
 
     def _groups(self, n: int) -> int:
         return -(-n // self.block)
@@ -285,7 +249,7 @@ class TurboQuantCodec:
         torch code handles, unpacked on the device from the same bits (fewer than a block):
         no float signs of all ``n`` elements on the device."""
         device = torch.device(device)
-        bits = _stream(
+        bits = grown(
             self._sign_bits, device, n, lambda length: _triton_module().sign_bits(hadamard_signs(length, self.seed))
         )
         lo = m // 8
