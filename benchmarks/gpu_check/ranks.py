@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -75,8 +76,9 @@ def _read(f) -> str:
     return text
 
 
-def _collect(name: str, procs: list[subprocess.Popen], deadline: float) -> tuple[list[dict], list[str]]:
-    """Rank outputs: the records rank 0 printed, and one failure line per failed rank."""
+def _collect(name: str, procs: list[subprocess.Popen], deadline: float, calls: Counter) -> tuple[list[dict], list[str]]:
+    """Rank outputs: the records rank 0 printed, and one failure line per failed rank; the
+    launch's collective counts are added to ``calls``."""
     records, failures = [], []
     for rank, proc in enumerate(procs):
         try:
@@ -91,7 +93,7 @@ def _collect(name: str, procs: list[subprocess.Popen], deadline: float) -> tuple
             if line.startswith("RANKCHECK "):
                 records.append(json.loads(line[len("RANKCHECK "):]))
             elif line.startswith("RANKCOLLECTIVES "):
-                records.append({"collectives": json.loads(line[len("RANKCOLLECTIVES "):]), "launch": name})
+                calls.update(json.loads(line[len("RANKCOLLECTIVES "):]))
             elif line.startswith("RANKFAIL "):
                 said = json.loads(line[len("RANKFAIL "):])
                 failures.append(f"{name}: {said['front_end']} {said['run']} {said['layout']} rank {said['rank']}: "
@@ -146,6 +148,7 @@ def run(args) -> Part:
     launches = [(2, "flat"), (4, "flat,2x2")] if not args.cpu else [(2, "flat"), (4, "2x2")]
     devices = ["cpu"] if args.cpu else ["cuda", "cpu"]
     records, failures = [], []
+    collectives: Counter = Counter()  # torch.distributed call (tensor device) -> calls, every launch
     logs_dir = args.out / "ranks-logs"  # every rank's stdout and stderr, kept for a failure's diagnosis
     logs_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,12 +163,10 @@ def run(args) -> Part:
                        for w, lay, dev in group]
             print(f"   launched {', '.join(n for n, _ in started)}", flush=True)
             for name, procs in started:
-                got, bad = _collect(name, procs, deadline)
+                got, bad = _collect(name, procs, deadline, collectives)
                 records += got
                 failures += bad
                 print(f"   {name}: {len(got)} runs, {len(bad)} failed launches", flush=True)
-        calls = [r for r in records if "collectives" in r]
-        records = [r for r in records if "collectives" not in r]
         for r in records:
             failures += check(r, args.steps)
         init = torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])
@@ -182,13 +183,9 @@ def run(args) -> Part:
     if len(records) != expected:
         failures.append(f"{len(records)} runs reported, {expected} expected")
     part.failures = failures
-    collectives: dict[str, int] = {}
-    for c in calls:
-        for k, v in c["collectives"].items():
-            collectives[k] = collectives.get(k, 0) + v
-    part.data = {"records": records, "collectives": collectives,
+    part.data = {"records": records, "collectives": dict(collectives),
                  "cuda_vs_cpu": {" ".join(map(str, k)): v for k, v in gaps.items()},
-                 "loss_tol": LOSS_TOL, "update_tol": UPDATE_TOL, "layouts": {k: v for k, v in LAYOUTS.items()}}
+                 "loss_tol": LOSS_TOL, "update_tol": UPDATE_TOL, "layouts": dict(LAYOUTS)}
     head = ["torch.distributed call (tensor device)", "calls, every launch (the checks' own included)"]
     part.markdown = _markdown(records, gaps, args) + "\n\n" + table(head, sorted(collectives.items())) + (
         "\n\nEvery collective the library calls on tensors ran on them where they live: none is staged "

@@ -22,7 +22,6 @@ every step:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -100,8 +99,6 @@ class Counters:
         # bit packer uses it); every other read is counted as the CUDA path would make it
         self.reads = HostReads(READS if cuda else tuple(n for n in READS if n != "numpy"))
         self.side = 0
-        self.sync_warnings: dict[str, int] = {}
-        self.where: dict[str, str] = {}
         orig = streams.SideStream.run
 
         def counted(side, device, handle, phase):
@@ -359,5 +356,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        main()
+    main()
