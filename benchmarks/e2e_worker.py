@@ -47,10 +47,11 @@ import warnings
 from dataclasses import astuple
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import yaml
 import torch.distributed as dist
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -201,6 +202,38 @@ def validate(model: GPT, tokens: torch.Tensor, seq: int, batch: int, batches: in
     return float(total[0] / total[1])
 
 
+class RankSetup(NamedTuple):
+    kind: str
+    optimizer: str
+    world: int
+    per_node: int
+    tokens: torch.Tensor
+    split: int
+    train: DataLoader
+
+
+def rank_setup(args) -> RankSetup:
+    """What a benchmark rank does first (this worker's and :mod:`benchmarks.ttq_worker`'s):
+    one torch thread (P ranks share this machine's cores), quiet Lightning, its
+    configuration's strategy kind and optimizer, the world size and node size, the seed, and
+    the GPT example's data: ``tokens``, the first ``split`` of them (90 %) for training in
+    ``train``, the rest held out. The node size is the harness's (``benchmarks.netem --nodes
+    N --ranks-per-node L``: torchrun's ``LOCAL_WORLD_SIZE``); without it (per-rank form), one
+    node of P devices."""
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    kind, optimizer = CONFIGS[args.config]
+    world = int(os.environ["WORLD_SIZE"])
+    pl.seed_everything(args.seed, verbose=False)
+    tokens = stdlib_bytes(int(args.data_mb * 2**20))
+    split = int(len(tokens) * 0.9)
+    train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch, shuffle=True, drop_last=True)
+    return RankSetup(kind, optimizer, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), tokens, split, train)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, choices=sorted(CONFIGS))
@@ -225,21 +258,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300, help="process-group timeout (s)")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # P ranks share this machine's cores
-    torch.set_num_interop_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    kind, optimizer = CONFIGS[args.config]
-    p = int(os.environ["WORLD_SIZE"])
-    # nodes of the harness (benchmarks.netem --nodes N --ranks-per-node L): torchrun's
-    # LOCAL_WORLD_SIZE and NODE_RANK; without them (per-rank form) one node of P devices
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", p))
-
-    pl.seed_everything(args.seed, verbose=False)
-    tokens = stdlib_bytes(int(args.data_mb * 2**20))
-    split = int(len(tokens) * 0.9)
-    train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch, shuffle=True, drop_last=True)
+    kind, optimizer, p, per_node, tokens, split, train = rank_setup(args)
     lr = args.lr_lion if optimizer == "lion" else args.lr_adamw
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=lr, optimizer=optimizer,
                 freeze_step=args.freeze_step,

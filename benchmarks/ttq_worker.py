@@ -28,27 +28,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
-import warnings
 from dataclasses import astuple
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
-from benchmarks.e2e_worker import CONFIGS, make_strategy, parse_overrides, validate  # noqa: E402
+from benchmarks.e2e_worker import CONFIGS, make_strategy, parse_overrides, rank_setup, validate  # noqa: E402
 from benchmarks.netem import rank_counters  # noqa: E402
-from examples.gpt_lion import GPT, Windows, stdlib_bytes  # noqa: E402
+from examples.gpt_lion import GPT  # noqa: E402
 
 
 def counters_or_none():
@@ -135,19 +131,7 @@ def main() -> int:
     ap.add_argument("--lowbit", default="", help="LowBitConfig overrides for lowbit_* strategies: KEY=VALUE,...")
     ap.add_argument("--timeout", type=float, default=600, help="process-group timeout (s)")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # 4 ranks share this machine's cores
-    torch.set_num_interop_threads(1)
-    warnings.filterwarnings("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    kind, optimizer = CONFIGS[args.config]
-    p = int(os.environ["WORLD_SIZE"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", p))
-
-    pl.seed_everything(args.seed, verbose=False)
-    tokens = stdlib_bytes(int(args.data_mb * 2**20))
-    split = int(len(tokens) * 0.9)
-    train = DataLoader(Windows(tokens[:split], args.seq), batch_size=args.batch, shuffle=True, drop_last=True)
+    kind, optimizer, p, per_node, tokens, split, train = rank_setup(args)
     onebit = optimizer in ("onebit_adam", "onebit_lamb", "turboquant")
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=args.lr, optimizer=optimizer,
                 freeze_step=args.switch if onebit else None, warmup=args.lr_warmup,
