@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_strategy.codecs.reduce import rank_sum
-from lowbit_strategy.codecs.signs import signs_from_bits
+from lowbit_strategy.codecs.signs import fused_kernels, signs_from_bits
 from lowbit_strategy.codecs.streaming import SLICE, slices
 from lowbit_strategy.validation import is_int
 
@@ -117,6 +117,8 @@ def scaled_sign_decode(
 
     ``out``: a contiguous ``dtype`` tensor of ``n`` elements to decode into (the gather
     writes there: no full-size temporary and no copy), returned.
+
+    On CUDA one pass of :mod:`.signs_triton`'s fused decode (the same values).
     """
     what = "scaled_sign_decode"
     rows, scales = _check_rows(bits, scales, what, block)
@@ -125,6 +127,9 @@ def scaled_sign_decode(
         raise ValueError(f"{what}: cannot decode n={n} values from {k} x {c} bytes")
     if out is not None and (out.dtype != dtype or out.numel() != n or not out.is_contiguous()):
         raise ValueError(f"{what}: out must be a contiguous {dtype} tensor of n={n} elements")
+    fused = fused_kernels(rows)
+    if fused is not None and fused.decodes(dtype):
+        return fused.decode(rows, scales, n, dtype, block, out)
     if block is not None:
         nb = scales.shape[1]
         byte_blocks = _byte_blocks(c, block, bits.device)
@@ -191,11 +196,17 @@ def scaled_sign_mean(
 
     ``out``: a contiguous float32 tensor of ``8c`` elements to write the mean into (a
     buffer kept across calls has no page faults to take), returned.
+
+    On CUDA one pass of :mod:`.signs_triton`'s fused mean (the same order, the same floats)
+    for up to ``signs_triton.MAX_ROWS`` rows.
     """
     rows, scales = _check_rows(bits, scales, "scaled_sign_mean", block)
     k, c = rows.shape
     if out is not None and (out.dtype != torch.float32 or out.numel() != 8 * c or not out.is_contiguous()):
         raise ValueError(f"scaled_sign_mean: out must be a contiguous float32 tensor of 8c = {8 * c} elements")
+    fused = fused_kernels(rows)
+    if fused is not None and k <= fused.MAX_ROWS:
+        return fused.mean(rows, scales / k, block, out)
     device = bits.device
     index = rows.to(torch.int32)
     if block is not None and not _block_tables(c, scales.shape[1]):

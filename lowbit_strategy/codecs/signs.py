@@ -20,6 +20,20 @@ from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 from lowbit_strategy.validation import is_int
 
 
+def fused_kernels(t: torch.Tensor):
+    """:mod:`.signs_triton` when its fused kernels serve ``t`` (a CUDA tensor, triton
+    importable), else ``None``. Imported on the first CUDA tensor: triton is optional, and a
+    CPU run never loads it."""
+    if t.device.type != "cuda":
+        return None
+    from lowbit_strategy.codecs import signs_triton
+
+    return signs_triton if signs_triton.serves(t) else None
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
 def tie_is_positive(step: int) -> bool:
     """Whether a tie at ``step`` resolves to +1 (odd steps) or -1 (even steps)."""
     if not is_int(step):
@@ -102,12 +116,19 @@ def signs_from_bits(words: torch.Tensor, n: int, dtype: torch.dtype = torch.floa
     Decodes through a 256 x 8 lookup table (one row gather per byte instead of unpacking,
     casting and rescaling every bit); same little-endian layout as
     :func:`lowbit_strategy.codecs.bits.pack`. ``index_select`` with int32 indices is the
-    fast form of that gather (advanced indexing with int64 ones is ~4x slower on CPU).
+    fast form of that gather (advanced indexing with int64 ones is ~4x slower on CPU). On
+    CUDA the fused decode of :mod:`.signs_triton` with a scale of 1 (the same ±1).
     """
     if words.dtype != torch.uint8 or words.dim() != 1:
         raise TypeError(f"signs_from_bits needs 1-D uint8 words, got {words.dtype} of shape {tuple(words.shape)}")
     if not 0 <= n <= 8 * words.numel():
         raise ValueError(f"cannot decode n={n} signs from {words.numel()} bytes")
+    fused = fused_kernels(words)
+    if fused is not None and fused.decodes(dtype):
+        ones = _ONES.get(words.device)
+        if ones is None:
+            ones = _ONES[words.device] = torch.ones(1, dtype=torch.float32, device=words.device)
+        return fused.decode(words.view(1, -1), ones, n, dtype, None, None)
     key = (dtype, words.device)
     table = _SIGN_TABLES.get(key)
     if table is None:

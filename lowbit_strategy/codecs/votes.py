@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs.signs import tie_is_positive
+from lowbit_strategy.codecs.signs import fused_kernels, tie_is_positive
 
 #: Words per slice of the vote rows: the adder tree's temporaries (a few per row) stay
 #: small enough to be cache-resident and recycled by the allocator (fresh large buffers
@@ -94,7 +94,7 @@ def _at_least(planes: list[torch.Tensor], threshold: int, like: torch.Tensor) ->
 
 
 #: accepted values of ``method``
-METHODS = ("auto", "bitsliced", "lanes")
+METHODS = ("auto", "bitsliced", "lanes", "fused")
 #: the most rows the byte-lane counters of ``method="lanes"`` can count (a lane holds
 #: count + 128 - threshold <= 255)
 MAX_LANE_ROWS = 254
@@ -116,7 +116,11 @@ def majority_bits(words: torch.Tensor, step: int, method: str = "auto") -> torch
       integer sum) and compared with the threshold by one addition per lane: ~7 kernels
       per bit position whatever P (P <= :data:`MAX_LANE_ROWS`), for a GPU, where a kernel
       launch costs more than the bytes it touches;
-    * ``"auto"``: ``"lanes"`` for CUDA tensors, ``"bitsliced"`` otherwise.
+    * ``"fused"``: one pass of :mod:`.signs_triton`'s kernel (per bit, an integer count over
+      the rows, then the threshold) for CUDA tensors where triton imports (or CPU tensors
+      under Triton's interpreter), up to ``signs_triton.MAX_ROWS`` rows; ``"lanes"``
+      otherwise;
+    * ``"auto"``: ``"fused"`` for CUDA tensors, ``"bitsliced"`` otherwise.
     """
     if method not in METHODS:
         raise ValueError(f"majority_bits: method must be one of {METHODS}, got {method!r}")
@@ -128,6 +132,11 @@ def majority_bits(words: torch.Tensor, step: int, method: str = "auto") -> torch
     threshold = majority_threshold(p, step)
     if c == 0:
         return words.new_empty(0)
+    if method == "auto" and words.is_cuda or method == "fused":
+        fused = fused_kernels(words) if method == "auto" else _fused_for(words)
+        if fused is not None and p <= fused.MAX_ROWS and words.stride(1) == 1:
+            return fused.majority(words, threshold)
+        method = "lanes"
     padded = words
     if c % 8 or not words.is_contiguous() or words.storage_offset() % 8:
         padded = words.new_zeros(p, -(-c // 8) * 8)
@@ -142,6 +151,18 @@ def majority_bits(words: torch.Tensor, step: int, method: str = "auto") -> torch
         part = rows[:, start : start + _SLICE_WORDS]
         winners[start : start + _SLICE_WORDS] = _at_least(_count_planes(list(part.unbind(0))), threshold, part[0])
     return winners.view(torch.uint8)[:c]
+
+
+def _fused_for(words: torch.Tensor):
+    """:mod:`.signs_triton` if its kernels serve ``words`` (CUDA, or the CPU under the
+    interpreter), else ``None``."""
+    if words.is_cuda:
+        return fused_kernels(words)
+    try:
+        from lowbit_strategy.codecs import signs_triton
+    except ImportError:  # pragma: no cover - triton's own import errors are caught there
+        return None
+    return signs_triton if signs_triton.serves(words) else None
 
 
 def _majority_lanes(rows: torch.Tensor, threshold: int) -> torch.Tensor:

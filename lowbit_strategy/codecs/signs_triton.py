@@ -1,0 +1,197 @@
+"""Fused Triton kernels for the packed 1-bit payloads on CUDA: decode, the server's mean and
+the majority vote, one pass each.
+
+Why: on an H100 (the one-GPU check, part 2, 2^26 elements) the torch forms ran at 1-4 % of a
+device-to-device copy. The decodes and the mean gather rows of small ``(256, 8)`` tables by
+byte (``index_select``: CUDA's generic indexing kernel, 32 bytes per index), and the
+majority's byte-lane count is ~56 small kernels per bucket. Here a program reads its bytes
+(and the few scales they need) and writes its floats or bytes once.
+
+**Bit for bit the torch codes** (:mod:`.scaled_signs_decode`, :mod:`.signs`, :mod:`.votes`),
+by construction, and checked in Triton's interpreter by ``tests/codecs/test_signs_triton.py``
+(on a GPU by the one-GPU check):
+
+* decode: ``s · (±1)`` in float32, as the torch tables are built (exact; here the sign bit
+  is flipped by an integer XOR, as a multiply by −1 flips it, signed zeros included), then
+  rounded once to the output dtype: float16 by the conversion (round to nearest even on the
+  GPU and in the interpreter), bfloat16 by c10's integer formula (the interpreter's own cast
+  truncates), float64 exactly. The torch form for small scale blocks rounds the scale first
+  and multiplies by ±1 in the output dtype: the same value, rounding being symmetric;
+* mean (1-bit LAMB Algorithm 1, line 10): the terms ``w_r · (±1)`` are exact, and their sum
+  follows :func:`~lowbit_strategy.codecs.reduce.rank_sum`'s pairwise tree. The rows are
+  padded to a power of two with −0.0, which is the exact identity of IEEE addition (``x +
+  (−0.0) = x`` for every ``x``, −0.0 included), so a row paired with padding is carried up
+  unchanged, as ``rank_sum`` carries an odd last row, and the real rows meet in the same
+  pairs at every level. Each level adds explicit pairs (``split``), and floating-point
+  contraction is off at launch (``enable_fp_fusion=False``);
+* majority (Lion Cub Sec. 3): per bit, the count of +1 votes is an integer sum, exact in any
+  order, compared with :func:`~lowbit_strategy.codecs.votes.majority_threshold`'s threshold.
+
+**Where they run.** The codecs call them for CUDA tensors when triton imports
+(:func:`.signs.fused_kernels`); everything else keeps the torch code. With
+``TRITON_INTERPRET=1`` set before this module is first imported they run on CPU tensors in
+Triton's interpreter instead (tests); the mode is fixed at import (:data:`INTERPRETED`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_strategy.codecs.turboquant_triton import _LAUNCH, AVAILABLE, _interpret_mode, _on_device, triton
+
+if AVAILABLE:
+    import triton.language as tl
+
+#: whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)
+INTERPRETED = _interpret_mode()
+#: most rows (ranks) the mean and the majority kernels take in one program's registers;
+#: more fall back to the torch code
+MAX_ROWS = 256
+#: elements per program of the decode
+_DECODE_TILE = 1024
+#: a program's tile of the mean and the majority: rows x columns at most this
+_ROW_TILE = 4096
+#: output dtype codes of the decode kernel
+_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def serves(t: torch.Tensor) -> bool:
+    """Whether these kernels can run on ``t``'s device: CUDA with compiled kernels, or the
+    CPU under the interpreter."""
+    return AVAILABLE and (t.device.type == "cpu" if INTERPRETED else t.device.type == "cuda")
+
+
+def _pow2(k: int) -> int:
+    return 1 << max(0, k - 1).bit_length()
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _store(out_ptr, offs, y, mask, OUT: tl.constexpr):
+        """``y`` (float32) rounded once to the output dtype (see the module docstring)."""
+        if OUT == 2:  # bfloat16, round to nearest even by hand; out_ptr is its int16 view
+            u = y.to(tl.uint32, bitcast=True)
+            r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+            r = tl.where(y != y, 0x7FC0, r)
+            tl.store(out_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _signed(s, bit):
+        """``s · (+1 if bit else −1)``: the sign bit flipped by an integer XOR where ``bit`` is
+        0, which is what torch's multiply by −1 does to every non-NaN float, +0.0 included (a
+        select of ``-s`` compiles to a negated-operand ``FSEL`` that turned −(+0.0) into +0.0 in
+        TurboQuant's kernels on an H100)."""
+        flip = ((1 - bit) << 31).to(tl.uint32)
+        return (s.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _decode_kernel(
+        bits_ptr, scale_ptr, out_ptr, n, row_len, nb, block_bytes,
+        TILE: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        mask = e < n
+        byte = tl.load(bits_ptr + (e >> 3), mask=mask, other=0).to(tl.int32)
+        bit = (byte >> (e & 7).to(tl.int32)) & 1
+        row = e // row_len
+        if BLOCKED:
+            index = row * nb + ((e % row_len) >> 3) // block_bytes
+        else:
+            index = row
+        s = tl.load(scale_ptr + index, mask=mask, other=0.0)
+        _store(out_ptr, e, _signed(s, bit), mask, OUT)
+
+    @triton.jit
+    def _mean_kernel(
+        bits_ptr, w_ptr, out_ptr, k, c, nb, block_bytes,
+        KP: tl.constexpr, LOGK: tl.constexpr, TILE: tl.constexpr, BLOCKED: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        r = tl.arange(0, KP).to(tl.int64)
+        mask = (r < k)[:, None] & (e < 8 * c)[None, :]
+        col = (e >> 3)[None, :]
+        byte = tl.load(bits_ptr + r[:, None] * c + col, mask=mask, other=0).to(tl.int32)
+        bit = (byte >> (e & 7).to(tl.int32)[None, :]) & 1
+        if BLOCKED:
+            index = r[:, None] * nb + col // block_bytes
+        else:
+            index = r[:, None] + col * 0
+        w = tl.load(w_ptr + index, mask=mask, other=0.0)
+        terms = tl.where(mask, _signed(w, bit), -0.0)  # -0.0: the identity
+        for _ in tl.static_range(LOGK):  # rank_sum's levels: rows (2i, 2i + 1) -> i
+            pairs = tl.permute(tl.reshape(terms, (terms.shape[0] // 2, 2, TILE)), (0, 2, 1))
+            a, b = tl.split(pairs)
+            terms = a + b
+        tl.store(out_ptr + e, tl.reshape(terms, (TILE,)), mask=e < 8 * c)
+
+    @triton.jit
+    def _majority_kernel(words_ptr, out_ptr, p, c, row_stride, threshold, PP: tl.constexpr, TB: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
+        r = tl.arange(0, PP).to(tl.int64)
+        mask = (r < p)[:, None] & (j < c)[None, :]
+        words = tl.load(words_ptr + r[:, None] * row_stride + j[None, :], mask=mask, other=0).to(tl.int32)
+        byte = tl.zeros((TB,), dtype=tl.int32)
+        for t in tl.static_range(8):
+            count = tl.sum((words >> t) & 1, axis=0)
+            byte |= (count >= threshold).to(tl.int32) << t
+        tl.store(out_ptr + j, byte.to(tl.uint8), mask=j < c)
+
+
+def decode(
+    rows: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dtype, block: int | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`.scaled_signs_decode.scaled_sign_decode` of checked ``rows`` ((k, c) uint8) and
+    float32 ``scales`` ((k,), or (k, nb) with ``block``): the first ``n`` values, 1-D."""
+    k, c = rows.shape
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=rows.device)
+    if n == 0:
+        return out
+    grid = (triton.cdiv(n, _DECODE_TILE),)
+    nb = scales.shape[1] if block is not None else 1
+    with _on_device(rows):
+        _decode_kernel[grid](
+            rows.contiguous(), scales.contiguous(), out.view(torch.int16) if dtype == torch.bfloat16 else out,
+            n, 8 * c, nb, (block or 8) // 8,
+            TILE=_DECODE_TILE, BLOCKED=block is not None, OUT=_OUT[dtype], **_LAUNCH,
+        )  # fmt: skip
+    return out
+
+
+def decodes(dtype: torch.dtype) -> bool:
+    """Whether :func:`decode` writes ``dtype``."""
+    return dtype in _OUT
+
+
+def mean(rows: torch.Tensor, weights: torch.Tensor, block: int | None, out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`.scaled_signs_decode.scaled_sign_mean` of checked ``rows`` ((k, c) uint8, ``k``
+    at most :data:`MAX_ROWS`) given the float32 ``weights = scales / k`` ((k,) or (k, nb))."""
+    k, c = rows.shape
+    if out is None:
+        out = torch.empty(8 * c, dtype=torch.float32, device=rows.device)
+    if c == 0:
+        return out
+    kp = _pow2(k)
+    tile = max(16, _ROW_TILE // kp)
+    nb = weights.shape[1] if block is not None else 1
+    with _on_device(rows):
+        _mean_kernel[(triton.cdiv(8 * c, tile),)](
+            rows.contiguous(), weights.contiguous(), out, k, c, nb, (block or 8) // 8,
+            KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, BLOCKED=block is not None, **_LAUNCH,
+        )  # fmt: skip
+    return out
+
+
+def majority(words: torch.Tensor, threshold: int) -> torch.Tensor:
+    """:func:`.votes.majority_bits` of (P, C) uint8 ``words`` (rows with unit column stride,
+    ``P`` at most :data:`MAX_ROWS`) against ``threshold``: the (C,) packed winners."""
+    p, c = words.shape
+    out = torch.empty(c, dtype=torch.uint8, device=words.device)
+    pp = _pow2(p)
+    tb = max(16, _ROW_TILE // pp)
+    with _on_device(words):
+        _majority_kernel[(triton.cdiv(c, tb),)](words, out, p, c, words.stride(0), threshold, PP=pp, TB=tb, **_LAUNCH)
+    return out

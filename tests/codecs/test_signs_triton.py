@@ -1,0 +1,277 @@
+"""The fused 1-bit kernels (:mod:`lowbit_strategy.codecs.signs_triton`) against the torch
+codes, bit for bit: the scaled-sign decode, the server's mean, ``signs_from_bits`` and the
+majority vote.
+
+On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` set before the module
+is imported, as in ``test_turboquant_triton.py``), dispatched through the same public
+functions a CUDA tensor takes (their ``fused_kernels`` hook pointed at the interpreted module),
+so the argument handling is the one a GPU runs. On a machine with CUDA,
+:func:`test_cuda_bit_exact` compiles them for the GPU in a subprocess and compares there;
+without one, :func:`test_compiled_ptx_has_no_fma` compiles them for an H100 and reads the PTX.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowbit_strategy.codecs import scaled_signs_decode as ssd
+from lowbit_strategy.codecs import signs, votes
+from lowbit_strategy.codecs.reduce import rank_sum
+from lowbit_strategy.codecs.votes import majority_bits
+
+
+def _import_interpreted():
+    os.environ["TRITON_INTERPRET"] = "1"  # left set: triton reads it again at the first launch
+    from lowbit_strategy.codecs import signs_triton
+
+    if signs_triton.AVAILABLE and not signs_triton.INTERPRETED:
+        signs_triton = importlib.reload(signs_triton)
+    return signs_triton
+
+
+st = _import_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def _need_triton():
+    if not st.AVAILABLE:
+        if os.environ.get("LOWBIT_ALLOW_NO_TRITON") == "1":
+            pytest.skip("triton is not installed (LOWBIT_ALLOW_NO_TRITON=1)")
+        pytest.fail('triton is not installed: pip install -e ".[dev]"', pytrace=False)
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The public codecs dispatch CPU tensors to the interpreted kernels, as CUDA ones to the
+    compiled kernels."""
+    hook = lambda t: st if st.serves(t) else None  # noqa: E731
+    monkeypatch.setattr(ssd, "fused_kernels", hook)
+    monkeypatch.setattr(signs, "fused_kernels", hook)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    real = st.decode
+    monkeypatch.setattr(st, "decode", counted)
+    return calls
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bit patterns (tells -0.0 from 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def payload(k: int, c: int, nb: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bytes, and scales with the awkward values: 0 (signed zeros in the output),
+    subnormals, values that round differently in bf16/fp16, and large ones."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (k, c), dtype=torch.uint8, generator=g)
+    scales = torch.rand(k * nb, generator=g) * 3
+    special = torch.tensor([0.0, 1e-40, 1.00390625, 1.0009765625, 3.0e38, 65504.0, 2.0**-20])
+    scales[: min(len(special), scales.numel())] = special[: scales.numel()]
+    return bits, scales[torch.randperm(scales.numel(), generator=g)].view(k, nb) if nb > 1 else scales
+
+
+def reference(fn, *args, **kw):
+    """The torch code's result: the hook off for this call."""
+    saved = ssd.fused_kernels, signs.fused_kernels
+    ssd.fused_kernels = signs.fused_kernels = lambda t: None
+    try:
+        return fn(*args, **kw)
+    finally:
+        ssd.fused_kernels, signs.fused_kernels = saved
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "k, c, block, cut",
+    [(1, 37, None, 0), (3, 64, None, 5), (5, 129, None, 8), (4, 50, 16, 3), (3, 33, 24, 0), (2, 4096, 16384, 7),
+     (3, 40, 64, 1)],
+)
+def test_decode_bit_exact(fused, dtype, k, c, block, cut):
+    nb = 1 if block is None else -(-8 * c // block)
+    bits, scales = payload(k, c, nb, seed=k * 1000 + c)
+    n = 8 * k * c - cut
+    want = reference(ssd.scaled_sign_decode, bits, scales, n, dtype, block)
+    got = ssd.scaled_sign_decode(bits, scales, n, dtype, block)
+    assert fused, "the fused decode did not run"
+    assert same_bits(got, want), (dtype, k, c, block)
+    into = torch.full((n,), 7.0, dtype=dtype)
+    assert ssd.scaled_sign_decode(bits, scales, n, dtype, block, out=into) is into
+    assert same_bits(into, want)
+
+
+def test_decode_1d_bits_and_empty(fused):
+    bits, scales = payload(1, 10, 1, seed=3)
+    want = reference(ssd.scaled_sign_decode, bits.view(-1), scales, 75)
+    assert same_bits(ssd.scaled_sign_decode(bits.view(-1), scales, 75), want)
+    assert ssd.scaled_sign_decode(bits, scales, 0).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "k, block",
+    [*[(k, b) for k in (1, 2, 3, 4, 5, 7, 8, 9) for b in (None, 16)], (3, 16384),
+     *[pytest.param(k, b, marks=pytest.mark.slow) for k, b in ((16, None), (33, None), (33, 16), (9, 16384))]],
+)
+def test_mean_bit_exact_in_rank_sum_order(monkeypatch, k, block):
+    c = 2048 if block == 16384 else 40
+    nb = 1 if block is None else -(-8 * c // block)
+    bits, scales = payload(k, c, nb, seed=k + (block or 0))
+    if k >= 4:  # a row of zero scales: -0.0 terms, which must stay -0.0 where every term is
+        scales[1] = 0.0
+        bits[1] = 0
+    want = reference(ssd.scaled_sign_mean, bits, scales, block)
+    monkeypatch.setattr(ssd, "fused_kernels", lambda t: st)
+    got = ssd.scaled_sign_mean(bits, scales, block)
+    assert same_bits(got, want), (k, block)
+    into = torch.empty(8 * c)
+    assert ssd.scaled_sign_mean(bits, scales, block, out=into) is into and same_bits(into, want)
+
+
+def test_mean_padding_keeps_signed_zeros_and_the_tree(monkeypatch):
+    # every term -0.0 -> the sum is -0.0 (a +0.0 pad or identity would give +0.0); and values
+    # where the pairwise order and the rank order round differently
+    monkeypatch.setattr(ssd, "fused_kernels", lambda t: st)
+    zeros = ssd.scaled_sign_mean(torch.zeros(3, 2, dtype=torch.uint8), torch.zeros(3))
+    assert same_bits(zeros, torch.full((16,), -0.0))
+    scales = torch.tensor([1.0, 2.0**-24, 2.0**-24, 2.0**-24, 2.0**-24]) * 5
+    bits = torch.full((5, 1), 255, dtype=torch.uint8)
+    got = ssd.scaled_sign_mean(bits, scales)
+    w = scales / 5
+    assert same_bits(got, rank_sum(w.view(5, 1).expand(5, 8).contiguous()))
+    in_rank_order = w[0].expand(8)
+    for r in range(1, 5):
+        in_rank_order = in_rank_order + w[r]
+    assert not same_bits(got, in_rank_order)  # 1 + 2^-22 against 1: the orders differ here
+
+
+def test_signs_from_bits(fused):
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 256, (77,), dtype=torch.uint8, generator=g)
+    for dtype in DTYPES:
+        for n in (0, 1, 613, 616):
+            want = reference(signs.signs_from_bits, words, n, dtype)
+            assert same_bits(signs.signs_from_bits(words, n, dtype), want), (dtype, n)
+    assert fused
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 9, 16, 33])
+@pytest.mark.parametrize("step", [1, 2])
+def test_majority_bit_exact(p, step):
+    g = torch.Generator().manual_seed(p * 10 + step)
+    received = torch.randint(0, 256, (p, 300), dtype=torch.uint8, generator=g)
+    received[:, :40] = 0b10101010  # every column tied at even P
+    words = received[:, :291]  # rows with a stride: as the majority collective passes them
+    want = majority_bits(words, step, method="bitsliced")
+    assert torch.equal(majority_bits(words, step, method="fused"), want)
+    assert torch.equal(st.majority(words, votes.majority_threshold(p, step)), want)
+
+
+def test_fused_is_lanes_where_it_cannot_run():
+    # more rows than a program holds: the byte-lane count (same bits)
+    words = torch.randint(0, 256, (st.MAX_ROWS + 1, 16), dtype=torch.uint8)
+    assert torch.equal(majority_bits(words, 3, method="fused"), majority_bits(words, 3, method="bitsliced"))
+
+
+def test_cpu_never_dispatches_without_the_hook():
+    # the real hook serves CUDA tensors only: a CPU run keeps the torch code (and never
+    # imports triton through it)
+    assert signs.fused_kernels(torch.zeros(8, dtype=torch.uint8)) is None
+    assert ssd.fused_kernels is signs.fused_kernels
+
+
+_CUDA_CHECK = textwrap.dedent(
+    """
+    import torch
+    from lowbit_strategy.codecs import scaled_signs_decode as ssd, signs
+    from lowbit_strategy.codecs.votes import majority_bits
+    from lowbit_strategy.codecs import signs_triton as st
+    assert st.serves(torch.zeros(1, device="cuda")) and not st.INTERPRETED
+    def same(a, b):
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+    g = torch.Generator().manual_seed(0)
+    for k, c, block in ((1, 1 << 17, None), (4, 50_000, None), (8, 4099, 16), (8, 1 << 15, 16384), (64, 999, None)):
+        nb = 1 if block is None else -(-8 * c // block)
+        bits = torch.randint(0, 256, (k, c), dtype=torch.uint8, generator=g)
+        scales = torch.rand(k * nb, generator=g) * 3
+        scales[0] = 0.0
+        scales = scales.view(k, nb) if block else scales
+        n = 8 * k * c - 3
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            want = ssd.scaled_sign_decode(bits, scales, n, dtype, block)  # CPU: the torch code
+            got = ssd.scaled_sign_decode(bits.cuda(), scales.cuda(), n, dtype, block)
+            assert same(got.cpu(), want), ("decode", k, c, block, dtype)
+        want = ssd.scaled_sign_mean(bits, scales, block)
+        assert same(ssd.scaled_sign_mean(bits.cuda(), scales.cuda(), block).cpu(), want), ("mean", k, c, block)
+        assert same(signs.signs_from_bits(bits[0].cuda(), 8 * c - 1).cpu(), signs.signs_from_bits(bits[0], 8 * c - 1))
+        for step in (1, 2):
+            want = majority_bits(bits, step, method="bitsliced")
+            assert torch.equal(majority_bits(bits.cuda(), step).cpu(), want), ("majority", k, c, step)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreter tests above cover CPU")
+def test_cuda_bit_exact():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+_PTX_CHECK = textwrap.dedent(
+    """
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lowbit_strategy.codecs import signs_triton as st
+
+    assert not st.INTERPRETED
+    target = GPUTarget("cuda", 90, 32)
+
+    def ptx(fn, sig, consts, **options):
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        return triton.compile(src, target=target, options={"num_warps": 4, **options}).asm["ptx"]
+
+    dec = {"bits_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i64", "row_len": "i64", "nb": "i32",
+           "block_bytes": "i32", "TILE": "constexpr", "BLOCKED": "constexpr", "OUT": "constexpr"}
+    mean = {"bits_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "c": "i64", "nb": "i32",
+            "block_bytes": "i32", "KP": "constexpr", "LOGK": "constexpr", "TILE": "constexpr", "BLOCKED": "constexpr"}
+    maj = {"words_ptr": "*u8", "out_ptr": "*u8", "p": "i32", "c": "i64", "row_stride": "i64", "threshold": "i32",
+           "PP": "constexpr", "TB": "constexpr"}
+    text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st._LAUNCH)
+            + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st._LAUNCH)
+            + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st._LAUNCH))
+    print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "neg": text.count("neg.f32"),
+                      "add": text.count("add.rn.f32"), "xor": text.count("xor.b32")}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_compiled_ptx_has_no_fma():
+    """What the interpreter cannot show: the kernels compile for an H100 (no GPU needed); the
+    mean's adds stay IEEE adds (no FMA contraction, no flush-to-zero); signs are flipped by
+    XOR, with no float negation (which ptxas may fold into a select that loses −0.0)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["fma"] == 0 and got["ftz"] == 0 and got["neg"] == 0, got
+    assert got["add"] > 0 and got["xor"] > 0, got
