@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
 from lowbit_strategy.algorithms.staged import adam
 
@@ -34,6 +36,11 @@ class OneBitAdam(_OneBitOptimizer):
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
+        #: the compression stage as multi-tensor ops (:meth:`_compressed_all`): ``None`` = on
+        #: CUDA parameters only
+        self.multi_tensor: bool | None = None
+        #: per parameter: (its exp_avg_sq, that tensor's version, where it is 0)
+        self._zero_cache: dict[torch.Tensor, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def _compressed(self, group, p, mean, step):
         state = self._state(p)
@@ -55,3 +62,48 @@ class OneBitAdam(_OneBitOptimizer):
             step=step,
             v_step=self.freeze_step,
         )
+
+    def _compressed_all(self, items, step):
+        """Every compression-stage update of a step. On CUDA parameters (or with
+        :attr:`multi_tensor`) as multi-tensor (``torch._foreach_*``) ops per parameter group and
+        dtype: the mask of :meth:`_masked` per parameter (``v == 0`` kept, as 1-bit LAMB keeps it)
+        and a handful of launches for all parameters instead of ~9 per parameter (on an H100
+        the per-parameter loop cost ~20 ms a step on GPT-2 small, launch-bound). Elsewhere,
+        and while the variance is tracked, :meth:`_compressed` on each parameter (on CPU each
+        parameter's chain then runs in cache). The same operations on the same values in the
+        same order, so the same floats: on CPU a ``_foreach_`` op runs the single-tensor kernel
+        on every tensor, and the test holds the two forms to each other bit for bit."""
+        on = self.multi_tensor if self.multi_tensor is not None else bool(items) and items[0][1].is_cuda
+        if not on or self.track_variance:
+            return super()._compressed_all(items, step)
+        batches: dict = {}
+        for item in items:
+            batches.setdefault((id(item[0]), item[1].dtype, item[1].device), []).append(item)
+        for batch in batches.values():
+            group = batch[0][0]
+            beta1, beta2 = group["betas"]
+            states = [self._state(p) for _, p, _ in batch]
+            ms = [s["exp_avg"] for s in states]
+            vs = [s["exp_avg_sq"] for s in states]
+            ps = [p for _, p, _ in batch]
+            zeros = self._zeros(ps, vs)
+            news = [mean.to(m.dtype).masked_fill_(zero, 0) for (_, _, mean), m, zero in zip(batch, ms, zeros)]
+            torch._foreach_copy_(ms, news)
+            torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
+            denom = torch._foreach_sqrt(vs)  # adam_apply_ with v_step = freeze_step
+            torch._foreach_div_(denom, (1 - beta2**self.freeze_step) ** 0.5)
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(ps, ms, denom, value=-(group["lr"] / (1 - beta1**step)))
+
+    def _zeros(self, ps: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``v == 0`` of each parameter's frozen variance ``vs[i]``: a constant of the
+        compression stage, kept per parameter for that tensor and its version (a loaded state
+        or a write recomputes it), as 1-bit LAMB keeps it (a bool per element; no host read)."""
+        cache = self._zero_cache
+        out = []
+        for p, v in zip(ps, vs):
+            hit = cache.get(p)
+            if hit is None or hit[0] is not v or hit[1] != v._version:
+                hit = cache[p] = (v, v._version, v == 0)
+            out.append(hit[2])
+        return out

@@ -336,6 +336,42 @@ def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay):
     assert ours[8].grad is None and torch.equal(ours[8], _lamb_zoo()[8])  # the frozen one: untouched
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, WD])
+def test_multi_tensor_adam_step_is_the_per_parameter_step_bit_for_bit(weight_decay):
+    """1-bit Adam's multi-tensor compression stage (CUDA's default, forced here on CPU, where
+    each ``_foreach_`` op runs the single-tensor kernel per tensor) equals the per-parameter
+    step bit for bit: two parameter groups, bf16, a 0-d, an empty, a frozen, an all-zero
+    parameter (its frozen variance 0: masked) and one whose gradient is sometimes None; and
+    after a state is loaded (the cached mask follows the new variance)."""
+    runs = []
+    for multi in (False, True):
+        params = _lamb_zoo()
+        groups = [dict(params=params[:5]), dict(params=params[5:], lr=LR / 3, weight_decay=weight_decay / 2)]
+        opt = OneBitAdam(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4)
+        opt.multi_tensor = multi
+        calls = []
+        real = opt._compressed
+        opt._compressed = lambda *a, calls=calls, real=real: (calls.append(1), real(*a))
+        for step in range(1, 10):
+            _lamb_zoo_grads(step, params)
+            opt.step()
+            if step == 6:  # a loaded state: new exp_avg_sq tensors, with new zeros (masked from now on)
+                state = copy.deepcopy(opt.state_dict())
+                for s in state["state"].values():
+                    s["exp_avg_sq"] = s["exp_avg_sq"] * 2
+                    s["exp_avg_sq"].view(-1)[:1] = 0
+                opt.load_state_dict(state)
+        assert bool(calls) != multi  # the per-parameter form ran only when asked
+        runs.append((params, opt))
+    (ref, ref_opt), (ours, opt) = runs
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ref, ours))
+    for a, b in zip(ref, ours):
+        sa, sb = ref_opt.state[a], opt.state[b]
+        assert set(sa) == set(sb) and all(torch.equal(_bits(sa[k]), _bits(sb[k])) for k in sa)
+    assert torch.count_nonzero(opt.state[ours[6]]["exp_avg_sq"]) == 0  # the masked one was there
+    assert torch.equal(ours[6], torch.zeros(5))
+
+
 def test_any_nonfinite_is_isfinite_all():
     """The staged optimizers' NaN/Inf test (a sum per tensor, max/min when a sum is not
     finite) answers as ``isfinite(t).all()`` does: NaN and ±Inf anywhere (the vectorized
