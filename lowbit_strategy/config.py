@@ -69,7 +69,7 @@ class LowBitConfig:
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
         compile_codecs: run some codecs' elementwise chains compiled with ``torch.compile``
-            (CPU), bit for bit the eager codecs' results; opt-in because each process pays
+            (CPU and CUDA), bit for bit the eager codecs' results; opt-in because each process pays
             for compiling on first use (seconds; :mod:`lowbit_strategy.codecs.compiled`).
             Without a working compiler the eager codecs run, after one warning.
         topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction

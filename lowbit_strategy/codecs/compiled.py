@@ -28,7 +28,13 @@ Not compiled: the TurboQuant codec (its Hadamard butterflies are ten order-fixed
 block; inductor's code for them, and for its 4-bit packing, measured slower than the eager
 cache-sliced passes) and the 1-bit sign packers (the eager ``numpy.packbits`` path is faster).
 
-CPU tensors of at least :data:`MIN_NUMEL` elements only. Nothing is compiled at import: a
+On CUDA the same chains become inductor's Triton kernels. They hold eager's bits there by the
+same argument: every float operation is elementwise and rounds once, and no float multiply
+feeds an add (the L_p chain multiplies then rounds, the sign chain subtracts ±s), so no
+contraction into an FMA can change a result; the one-GPU check (``make gpu-check``, part 2)
+compares them with eager bit for bit and times them.
+
+CPU and CUDA tensors of at least :data:`MIN_NUMEL` elements. Nothing is compiled at import: a
 chain compiles on its first call, once per set of constants (levels, dtypes) with dynamic
 sizes, so buckets of different lengths share one kernel. If compiling or running a chain
 raises (no C++ compiler, an unsupported platform), it warns once and the eager codec serves
@@ -107,8 +113,8 @@ MIN_NUMEL = 1 << 16
 
 
 def _applies(t: torch.Tensor, n: int | None = None) -> bool:
-    """Whether a chain serves ``t`` (of ``n`` elements, default its own): on, CPU, not tiny."""
-    return _enabled and t.device.type == "cpu" and (t.numel() if n is None else n) >= MIN_NUMEL
+    """Whether a chain serves ``t`` (of ``n`` elements, default its own): on, CPU or CUDA, not tiny."""
+    return _enabled and t.device.type in ("cpu", "cuda") and (t.numel() if n is None else n) >= MIN_NUMEL
 
 
 # -- bit packing inside a chain ---------------------------------------------------------------
@@ -129,8 +135,9 @@ def _pack_bits(votes: torch.Tensor) -> torch.Tensor:
 
 
 def _tail_byte(votes: torch.Tensor) -> torch.Tensor:
-    """The last, partial byte of fewer than 8 bool ``votes`` (eager: a few elements)."""
-    weights = torch.tensor([1 << i for i in range(votes.numel())], dtype=torch.int32, device=votes.device)
+    """The last, partial byte of fewer than 8 bool ``votes`` (eager: a few elements; the bit
+    weights made on the device, not copied from the host: no sync on CUDA)."""
+    weights = torch.bitwise_left_shift(1, torch.arange(votes.numel(), dtype=torch.int32, device=votes.device))
     return (votes.to(torch.int32) * weights).sum().to(torch.uint8).view(1)
 
 
