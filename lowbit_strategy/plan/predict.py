@@ -11,7 +11,7 @@ which send fp32, are not counted):
   taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
   last bucket is ready only when backward ends);
 * the FSDP world rows (``--sharded`` on several nodes: one FSDP group over every rank,
-  :meth:`_Predictor.world_rows`) gather in forward and backward and reduce-scatter in
+  :func:`~lowbit_strategy.plan.predict_sharded.world_rows`) gather in forward and backward and reduce-scatter in
   backward, hidden behind each but one unit's call;
 * the sharded rows exchange at the optimizer step: none of it is hidden (HSDP's all-reduce
   hook overlaps backward like DDP);
@@ -36,13 +36,10 @@ sharded, /W world) stays within it; activations are not counted, so a row that f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from lowbit_strategy import buckets
-from lowbit_strategy.collectives import cost_model_sharded as sh
-from lowbit_strategy.collectives import cost_model_world as cw
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.cost_model import _rounds, bitdp_form
 from lowbit_strategy.collectives.cost_model_nodes import (
@@ -253,113 +250,12 @@ class _Predictor:
             memory,
         )
 
-    # -- sharded (FSDP inside the node) ----------------------------------------------------------
-    def sharded(self, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
-        t = sh.sharded_seconds(sends, self.c)
-        units = max(1, len(self.s.model.units))
-        link = float(sends.network_per_node)
-        per = [(t / units, link / units)] * units if overlap else [(t, link)]
-        local = self.n / self.per_node
-        return self.row(
-            key, method, "sharded", config, per, self.codec(codec_key, local), memory / self.per_node, overlap
-        )
-
-    def sharded_rows(self, lion_lane: str) -> list[Row]:
-        shapes, units = list(self.s.model.shapes), self.s.model.unit_shapes()
-        nodes, per_node, bn, n = self.nodes, self.per_node, self.s.bucket_numel, self.n
-
-        def tq(m: int) -> str:  # TurboQuant's auto per bucket at P = N (codec time included)
-            cost = {
-                f: bucket_seconds(
-                    bucket_sends(f, m, nodes, flagged=False), replace(self.c, nodes=nodes, ranks_per_node=1)
-                )
-                + m * turboquant_codec_ns(self.s.codec_ns, f, nodes) * 1e-9
-                for f in TURBOQUANT_FORMS
-            }
-            return min(cost, key=cost.__getitem__)
-
-        pick: Callable[[int], str] = tq
-        hsdp = sh.hsdp_sends(units, nodes, per_node, itemsize=2)
-        lion = sh.optimizer_sends(lion_lane, shapes, nodes, per_node, bucket_numel=bn, last_first=False)
-        lion = lion + sh.agreement_sends(len(shapes), nodes, per_node)
-        onebit = sh.optimizer_sends(
-            "compensated", shapes, nodes, per_node, bucket_numel=bn, last_first=True, block=ONEBIT_BLOCK
-        )
-        turbo = sh.optimizer_sends(pick, shapes, nodes, per_node, bucket_numel=bn, last_first=True)
-        server = 4.0 * n / max(1, nodes)
-        return [
-            self.sharded(
-                "hsdp_bf16", "HSDP bf16 (+ AdamW)", "FSDP2 + replicate, bf16 reduce", hsdp, None, 8.0 * n, True
-            ),
-            self.sharded(
-                "lion_sharded", f"Lion Cub {lion_lane}", "attach_sharded(algorithm='lion')", lion, "lp", 4.0 * n
-            ),
-            self.sharded(
-                "onebit_sharded",
-                "1-bit Adam/LAMB",
-                "attach_sharded(algorithm='onebit_adam')",
-                onebit,
-                "compensated",
-                12.0 * n + server,
-            ),
-            self.sharded(
-                "turboquant_sharded",
-                "TurboQuant-Adam 4-bit",
-                "attach_sharded(algorithm='turboquant')",
-                turbo,
-                "turboquant",
-                12.0 * n + server,
-            ),
-        ]
-
-    # -- one FSDP group over every rank (fsdp_shard="world") -----------------------------------
-    def world_rows(self) -> list[Row]:
-        """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
-        in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or
-        as int4 in two hops (exact inside the node, quantized across), bytes and α–β seconds
-        from :mod:`~lowbit_strategy.collectives.cost_model_world`. FSDP2 prefetches: the
-        forward's gathers hide behind forward compute, the backward's behind backward, except
-        one unit's each (the first gather waits, the last reduce-scatter ends the step). The
-        two-hop row's intra-node hop is timed on the intra link, and its codec (``blockwise``
-        encode + decode of ``codec_ns``) over the 1/L of the gradient a rank sends across."""
-        units = self.s.model.unit_shapes()
-        k = max(1, sum(1 for u in units if u))
-        forward = self.s.compute.seconds - self.backward
-        out = []
-        for key, method, config, rs, two_hop, errors in (
-            ("fsdp_world_bf16", "FSDP world bf16 (+ AdamW)", "fsdp_shard='world', bf16 reduce", "bf16", False, 0.0),
-            (
-                "fsdp_world_int4",
-                "FSDP world int4 (+ AdamW)",
-                "fsdp_shard='world', fsdp_reduce_scatter='int4'",
-                "int4",
-                True,
-                0.0,  # fsdp_error_feedback is off by default (on: 4 B/param over L, N·c fp32 per rank)
-            ),
-        ):
-            sends = cw.world_sends(
-                units,
-                self.nodes,
-                self.per_node,
-                reduce_scatter=rs,
-                two_hop=two_hop,
-                param_itemsize=2,
-                reduce_itemsize=2,
-            )
-            fwd, bwd = cw.world_seconds(sends, self.c)
-            bwd += 8 * sends.total.node / (self.c.intra_gbps * 1e9)
-            exposed = max(fwd - forward, fwd / k) + max(bwd - self.backward, bwd / k)
-            codec = self.codec("blockwise" if rs != "bf16" else None, self.n / self.per_node)
-            step = self.s.compute.seconds + exposed + codec
-            memory = 8.0 * self.n / self.p + errors
-            out.append(Row(key, method, "world", config, float(sends.link), fwd + bwd, exposed, codec, step, memory))
-        return out
-
 
 def predict(setup: Setup) -> list[Row]:
     """Every row of the plan (module docstring), with speed-ups over DDP bf16."""
     from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates
     from lowbit_strategy.config import LowBitConfig
+    from lowbit_strategy.plan.predict_sharded import sharded_rows, world_rows
 
     pr, n = _Predictor(setup), setup.model.numel
     lion_cfg = LowBitConfig(algorithm="lion", link_bandwidth_gbps=1, link_latency_us=0)
@@ -418,9 +314,9 @@ def predict(setup: Setup) -> list[Row]:
         ]
     if setup.sharded:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
-        rows += pr.sharded_rows(lane)
+        rows += sharded_rows(pr, lane)
         if setup.cluster.nodes > 1:
-            rows += pr.world_rows()
+            rows += world_rows(pr)
     base = next(r for r in rows if r.key == "ddp_bf16").step_s
     shards = {"sharded": setup.cluster.ranks_per_node, "world": setup.cluster.world_size}
 
