@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from lowbit_strategy.collectives import cost_model_sharded as sh
 from lowbit_strategy.collectives import cost_model_world as cw
 from lowbit_strategy.collectives.cost_model_nodes import bucket_seconds, bucket_sends
-from lowbit_strategy.plan.predict import ONEBIT_BLOCK, TURBOQUANT_FORMS, Row, _Predictor, turboquant_codec_ns
+from lowbit_strategy.plan.rows import ONEBIT_BLOCK, TURBOQUANT_FORMS, Row, turboquant_codec_ns
+
+if TYPE_CHECKING:
+    from lowbit_strategy.plan.predict import _Predictor
 
 
 def _sharded(pr: _Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
