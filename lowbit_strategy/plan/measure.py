@@ -222,15 +222,26 @@ def _contended(sample: int, processes: int) -> tuple[dict, str]:
     return ns, f"CPU, {processes} one-thread processes at once on {os.cpu_count()} cores"
 
 
+def _backend() -> str:
+    """The process group :func:`_init` joins: NCCL with one GPU per local rank (set as this
+    rank's device); where the node has fewer GPUs than local ranks, which NCCL refuses
+    ("Duplicate GPU detected"), gloo with CUDA tensors (``cpu:gloo,cuda:gloo``) on GPU
+    ``LOCAL_RANK mod count``; gloo on a machine without CUDA. :func:`run`'s note says which."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(local % count)
+    return "nccl" if local_world <= count else "cpu:gloo,cuda:gloo"
+
+
 def _init() -> tuple[int, int, int]:
     """(rank, world size, ranks per node), joining the launcher's process group if needed."""
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise PlanError("--measure", None, "run it under torchrun (or a launcher exporting RANK and WORLD_SIZE)")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=120))
+        dist.init_process_group(_backend(), timeout=timedelta(seconds=120))
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     if per_node < 1 or world % per_node:
@@ -313,6 +324,8 @@ def run(args) -> Measured:
     if fits["intra"] is not None:
         intra = (fits["intra"].bandwidth_gbps, fits["intra"].latency_us)
         notes.append(f"inside a node: {intra[0]:.3g} Gbit/s per GPU")
+    if device.type == "cuda" and "nccl" not in str(dist.get_backend()):
+        notes.append(f"over {dist.get_backend()}, not NCCL (more local ranks than GPUs): slower than NCCL would be")
     seconds = time.perf_counter() - started
     note = f" (measured on {world} ranks in {seconds:.1f} s: " + "; ".join(notes) + ")"
     fit_json: dict = {

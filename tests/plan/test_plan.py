@@ -4,6 +4,7 @@ recommendation on fast and slow links, and bad inputs named. Fast: arithmetic on
 import json
 
 import pytest
+import torch
 
 from lowbit_strategy.plan import cli, inputs, predict, recommend
 
@@ -211,3 +212,24 @@ def test_gpu_check_writes_codecs_the_planner_reads(tmp_path, capsys):
     assert code == 0 and any("codecs.json (NVIDIA H100)" in a for a in plan["assumptions"])
     rows = {r["key"]: r for r in plan["rows"]}
     assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(0.02e-9 * 1e8, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "cuda, gpus, local_rank, local_world, backend, device",
+    [(False, 0, 1, 2, "gloo", None), (True, 4, 3, 4, "nccl", 3), (True, 8, 1, 2, "nccl", 1),
+     (True, 1, 1, 2, "cpu:gloo,cuda:gloo", 0), (True, 2, 3, 4, "cpu:gloo,cuda:gloo", 1)],
+)
+def test_measure_joins_nccl_only_with_a_gpu_per_local_rank(monkeypatch, cuda, gpus, local_rank, local_world,
+                                                          backend, device):
+    """``lowbit-plan --measure`` under a launcher: NCCL refuses two ranks on one GPU, so ranks
+    that share GPUs measure over gloo with CUDA tensors instead of failing."""
+    from lowbit_strategy.plan import measure
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    assert measure._backend() == backend
+    assert chosen == ([] if device is None else [device])
