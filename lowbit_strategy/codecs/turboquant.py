@@ -225,7 +225,7 @@ class TurboQuantCodec:
         if isinstance(scale, torch.Tensor):
             s = scale.detach().to(device=device, dtype=torch.float32).reshape(-1)
         elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            s = torch.tensor([float(scale)], dtype=torch.float32, device=device)
+            s = torch.full((1,), float(scale), dtype=torch.float32, device=device)  # a fill: no host copy on CUDA
         else:
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
         if s.numel() not in (1, groups):
