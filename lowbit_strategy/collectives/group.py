@@ -335,14 +335,16 @@ _CPU_GROUPS: dict[Any, Any] = {}
 
 def cpu_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """A process group over ``group``'s ranks that moves CPU tensors (setup agreements,
-    checkpoints): ``group`` itself when its backend is gloo alone, else a gloo group made on
-    first use (only the member ranks take part, ``use_local_synchronization``) and kept. So
-    nothing of this kind is ever staged on a GPU."""
+    checkpoints): ``group`` itself when gloo moves its CPU tensors (backend ``gloo``, or a
+    per-device one such as ``cpu:gloo,cuda:nccl``), else a gloo group made on first use (only
+    the member ranks take part, ``use_local_synchronization``) and kept. So nothing of this
+    kind is ever staged on a GPU."""
     world = dist.group.WORLD
     if world is None:
         raise RuntimeError("torch.distributed is not initialized: no process group to agree over")
     target = group if group is not None else world
-    if dist.get_backend(target) == "gloo":
+    backend = str(dist.get_backend(target))
+    if backend == "gloo" or "cpu:gloo" in backend.split(","):
         return target
     key = (id(world), id(group))  # a new default group (after re-initialization) gets its own
     if key not in _CPU_GROUPS:
