@@ -110,7 +110,9 @@ ALGORITHM_RUNS = {
     "bitdp": (dict(bits=1, error_feedback=True), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "onebit_adam": ({}, lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=2)),
     "onebit_lamb": ({}, lambda ps: lowbit_strategy.OneBitLamb(ps, lr=1e-2, freeze_step=2)),
-    "turboquant": ({}, lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=2)),
+    # a fixed form: "auto" plans from this machine's codec timing, which a loaded machine can
+    # tip to "fp32" or to another form between two runs (auto's own resume: below)
+    "turboquant": (dict(form="two_stage"), lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=2)),
 }
 
 
@@ -229,6 +231,55 @@ def _check_resume(rank, world_size, tmp):
         assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), expected)), f"{name}: resume not exact"
 
 
+#: ``auto`` plans measured at attach, forced through their measurement: (the module whose
+#: ``measure_codec_seconds`` the communicator calls, the choice of the first runs, the choice a
+#: fresh measurement on resume would make)
+AUTO_PLANS = {
+    "lion": ("lowbit_strategy.algorithms.lion_cub.communicator", "lp8", "fp32"),
+    "turboquant": ("lowbit_strategy.algorithms.turboquant.communicator", "two_stage", "fp32"),
+}
+
+
+@contextlib.contextmanager
+def _measured_as(module_name: str, cheapest: str):
+    """Every codec measurement says ``cheapest`` costs nothing and the others a second per
+    element (or per bucket): ``auto`` then picks ``cheapest``."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    real = module.measure_codec_seconds
+
+    def fake(*args, **kwargs):
+        return {name: 0.0 if name == cheapest else 1.0 for name in real(*args, **kwargs)}
+
+    module.measure_codec_seconds = fake
+    try:
+        yield
+    finally:
+        module.measure_codec_seconds = real
+
+
+def _check_resume_keeps_the_measured_plan(rank, world_size, tmp):
+    """``auto`` resolves its plan from codec time measured at attach. A resumed run keeps the
+    plan its checkpoint was saved with, even where its own measurement would choose another
+    (here forced: the first runs see one choice cheapest, the resumed run the other), and so
+    continues exactly as the run that never stopped."""
+    for name, (module, first, then) in AUTO_PLANS.items():
+        cfg, make_opt = _algorithm_runs()[name]
+        cfg = {**cfg, ("mode" if name == "lion" else "form"): "auto"}
+        with _measured_as(module, first):
+            _, straight = _run(rank, world_size, cfg, make_opt, STEPS)
+            _run(rank, world_size, cfg, make_opt, 3, save_to=os.path.join(tmp, f"auto-{name}"))
+        with _measured_as(module, then):
+            acc, resumed = _run(rank, world_size, cfg, make_opt, STEPS, resume_from=os.path.join(tmp, f"auto-{name}"))
+            _, other = _run(rank, world_size, cfg, make_opt, STEPS)  # what that measurement alone would do
+        comm = acc.lowbit_syncs[0].optimizers[0].communicator
+        chosen = comm.plan.mode if name == "lion" else set(comm.forms.values())
+        assert chosen in (first[:2], {first}), (name, chosen)
+        assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters())), name
+        assert not all(torch.equal(a, b) for a, b in zip(other.parameters(), straight.parameters())), name
+
+
 def _flat(obj) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -279,6 +330,7 @@ def _check_all(rank, world_size, tmp):
     _check_bf16_accumulation_and_clipping(rank, world_size)
     _check_errors(rank, world_size)
     _check_resume(rank, world_size, tmp)
+    _check_resume_keeps_the_measured_plan(rank, world_size, tmp)
     _check_failures_reach_every_rank(rank, world_size, tmp)
 
 

@@ -112,6 +112,8 @@ class LionSync(Sync):
             "format": 2,
             "layouts": [opt.param_layout.describe() if opt.param_layout else None for opt in self.optimizers],
             "optimizers": [to_cpu(opt.state_dict()["state"]) for opt in self.optimizers],
+            # the auto mode each communicator resolved (a measurement: kept so a resume continues alike)
+            "plans": [opt.communicator.plan_state() if opt.communicator else None for opt in self.optimizers],
         }
 
     def load_algorithm_state_dict(self, state: dict) -> None:
@@ -128,6 +130,8 @@ class LionSync(Sync):
                 _check_shapes(layout["shapes"], opt.param_layout.describe()["shapes"])
             # torch's load_state_dict moves each buffer to its parameter's device
             opt.load_state_dict({**opt.state_dict(), "state": own})
+            if opt.communicator is not None:
+                opt.communicator.restore_plan((state.get("plans") or [None] * len(saved))[i])
             dtensor_state_(opt)  # sharded: local shards back to DTensors like their parameters
 
 

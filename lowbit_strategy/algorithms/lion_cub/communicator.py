@@ -35,6 +35,7 @@ through :mod:`lowbit_strategy.collectives` and lands in :attr:`traffic`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from lowbit_strategy.algorithms.lion_cub.plan import (
 from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.agreement import agree
+from lowbit_strategy.collectives.agreement import agree, check_same
 from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.inflight import InFlight, Launched, finish
@@ -193,6 +194,25 @@ class LionCommunicator:
         p = _lion(self.config).p
         measure = lambda: measure_codec_seconds(candidates, self.world_size, size, p, device)  # noqa: E731
         self.codec_seconds = agreed_slowest(measure, self.group, "lion.calibrate", self.traffic, device)
+
+    def plan_state(self) -> dict | None:
+        """The resolved ``auto`` plan and the world size it is for (checkpoints), or None."""
+        if self.plan is None or _lion(self.config).mode != "auto":
+            return None
+        return {"world_size": self.world_size, **dataclasses.asdict(self.plan)}
+
+    def restore_plan(self, saved: dict | None) -> None:
+        """Keep the ``auto`` plan a checkpoint was saved with (:meth:`plan_state`), at the same
+        world size: the plan comes from this machine's codec timing, a measurement, and a
+        resumed run measuring anew could choose another mode, so it would not continue as it
+        would have. Checked equal on every rank (a collective: every rank calls it)."""
+        if _lion(self.config).mode != "auto" or self.world_size == 1:
+            return
+        usable = saved if saved is not None and saved.get("world_size") == self.world_size else None
+        check_same({"plan": usable}, self.group, "Lion Cub's saved plan")
+        if usable is not None:
+            self.plan = Plan(**{k: v for k, v in usable.items() if k != "world_size"})
+            logger.info("lowbit: Lion Cub keeps the plan its checkpoint was saved with: %s", self.plan)
 
     def _plan(self, step: int, numel: int) -> Plan:
         if self.plan is None:

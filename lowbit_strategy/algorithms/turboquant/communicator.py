@@ -38,6 +38,7 @@ from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.algorithms.turboquant.config import FORMS
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
+from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.reference import ExactMean
@@ -166,6 +167,33 @@ class TurboQuantCommunicator(BucketCommunicator):
                 )
             self.forms[key] = form
         return form
+
+    def load_state_dict(self, state: dict, device) -> None:
+        """The saved bucket states and, under ``form="auto"``, the forms they were kept for.
+        ``auto``'s plan comes from this machine's codec timing at attach, a measurement: a
+        resumed run measuring anew (on a busier machine, say) could pick other forms and drop
+        the saved errors of every bucket that changed, so the run would not continue as it
+        would have. The saved forms are restored instead (they load only where the world
+        size, shard and layout match, so they are valid here), checked equal on every rank
+        of the group that exchanges them, and :attr:`exact` follows them."""
+        super().load_state_dict(state, device)
+        if self.form != "auto":
+            return
+        saved = {key: cast(TurboQuantState, s).form for key, s in self.errors.items()}
+        # every rank of the group, loaded or not (a collective)
+        check_same({"forms": sorted((str(k), f) for k, f in saved.items())}, self.group, "TurboQuant's saved forms")
+        if not saved:
+            return
+        changed = {k: (self.forms.get(k), f) for k, f in saved.items() if self.forms.get(k) != f}
+        if changed:
+            logger.info(
+                "lowbit: TurboQuant keeps the forms its checkpoint was saved with for %d bucket(s) "
+                "(this run's plan would have changed them: %s)",
+                len(changed),
+                sorted(changed.values()),
+            )
+        self.forms.update(saved)
+        self.exact = all(f == "fp32" for f in self.forms.values())
 
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
         n = flat.numel()
