@@ -79,6 +79,14 @@ def _fmt(seconds: float | None, n: int, copy: float) -> tuple[str, dict]:
         "ms": seconds * 1e3, "gbps": gbps, "x_copy": ratio}
 
 
+def _cell(note: str, fig: dict, copy: float) -> tuple[str, dict]:
+    """A compiled column's cell: the note, or the time, × copy, the bit check and the compile time."""
+    if fig.get("ms"):
+        ok = "bit-equal to eager" if fig["bit_equal"] else "**differs from eager**"
+        note = f"{fig['ms']:.3f} ms · {copy * 1e3 / fig['ms']:.2f}x copy · {ok} · compiled in {fig['compile_s']:.0f} s"
+    return note, fig
+
+
 def _compile_codecs(name, build, x, dev) -> tuple[str, dict]:
     """``build(x).encode`` with ``compile_codecs`` on: which chains served it, its bits against
     eager, its time (module docstring)."""
@@ -177,22 +185,11 @@ def _run(args) -> Part:
                     figures[str(n)] = fig
                     if fig and fig["x_copy"] < SLOW and n == sizes[-1]:
                         slow.append(f"{name} {step}")
-                c = "not run on CPU (--cpu)" if not cuda else "-"
-                cc = c
+                cc = c = "not run on CPU (--cpu)" if not cuda else "-"
                 if chains and step == "encode":
-                    cc, ccfig = chains
-                    if ccfig.get("ms"):
-                        ok = "bit-equal to eager" if ccfig["bit_equal"] else "**differs from eager**"
-                        cc = (f"{ccfig['ms']:.3f} ms · {copies[sizes[0]] * 1e3 / ccfig['ms']:.2f}x copy · {ok} · "
-                              f"compiled in {ccfig['compile_s']:.0f} s")
-                    figures["compile_codecs"] = ccfig
-                    note, cfig = comp
-                    if cfig.get("ms"):
-                        ok = "bit-equal to eager" if cfig["bit_equal"] else "**differs from eager**"
-                        note = (f"{cfig['ms']:.3f} ms · {copies[sizes[0]] * 1e3 / cfig['ms']:.2f}x copy · {ok} · "
-                                f"compiled in {cfig['compile_s']:.0f} s")
-                    figures["torch_compile"] = cfig
-                    c = note
+                    cc, figures["compile_codecs"] = _cell(*chains, copies[sizes[0]])
+                if comp and step == "encode":
+                    c, figures["torch_compile"] = _cell(*comp, copies[sizes[0]])
                 rows.append([name, step] + cells + [cc, c])
                 entry[step] = figures
                 data["ns_per_element"][f"{name}/{step}"] = per_size[sizes[-1]][step] * 1e9 / sizes[-1]
