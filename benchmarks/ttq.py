@@ -12,7 +12,9 @@ How (the issue allows it; :mod:`benchmarks.ttq_analysis` holds the arithmetic):
    2 x 2 nodes, a few steps of each phase (start-up, full-precision warm-up, compressed),
    every step timed, each phase's wire bytes counted;
 2. **lr sweep**: per configuration, seed 0 at the default learning rate x ``--lr-factors``
-   (3 values), the same steps; the lowest final validation loss wins (recorded);
+   (3 values), the same steps; the lowest final validation loss wins (recorded). While the
+   winner is the lowest or highest lr tried, half or twice it is tried too, up to
+   ``--sweep-extend`` times (:func:`beyond_edge`): an optimum at the sweep's edge is not one;
 3. **quality** runs on loopback (the same 2 x 2 ranks, node variables set, no shaping):
    seeds ``--seeds`` at the chosen lr, validation loss every ``--eval-every`` steps;
 4. the projection: loss after step s is reached on a link at the training seconds of steps
@@ -67,12 +69,13 @@ LATENCY_US = 50
 DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3e-3, "turboquant": 3e-3}
 MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0}
 FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
-        "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "timing_warm": 15, "timing_main": 30,
+        "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 2, "timing_warm": 15,
+        "timing_main": 30,
         "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@1gbit", "model": MODEL, "powersgd_start": None}
 #: a smoke run of every stage: 0.44M parameters, 120 steps, one seed, one configuration swept
 QUICK = {"configs": ["ddp_adamw", "ddp_bf16_adamw", "ddp_powersgd_adamw", "lowbit_adam"], "steps": 120,
          "eval_every": 20, "val_batches": 8, "lr_warmup": 10, "seeds": "0", "lr_factors": "0.5,1,2",
-         "sweep": "lowbit_adam", "timing_warm": 8, "timing_main": 15,
+         "sweep": "lowbit_adam", "sweep_extend": 0, "timing_warm": 8, "timing_main": 15,
          "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@100mbit",
          "model": {**MODEL, "d_model": 128, "layers": 2, "data_mb": 2.0}, "powersgd_start": "20%"}
 
@@ -217,6 +220,18 @@ def quality_keys(study: Study, configs: list[str], timing: dict) -> dict[tuple[s
     return keys
 
 
+def beyond_edge(final: dict[float, float], default: float) -> float | None:
+    """The next learning rate to sweep when the best so far (:func:`best_lr`) is the lowest or
+    the highest tried: half or twice it (an optimum at the sweep's edge is not known to be
+    one); None when the best lies inside, or fewer than two were tried."""
+    if len(final) < 2:
+        return None
+    best = best_lr(final, default)
+    if best not in (min(final), max(final)):
+        return None
+    return float(f"{best * (0.5 if best == min(final) else 2):.3g}")
+
+
 def lrs_of(config: str, factors: list[float]) -> list[float]:
     base = DEFAULT_LR[CONFIGS[config][1]]
     return [float(f"{base * f:.3g}") for f in factors]
@@ -245,6 +260,16 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                 if rec and rec["evals"]:
                     final[lr] = rec["evals"][-1][2]
                     runs["quality"][key][(lr, seeds[0])] = rec
+            for _ in range(study.args.sweep_extend if config in swept else 0):
+                lr = beyond_edge(final, DEFAULT_LR[CONFIGS[config][1]])
+                if lr is None:
+                    break
+                rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
+                                study.quality_settings(config, plan_link, lr, seeds[0]))
+                if not (rec and rec["evals"]):
+                    break
+                final[lr] = rec["evals"][-1][2]
+                runs["quality"][key][(lr, seeds[0])] = rec
             runs["sweep"][key] = final
             runs["chosen"][key] = best_lr(final, DEFAULT_LR[CONFIGS[config][1]]) if final else lrs_of(config, [1.0])[0]
         for seed in seeds[1:]:
@@ -279,6 +304,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", default=None)
     parser.add_argument("--lr-factors", default=None, help="the sweep: default lr x these (seed 0)")
     parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: default lr")
+    parser.add_argument("--sweep-extend", type=int, default=None,
+                        help="while a swept config's best lr is the lowest or highest tried, try half or twice it, "
+                             "at most this many times (full study 2, --quick 0)")
     parser.add_argument("--validate", default=None, help="CONFIG@LINK,...: full runs on the link ('' for none)")
     parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
     parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
@@ -317,7 +345,8 @@ def main(argv=None) -> int:
     study = Study(args, out)
     command = " ".join(["python -m benchmarks.ttq", *(argv if argv is not None else sys.argv[1:])])
     settings = {"configs": configs, "links": [ln.name for ln in study.links], "steps": args.steps, "seeds": seeds,
-                "lr_factors": factors, "swept": swept, "validate": validate, "model": study.model,
+                "lr_factors": factors, "sweep_extend": args.sweep_extend, "swept": swept, "validate": validate,
+                "model": study.model,
                 "eval_every": args.eval_every, "val_batches": args.val_batches, "lr_warmup": args.lr_warmup,
                 "timing_warm": args.timing_warm, "timing_main": args.timing_main, "startup_steps": STARTUP,
                 "powersgd": {**POWERSGD, "start_powerSGD_iter": switch_of("ddp_powersgd_adamw", args.steps,
@@ -336,7 +365,8 @@ def main(argv=None) -> int:
     study.planned = len(configs) * len(study.links) + n_quality + len(validate)
     print(f"time to quality: {len(configs)} configs x links {settings['links']}; {args.steps} steps, seeds {seeds}, "
           f"lr x {factors} for {len(swept)} configs; ~{study.planned} runs (more where an auto plan differs by "
-          f"link); results -> {out}", flush=True)
+          f"link, and up to {args.sweep_extend} per swept config whose best lr is at the sweep's edge); "
+          f"results -> {out}", flush=True)
     if args.dry_run:
         return 0
     try:

@@ -181,7 +181,8 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            f"{settings['steps']} steps, LR warm-up {settings['lr_warmup']} then cosine to 10 %; validation "
            f"every {settings['eval_every']} steps on {settings['val_batches']} held-out batches per rank\n",
            f"- seeds {settings['seeds']}; lr sweep x {settings['lr_factors']} of {settings['default_lr']} on "
-           f"{len(settings['swept'])} configurations (seed 0, final validation loss)\n",
+           f"{len(settings['swept'])} configurations (seed 0, final validation loss), extended by half or twice "
+           f"the best while it is the lowest or highest tried, up to {settings.get('sweep_extend', 0)} times\n",
            "- baselines: " + "; ".join(f"{k}: {v}" for k, v in HOOKS.items() if k != "local") +
            f"; PowerSGD {settings['powersgd']}\n",
            f"- compression warm-ups (steps at full precision): {settings['switch']}\n",

@@ -78,6 +78,15 @@ def test_best_lr_lowest_loss_then_nearest_default_then_smaller():
     assert ta.best_lr({1e-3: math.nan, 2e-3: 3.0}, 1e-3) == 2e-3
 
 
+def test_the_sweep_goes_on_past_an_edge_optimum():
+    # DDP + AdamW's first sweep here: the lowest lr was best, so half of it is tried next
+    assert ttq.beyond_edge({1.5e-3: 1.52, 3e-3: 1.78, 6e-3: 2.13}, 3e-3) == 7.5e-4
+    assert ttq.beyond_edge({5e-4: 2.0, 1e-3: 1.9, 2e-3: 1.8}, 1e-3) == 4e-3  # the highest: twice it
+    assert ttq.beyond_edge({5e-4: 2.0, 1e-3: 1.7, 2e-3: 1.8}, 1e-3) is None  # inside: done
+    assert ttq.beyond_edge({1e-3: 1.7}, 1e-3) is None
+    assert ttq.beyond_edge({5e-4: 1.9, 1e-3: 1.8, 2e-3: math.nan}, 1e-3) is None  # the highest diverged: inside
+
+
 def test_target_is_the_reference_at_80_percent_mean_over_seeds():
     curves = [[(0, 5.0), (80, 2.0), (100, 1.9)], [(0, 5.0), (80, 2.2), (100, 2.0)]]
     assert ta.target_loss(curves, 100) == pytest.approx(2.1)
