@@ -367,6 +367,9 @@ def main(argv=None) -> int:
           f"lr x {factors} for {len(swept)} configs; ~{study.planned} runs (more where an auto plan differs by "
           f"link, and up to {args.sweep_extend} per swept config whose best lr is at the sweep's edge); "
           f"results -> {out}", flush=True)
+    done = {kind: len(list((out / "runs" / kind).glob("*.json"))) for kind in ("timing", "quality", "full")}
+    print("kept so far (reused where their settings match): " + ", ".join(f"{n} {k}" for k, n in done.items()),
+          flush=True)
     if args.dry_run:
         return 0
     try:
