@@ -222,6 +222,8 @@ _CUDA_CHECK = textwrap.dedent(
         for step in (1, 2):
             want = majority_bits(bits, step, method="bitsliced")
             assert torch.equal(majority_bits(bits.cuda(), step).cpu(), want), ("majority", k, c, step)
+    zeros = ssd.scaled_sign_mean(torch.zeros(3, 2, dtype=torch.uint8, device="cuda"), torch.zeros(3, device="cuda"))
+    assert same(zeros.cpu(), torch.full((16,), -0.0)), "the -0.0 padding lost its sign"
     print("ok")
     """
 )
