@@ -62,6 +62,7 @@ from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 import lowbit_strategy  # noqa: E402,F401  (registers the lowbit_* strategies)
 from benchmarks.baselines import HOOKS, HookedDDP, make_baseline, powersgd_settings  # noqa: E402,F401
+from benchmarks.leave import leave  # noqa: E402
 from benchmarks.netem import rank_counters  # noqa: E402
 from callbacks import CommStats  # noqa: E402
 from examples.gpt_lion import GPT, Windows, stdlib_bytes  # noqa: E402
@@ -326,10 +327,8 @@ def main() -> int:
         print(f"  done: {rec['steps']} steps, {rec['step_s'] * 1e3:.1f} ms/step, "
               f"wire {rec['wire_bytes_per_step'] / 1e3:.1f} kB/step, loss {rec['loss_reached']:.3f}, "
               f"val {val_loss:.3f}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return 0  # the group is destroyed by leave(), once this frame is gone
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import lowbit_strategy  # noqa: E402
 from benchmarks import sharded_cost  # noqa: E402
+from benchmarks.leave import leave  # noqa: E402
 from lowbit_strategy import LowBitConfig  # noqa: E402
 from lowbit_strategy.collectives import group as g  # noqa: E402
 from lowbit_strategy.collectives import wire  # noqa: E402
@@ -340,10 +341,8 @@ def main() -> int:
               f"logged {'/'.join(f'{b / 1e3:.1f}' for b in rec['logged_bytes_per_node_per_step'])} kB, "
               f"model {want['per_node'] / 1e3:.1f} kB, loss {rec['loss_reached']:.3f}, val {val_loss:.3f}",
               flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return 0  # the group is destroyed by leave(), once this frame is gone
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

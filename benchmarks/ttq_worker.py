@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import lightning.pytorch as pl  # noqa: E402
 
 from benchmarks.e2e_worker import CONFIGS, make_strategy, parse_overrides, rank_setup, validate  # noqa: E402
+from benchmarks.leave import leave  # noqa: E402
 from benchmarks.netem import rank_counters  # noqa: E402
 from examples.gpt_lion import GPT  # noqa: E402
 
@@ -177,10 +178,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(rec) + "\n")
         last = f", val {clock.evals[-1][2]:.4f}" if clock.evals else ""
         print(f"  done: {rec['steps']} steps in {sum(clock.step_s):.1f} s of training{last}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return 0  # the group is destroyed by leave(), once this frame is gone
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
