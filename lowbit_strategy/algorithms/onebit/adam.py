@@ -36,9 +36,6 @@ class OneBitAdam(_OneBitOptimizer):
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
-        #: the compression stage as multi-tensor ops (:meth:`_compressed_all`): ``None`` = on
-        #: CUDA parameters only
-        self.multi_tensor: bool | None = None
         #: per parameter: (its exp_avg_sq, that tensor's version, where it is 0)
         self._zero_cache: dict[torch.Tensor, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -73,8 +70,7 @@ class OneBitAdam(_OneBitOptimizer):
         parameter's chain then runs in cache). The same operations on the same values in the
         same order, so the same floats: on CPU a ``_foreach_`` op runs the single-tensor kernel
         on every tensor, and the test holds the two forms to each other bit for bit."""
-        on = self.multi_tensor if self.multi_tensor is not None else bool(items) and items[0][1].is_cuda
-        if not on or self.track_variance:
+        if not self._multi_tensor_on([p for _, p, _ in items]) or self.track_variance:
             return super()._compressed_all(items, step)
         batches: dict = {}
         for item in items:

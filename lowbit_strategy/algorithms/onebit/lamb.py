@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lowbit_strategy.algorithms.onebit import lamb_foreach
 from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
 from lowbit_strategy.validation import check_number
 
@@ -140,57 +141,73 @@ class OneBitLamb(_OneBitOptimizer):
             state["lamb_coeff_avg"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return state
 
-    # ---- the step: the tensors one parameter at a time, the scalars batched -----------------
-    # Each parameter's elementwise chain runs while its tensors are in cache (on CPU a
+    # ---- the step: the tensors per parameter or multi-tensor, the scalars batched -----------
+    # On CPU each parameter's elementwise chain runs while its tensors are in cache (a
     # multi-tensor op per operation, streaming every parameter through each, measured
-    # slower) and writes its temporaries into buffers it already has; the per-parameter
-    # scalars (norms, trust ratios, r and its clips) are stacked and computed once for all
-    # parameters, and the final scaling is one ``torch._foreach_*`` call. The per-parameter
-    # methods below (_warmup, _compressed) are the same arithmetic in the plain form: what
-    # the tests hold this one to, bit for bit.
+    # slower) and writes its temporaries into buffers it already has; on CUDA, where a
+    # dozen launches per parameter dominate, the chains are multi-tensor ops
+    # (:mod:`.lamb_foreach`, ``multi_tensor``). Either way the per-parameter scalars (norms,
+    # trust ratios, r and its clips) are stacked and computed once for all parameters, and
+    # the final scaling is one ``torch._foreach_*`` call. The per-parameter methods below
+    # (_warmup, _compressed) are the same arithmetic in the plain form: what the tests hold
+    # both to, bit for bit.
     def _warmup_all(self, active, step):
         """Algorithm 1 lines 1-2 (LAMB and the trust ratio's EMA) for every parameter with a
-        gradient: :meth:`_warmup`'s floats (the denominator formed in the buffer of
-        ``sqrt(v)``: one temporary fewer). The updates ``u`` of a group wait for its trust
-        ratios: one parameter-sized temporary per parameter until the group's last step, as
-        torch's multi-tensor optimizers hold."""
-        for batch in _batches(active, lambda item: (id(item[0]), item[1].dtype)):
+        gradient: :meth:`_warmup`'s floats. The tensor chains per parameter
+        (:meth:`_warmup_chain`) or as multi-tensor ops (:mod:`.lamb_foreach`, on CUDA), then
+        the trust ratios of a batch as one vector. The updates ``u`` of a group wait for its
+        trust ratios: one parameter-sized temporary per parameter until the group's last
+        step, as torch's multi-tensor optimizers hold."""
+        for batch in _batches(active, lambda item: (id(item[0]), item[1].dtype, item[1].device)):
             group = batch[0][0]
-            beta1, beta2 = group["betas"]
-            ps, us, wn, un, avgs = [], [], [], [], []
-            for _, p in batch:
-                state, grad = self._state(p), p.grad
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                u = _lamb_update_(
-                    p,
-                    m,
-                    v.sqrt(),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=step,
-                    v_step=step,
-                )
-                ps.append(p)
-                us.append(u)
-                wn.append(torch.linalg.vector_norm(p.float()))
-                un.append(torch.linalg.vector_norm(u.float()))
-                avgs.append(state["lamb_coeff_avg"])
+            ps = [p for _, p in batch]
+            states = [self._state(p) for p in ps]
+            if self._multi_tensor_on(ps):
+                ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+                us, wn, un = lamb_foreach.warmup(ps, [p.grad for p in ps], ms, vs, group, step)
+            else:
+                us, wn, un = self._warmup_chain(group, ps, states, step)
             # (sharded: the whole parameters' norms, from the node's shards)
             wn_all, un_all = self._whole_norms(torch.stack(wn)), self._whole_norms(torch.stack(un))
             c = ratio_of_norms(wn_all, un_all, group["min_coeff"], group["max_coeff"])
+            avgs = [s["lamb_coeff_avg"] for s in states]
             torch._foreach_lerp_(avgs, list(c.unbind()), 1 - self.coeff_beta)  # c_avg = β3·c_avg + (1-β3)·c
             _scaled_step_(ps, us, c, group["lr"])
+
+    def _warmup_chain(self, group, ps, states, step):
+        """Lines 1-2 up to the trust ratio, one parameter at a time (its chain in cache): the
+        updates ``u`` and the norms ``‖p‖``, ``‖u‖`` (the denominator formed in the buffer of
+        ``sqrt(v)``: one temporary fewer than :func:`lamb_update`)."""
+        beta1, beta2 = group["betas"]
+        us, wn, un = [], [], []
+        for p, state in zip(ps, states):
+            grad = p.grad
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            u = _lamb_update_(
+                p,
+                m,
+                v.sqrt(),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                v_step=step,
+            )
+            us.append(u)
+            wn.append(torch.linalg.vector_norm(p.float()))
+            un.append(torch.linalg.vector_norm(u.float()))
+        return us, wn, un
 
     def _compressed_all(self, items, step):
         """Algorithm 1 lines 14-21 for every parameter: :meth:`_compressed`'s floats, with the
         frozen denominator ``sqrt(v̂_frozen) + eps`` and the mask ``v == 0`` taken from
-        :meth:`_frozen` (the per-parameter form computes them twice a step) and the
-        temporaries reusing each other's buffers; empty parameters (no maximum to take) one
-        by one."""
+        :meth:`_frozen` (the per-parameter form computes them twice a step). The tensor chains
+        per parameter (:meth:`_compressed_chain`) or as multi-tensor ops
+        (:mod:`.lamb_foreach`, on CUDA), then r, its clips and the step for the batch at once;
+        empty parameters (no maximum to take) one by one."""
         batched = []
         sharded = self._sharded  # every rank of the node batches every parameter: its statistics are the node's
         for group, p, mean in items:
@@ -198,49 +215,54 @@ class OneBitLamb(_OneBitOptimizer):
                 batched.append((group, p, mean))
             else:
                 self._compressed(group, p, mean, step)
-        for batch in _batches(batched, lambda item: (id(item[0]), item[1].dtype)):
+        for batch in _batches(batched, lambda item: (id(item[0]), item[1].dtype, item[1].device)):
             group = batch[0][0]
-            beta1, beta2 = group["betas"]
-            eps = group["eps"]
-            ps, us, rs, lasts, coeffs, states = [], [], [], [], [], []
-            for _, p, mean in batch:
-                state = self._state(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                frozen, zero = self._frozen(p, v, beta2, eps)
-                new = mean.div(state["scaling_coeff"].to(mean.dtype)).to(m.dtype).masked_fill_(zero, 0)  # _masked
-                fresh = state.get("exp_avg_sq_fresh")
-                if fresh is None:  # as _track: start from the frozen variance
-                    fresh = state["exp_avg_sq_fresh"] = v.clone()
-                # lines 15-17 (_track): the gradient the momenta imply, the fresh variance, r
-                grad = m.mul(beta1)
-                torch.sub(new, grad, out=grad).div_(1 - beta1)
-                fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                ratio = torch.sqrt(fresh, out=grad).div_((1 - beta2**step) ** 0.5).add_(eps)
-                quotient = torch.div(frozen, ratio, out=ratio)
-                rs.append(quotient.max() if quotient.numel() else quotient.new_full((), float("-inf")))
-                m.copy_(new)
-                # lines 20-21: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in new's buffer
-                u = torch.div(m, 1 - beta1**step, out=new).div_(frozen)
-                if group["weight_decay"]:
-                    u.add_(p, alpha=group["weight_decay"])
-                ps.append(p)
-                us.append(u)
-                lasts.append(state["last_factor"])
-                coeffs.append(state["lamb_coeff_freeze"])
-                states.append(state)
+            beta2, eps = group["betas"][1], group["eps"]
+            ps, means = [p for _, p, _ in batch], [mean for _, _, mean in batch]
+            states = [self._state(p) for p in ps]
+            frozen, zeros = zip(*(self._frozen(p, s["exp_avg_sq"], beta2, eps) for p, s in zip(ps, states)))
+            chain = lamb_foreach.compressed if self._multi_tensor_on(ps) else self._compressed_chain
+            us, rs = chain(ps, means, states, list(frozen), list(zeros), group, step)
             r = self._whole_max(torch.stack(rs).float())
             for state, ri in zip(states, r.unbind()):
                 state["variance_ratio"] = ri
             r = clip_ratio(
                 r,
-                torch.stack(lasts),
+                torch.stack([s["last_factor"] for s in states]),
                 factor_min=self.factor_min,
                 factor_max=self.factor_max,
                 factor_threshold=self.factor_threshold,
             )
             for state, ri in zip(states, r.unbind()):
                 state["last_factor"] = ri
-            _scaled_step_(ps, us, r * torch.stack(coeffs), group["lr"])
+            _scaled_step_(ps, us, r * torch.stack([s["lamb_coeff_freeze"] for s in states]), group["lr"])
+
+    @staticmethod
+    def _compressed_chain(ps, means, states, frozen, zeros, group, step):
+        """Lines 14-17 and 20, one parameter at a time, the temporaries reusing each other's
+        buffers: the updates ``u`` and the unclipped ratios r (``-inf`` for an empty shard)."""
+        beta1, beta2 = group["betas"]
+        us, rs = [], []
+        for p, mean, state, denom, zero in zip(ps, means, states, frozen, zeros):
+            m = state["exp_avg"]
+            new = mean.div(state["scaling_coeff"].to(mean.dtype)).to(m.dtype).masked_fill_(zero, 0)  # _masked
+            fresh = state.get("exp_avg_sq_fresh")
+            if fresh is None:  # as _track: start from the frozen variance
+                fresh = state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+            # lines 15-17 (_track): the gradient the momenta imply, the fresh variance, r
+            grad = m.mul(beta1)
+            torch.sub(new, grad, out=grad).div_(1 - beta1)
+            fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            ratio = torch.sqrt(fresh, out=grad).div_((1 - beta2**step) ** 0.5).add_(group["eps"])
+            quotient = torch.div(denom, ratio, out=ratio)
+            rs.append(quotient.max() if quotient.numel() else quotient.new_full((), float("-inf")))
+            m.copy_(new)
+            # line 20: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in new's buffer
+            u = torch.div(m, 1 - beta1**step, out=new).div_(denom)
+            if group["weight_decay"]:
+                u.add_(p, alpha=group["weight_decay"])
+            us.append(u)
+        return us, rs
 
     def _frozen(self, p, v, beta2, eps):
         """``(sqrt(v̂_frozen) + eps, v == 0)`` of parameter ``p``: constants of the compression

@@ -88,6 +88,10 @@ class _OneBitOptimizer(StagedOptimizer):
         name = type(self).__name__
         super().__init__(params, defaults, freeze_step, "freeze_step", "onebit_step")
         self.freeze_step = freeze_step
+        #: the per-parameter tensor chains as multi-tensor (``torch._foreach_*``) ops: True,
+        #: False, or ``None`` = on CUDA parameters only (there a dozen small launches per
+        #: parameter cost more than the arithmetic; on CPU each parameter's chain runs in cache)
+        self.multi_tensor: bool | None = None
         betas = self.defaults["betas"]
         weight = 1 - betas[1] ** freeze_step  # how much of its averaging weight the frozen variance holds
         if weight < YOUNG_VARIANCE:
@@ -100,6 +104,10 @@ class _OneBitOptimizer(StagedOptimizer):
                 freeze_step,
                 100 * weight,
             )
+
+    def _multi_tensor_on(self, ps: list[torch.Tensor]) -> bool:
+        """Whether the step runs ``ps``'s chains as multi-tensor ops (:attr:`multi_tensor`)."""
+        return self.multi_tensor if self.multi_tensor is not None else bool(ps) and ps[0].is_cuda
 
     def _end_warmup(self) -> None:
         self._freeze()

@@ -309,21 +309,37 @@ def _lamb_zoo_grads(step: int, params) -> None:
         p.grad = None if (i == 3 and step % 3 == 0) else (torch.zeros_like(p) if i == 6 else g)
 
 
+@pytest.mark.parametrize("multi", [False, True], ids=["chains", "multi_tensor"])
 @pytest.mark.parametrize("weight_decay", [0.0, WD])
-def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay):
-    """The multi-tensor 1-bit LAMB step (foreach norms, the trust ratios as one vector) equals
+def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay, multi):
+    """The batched 1-bit LAMB step (the trust ratios as one vector), with its tensor chains per
+    parameter (CPU's default) or as multi-tensor ops (``multi_tensor``, CUDA's default, forced
+    here on CPU, where each ``_foreach_`` op runs the single-tensor kernel per tensor), equals
     the per-parameter formula bit for bit, in warm-up, at the switch and in the compression
     stage, with two parameter groups, mixed dtypes, a 0-d, an empty, a frozen, an all-zero
-    parameter and one whose gradient is sometimes None."""
+    parameter and one whose gradient is sometimes None; and after a state is loaded (the
+    cached frozen denominators follow the new variance)."""
     runs = []
     for cls in (_PerParameterLamb, OneBitLamb):
         params = _lamb_zoo()
         groups = [dict(params=params[:5]), dict(params=params[5:], lr=LR / 3, weight_decay=weight_decay / 2,
                                                 min_coeff=0.5, max_coeff=2.0)]
         opt = cls(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4)
+        opt.multi_tensor = multi if cls is OneBitLamb else None
+        chains = []
+        for name in ("_warmup_chain", "_compressed_chain"):
+            real = getattr(opt, name)
+            setattr(opt, name, lambda *a, real=real: (chains.append(1), real(*a))[1])
         for step in range(1, 10):
             _lamb_zoo_grads(step, params)
             opt.step()
+            if step == 6:  # a loaded state: new exp_avg_sq tensors (the frozen denominators follow)
+                state = copy.deepcopy(opt.state_dict())
+                for s in state["state"].values():
+                    s["exp_avg_sq"] = s["exp_avg_sq"] * 2
+                opt.load_state_dict(state)
+        if cls is OneBitLamb:
+            assert bool(chains) != multi  # the per-parameter chains ran only when not multi-tensor
         runs.append((params, opt))
     (ref, ref_opt), (ours, opt) = runs
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ref, ours))
