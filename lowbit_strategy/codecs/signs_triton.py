@@ -1,5 +1,6 @@
 """Fused Triton kernels for the packed 1-bit payloads on CUDA: decode, the server's mean and
-the majority vote, one pass each.
+the majority vote, one pass each; and BitDP's decode-and-reduce of 1- and 2-bit channel
+codes (:func:`channel_reduce`).
 
 Why: on an H100 (the one-GPU check, part 2, 2^26 elements) the torch forms ran at 1-4 % of a
 device-to-device copy. The decodes and the mean gather rows of small ``(256, 8)`` tables by
@@ -26,6 +27,11 @@ by construction, and checked in Triton's interpreter by ``tests/codecs/test_sign
   contraction is off at launch (``enable_fp_fusion=False``);
 * majority (Lion Cub Sec. 3): per bit, the count of +1 votes is an integer sum, exact in any
   order, compared with :func:`~lowbit_strategy.codecs.votes.majority_threshold`'s threshold.
+* channel reduce (BitDP Sec. 3.1.2, Eq. 10; the torch code is
+  :func:`~lowbit_strategy.collectives.gathered.decode_reduce`): 1- or 2-bit lane codes, rows
+  of ``cols`` codes with one weight each; the terms ``q · w`` are exact (``q`` in {±1, 0}) and
+  summed in the same pairwise tree as the mean; the ``"paper"`` reduction sums the integer
+  codes (exact) and multiplies once by the row's weight.
 
 **Where they run.** The codecs call them for CUDA tensors when triton imports
 (:func:`.signs.fused_kernels`); everything else keeps the torch code. With
@@ -128,6 +134,39 @@ if AVAILABLE:
         tl.store(out_ptr + e, tl.reshape(terms, (TILE,)), mask=e < 8 * c)
 
     @triton.jit
+    def _channel_kernel(
+        words_ptr, w_ptr, out_ptr, k, n, cols, word_stride, w_stride,
+        BITS: tl.constexpr, KP: tl.constexpr, LOGK: tl.constexpr, TILE: tl.constexpr, MEAN: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        r = tl.arange(0, KP).to(tl.int64)
+        mask = (r < k)[:, None] & (e < n)[None, :]
+        per: tl.constexpr = 8 // BITS
+        byte = tl.load(words_ptr + r[:, None] * word_stride + (e // per)[None, :], mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((e % per) * BITS).to(tl.int32)[None, :]) & ((1 << BITS) - 1)
+        row = (e // cols)[None, :]
+        if MEAN:  # the terms q·(s_r/P), exact: ±w by the sign bit, +0.0·w for a 0, 3·w for the unused 3
+            w = tl.load(w_ptr + r[:, None] * w_stride + row, mask=mask, other=0.0)
+            if BITS == 1:
+                terms = _signed(w, code)
+            else:
+                terms = tl.where(code == 0, w * 0.0, tl.where(code == 3, w * 3.0, _signed(w, (code == 1).to(tl.int32))))
+        else:  # the codes themselves (integers: their sum is exact), scaled after the sum
+            if BITS == 1:
+                terms = (2 * code - 1).to(tl.float32)
+            else:
+                terms = tl.where(code == 2, -1.0, code.to(tl.float32))
+        terms = tl.where(mask, terms, -0.0)  # -0.0: the identity
+        for _ in tl.static_range(LOGK):  # rank_sum's levels: rows (2i, 2i + 1) -> i
+            pairs = tl.permute(tl.reshape(terms, (terms.shape[0] // 2, 2, TILE)), (0, 2, 1))
+            a, b = tl.split(pairs)
+            terms = a + b
+        y = tl.reshape(terms, (TILE,))
+        if not MEAN:
+            y = y * tl.load(w_ptr + e // cols, mask=e < n, other=0.0)
+        tl.store(out_ptr + e, y, mask=e < n)
+
+    @triton.jit
     def _majority_kernel(words_ptr, out_ptr, p, c, row_stride, threshold, PP: tl.constexpr, TB: tl.constexpr):
         j = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         r = tl.arange(0, PP).to(tl.int64)
@@ -181,6 +220,31 @@ def mean(rows: torch.Tensor, weights: torch.Tensor, block: int | None, out: torc
         _mean_kernel[(triton.cdiv(8 * c, tile),)](
             rows.contiguous(), weights.contiguous(), out, k, c, nb, (block or 8) // 8,
             KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, BLOCKED=block is not None, **_LAUNCH,
+        )  # fmt: skip
+    return out
+
+
+def channel_reduce(
+    words: torch.Tensor, weights: torch.Tensor, rows: int, cols: int, bits: int, mean: bool, out: torch.Tensor
+) -> torch.Tensor:
+    """One matrix of :func:`lowbit_strategy.collectives.gathered.decode_reduce` (BitDP's
+    channel codes, Eq. 5-10): ``words`` ((P, W) uint8 rows with unit column stride, the
+    matrix's packed lane codes; ``P`` at most :data:`MAX_ROWS`), ``weights`` the scales over
+    P ((P, rows), rows with unit stride) for the ``"mean"`` reduction or the rank mean
+    ``s_ar / P`` ((rows,)) for ``"paper"``; writes the (rows, cols) float32 result into the
+    contiguous ``out``. Bit for bit the torch code: the same exact terms (or integer codes)
+    summed in :func:`~lowbit_strategy.codecs.reduce.rank_sum`'s pairwise tree, then (paper)
+    one multiply by the row's weight."""
+    k, n = words.shape[0], rows * cols
+    if n == 0:
+        return out
+    kp = _pow2(k)
+    tile = max(16, _ROW_TILE // kp)
+    w_stride = weights.stride(0) if mean else 0
+    with _on_device(words):
+        _channel_kernel[(triton.cdiv(n, tile),)](
+            words, weights, out, k, n, cols, words.stride(0), w_stride,
+            BITS=bits, KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, MEAN=mean, **_LAUNCH,
         )  # fmt: skip
     return out
 

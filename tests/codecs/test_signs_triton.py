@@ -1,6 +1,6 @@
 """The fused 1-bit kernels (:mod:`lowbit_strategy.codecs.signs_triton`) against the torch
-codes, bit for bit: the scaled-sign decode, the server's mean, ``signs_from_bits`` and the
-majority vote.
+codes, bit for bit: the scaled-sign decode, the server's mean, ``signs_from_bits``, the
+majority vote and BitDP's channel decode-and-reduce.
 
 On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` set before the module
 is imported, as in ``test_turboquant_triton.py``), dispatched through the same public
@@ -24,6 +24,7 @@ from lowbit_strategy.codecs import scaled_signs_decode as ssd
 from lowbit_strategy.codecs import signs, votes
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.votes import majority_bits
+from lowbit_strategy.collectives import gathered
 
 
 def _import_interpreted():
@@ -181,6 +182,72 @@ def test_majority_bit_exact(p, step):
     assert torch.equal(st.majority(words, votes.majority_threshold(p, step)), want)
 
 
+def channel_payload(p: int, shapes, bits: int, seed: int, stride_pad: int = 0):
+    """Every rank's packed words for ``shapes`` (random bytes: 2-bit lanes include the unused
+    code 3, which the torch code decodes as 3), per-rank scales with zeros (signed-zero
+    terms) and awkward values, and the layout; ``stride_pad`` extra bytes per rank row (a
+    view into a larger buffer, as the two-stage server passes it)."""
+    g = torch.Generator().manual_seed(seed)
+    layout = gathered.Layout.of(list(shapes), bits)
+    words = torch.randint(0, 256, (p, layout.words + stride_pad), dtype=torch.uint8, generator=g)[:, : layout.words]
+    scales = torch.rand(p, layout.rows, generator=g) * 3
+    scales.view(-1)[:: 7] = 0.0
+    scales.view(-1)[1] = 1e-40
+    return words, scales, layout
+
+
+CHANNEL_SHAPES = [(3, 37), (1, 8), (5, 13), (2, 64), (1, 1), (4, 3)]
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("reduction", ["mean", "paper"])
+@pytest.mark.parametrize("p", [1, 2, 3, 5, *(pytest.param(p, marks=pytest.mark.slow) for p in (8, 9))])
+def test_channel_reduce_bit_exact(monkeypatch, bits, reduction, p):
+    words, scales, layout = channel_payload(p, CHANNEL_SHAPES, bits, seed=10 * p + bits, stride_pad=5)
+    if reduction == "paper":
+        scales = scales[0]
+    monkeypatch.setattr(gathered, "fused_kernels", lambda t: None)
+    want = gathered.decode_reduce(words, scales, layout, reduction=reduction)
+    chunked = gathered.decode_reduce(words, scales, layout, reduction=reduction, chunk_rows=2)
+    assert same_bits(chunked, want)  # the torch code: chunks change nothing
+    calls = []
+    real = st.channel_reduce
+    monkeypatch.setattr(st, "channel_reduce", lambda *a: (calls.append(a[2:4]), real(*a))[1])
+    monkeypatch.setattr(gathered, "fused_kernels", lambda t: st)
+    got = gathered.decode_reduce(words, scales, layout, reduction=reduction)
+    assert calls == list(layout.shapes)  # one kernel per matrix
+    assert same_bits(got, want), (bits, reduction, p)
+    # out as one tensor per matrix: contiguous views run fused, a strided one the torch code
+    flat = torch.full((layout.numel,), 7.0)
+    views = [flat[e : e + r * c] for e, (r, c) in zip(layout.elem_offsets, layout.shapes)]
+    strided = torch.full((layout.shapes[0][0] * layout.shapes[0][1], 2), 7.0)
+    views[0] = strided[:, 0]
+    calls.clear()
+    gathered.decode_reduce(words, scales, layout, reduction=reduction, out=views)
+    assert len(calls) == len(layout.shapes) - 1
+    assert same_bits(torch.cat([v.reshape(-1) for v in views]), want)
+
+
+def test_channel_reduce_signed_zeros_and_the_tree(monkeypatch):
+    # every term of a column -0.0 (code -1 with scale 0) -> -0.0, and +0.0 where a 2-bit code is
+    # 0; a case where the pairwise order and the rank order round differently
+    monkeypatch.setattr(gathered, "fused_kernels", lambda t: st)
+    layout = gathered.Layout.of([(1, 8)], 1)
+    got = gathered.decode_reduce(torch.zeros(3, 1, dtype=torch.uint8), torch.zeros(3, 1), layout)
+    assert same_bits(got, torch.full((8,), -0.0))
+    layout2 = gathered.Layout.of([(1, 4)], 2)
+    got = gathered.decode_reduce(torch.zeros(3, 1, dtype=torch.uint8), torch.zeros(3, 1), layout2)
+    assert same_bits(got, torch.zeros(4))
+    scales = torch.tensor([1.0, 2.0**-24, 2.0**-24, 2.0**-24, 2.0**-24]).view(5, 1) * 5
+    got = gathered.decode_reduce(torch.full((5, 1), 255, dtype=torch.uint8), scales, layout)
+    w = scales.view(5) / 5
+    assert same_bits(got, rank_sum(w.view(5, 1).expand(5, 8).contiguous()))
+    in_rank_order = w[0].expand(8)
+    for r in range(1, 5):
+        in_rank_order = in_rank_order + w[r]
+    assert not same_bits(got, in_rank_order)  # the orders differ here
+
+
 def test_fused_is_lanes_where_it_cannot_run():
     # more rows than a program holds: the byte-lane count (same bits)
     words = torch.randint(0, 256, (st.MAX_ROWS + 1, 16), dtype=torch.uint8)
@@ -222,6 +289,18 @@ _CUDA_CHECK = textwrap.dedent(
         for step in (1, 2):
             want = majority_bits(bits, step, method="bitsliced")
             assert torch.equal(majority_bits(bits.cuda(), step).cpu(), want), ("majority", k, c, step)
+    from lowbit_strategy.collectives import gathered
+    for p in (1, 2, 5, 8):
+        for bits in (1, 2):
+            layout = gathered.Layout.of([(768, 3072), (1, 50257), (3, 37), (2304, 768)], bits)
+            words = torch.randint(0, 256, (p, layout.words), dtype=torch.uint8, generator=g)
+            scales = torch.rand(p, layout.rows, generator=g)
+            scales[:, ::5] = 0.0
+            for reduction in ("mean", "paper"):
+                sc = scales if reduction == "mean" else scales[0]
+                want = gathered.decode_reduce(words, sc, layout, reduction=reduction)
+                got = gathered.decode_reduce(words.cuda(), sc.cuda(), layout, reduction=reduction)
+                assert same(got.cpu(), want), ("channel_reduce", p, bits, reduction)
     zeros = ssd.scaled_sign_mean(torch.zeros(3, 2, dtype=torch.uint8, device="cuda"), torch.zeros(3, device="cuda"))
     assert same(zeros.cpu(), torch.full((16,), -0.0)), "the -0.0 padding lost its sign"
     print("ok")
@@ -257,9 +336,14 @@ _PTX_CHECK = textwrap.dedent(
             "block_bytes": "i32", "KP": "constexpr", "LOGK": "constexpr", "TILE": "constexpr", "BLOCKED": "constexpr"}
     maj = {"words_ptr": "*u8", "out_ptr": "*u8", "p": "i32", "c": "i64", "row_stride": "i64", "threshold": "i32",
            "PP": "constexpr", "TB": "constexpr"}
+    chan = {"words_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "n": "i64", "cols": "i64",
+            "word_stride": "i64", "w_stride": "i64", "BITS": "constexpr", "KP": "constexpr", "LOGK": "constexpr",
+            "TILE": "constexpr", "MEAN": "constexpr"}
     text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st._LAUNCH)
             + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st._LAUNCH)
-            + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st._LAUNCH))
+            + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st._LAUNCH)
+            + "".join(ptx(st._channel_kernel, chan, dict(BITS=b, KP=8, LOGK=3, TILE=512, MEAN=m), **st._LAUNCH)
+                      for b in (1, 2) for m in (True, False)))
     print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "neg": text.count("neg.f32"),
                       "add": text.count("add.rn.f32"), "xor": text.count("xor.b32")}))
     """
