@@ -11,10 +11,13 @@ How (the issue allows it; :mod:`benchmarks.ttq_analysis` holds the arithmetic):
 1. **timing** runs, per (configuration, link): the worker on :mod:`benchmarks.netem`'s
    2 x 2 nodes, a few steps of each phase (start-up, full-precision warm-up, compressed),
    every step timed, each phase's wire bytes counted;
-2. **lr sweep**: per configuration, seed 0 at the default learning rate x ``--lr-factors``
-   (3 values), the same steps; the lowest final validation loss wins (recorded). While the
-   winner is the lowest or highest lr tried, half or twice it is tried too, up to
-   ``--sweep-extend`` times (:func:`beyond_edge`): an optimum at the sweep's edge is not one;
+2. **lr sweep**: per configuration, seed 0 at a centre x ``--lr-factors`` (3 values), the
+   same steps; the lowest final validation loss wins (recorded). The references DDP + AdamW
+   and DDP + Lion are swept first, around the example's default; every other configuration
+   around its optimizer's default times the factor its reference moved by
+   (:func:`centre_lr`). While the winner is the lowest or highest lr tried, half or twice it
+   is tried too, up to ``--sweep-extend`` times (:func:`beyond_edge`): an optimum at the
+   sweep's edge is not one;
 3. **quality** runs on loopback (the same 2 x 2 ranks, node variables set, no shaping):
    seeds ``--seeds`` at the chosen lr, validation loss every ``--eval-every`` steps;
 4. the projection: loss after step s is reached on a link at the training seconds of steps
@@ -65,8 +68,12 @@ ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_b
 #: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
 LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
 LATENCY_US = 50
-#: the example's learning rates (examples/gpt_lion.py): the centre of each sweep
+#: the example's learning rates (examples/gpt_lion.py): the centre of the references' sweeps
 DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3e-3, "turboquant": 3e-3}
+#: each optimizer's uncompressed reference (swept first): the other configurations' sweeps are
+#: centred where its sweep ended (:func:`centre_lr`)
+REFERENCE = {"lion": "ddp_lion", "adamw": "ddp_adamw", "onebit_adam": "ddp_adamw", "onebit_lamb": "ddp_adamw",
+             "turboquant": "ddp_adamw"}
 MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0}
 FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
         "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 2, "timing_warm": 15,
@@ -232,16 +239,30 @@ def beyond_edge(final: dict[float, float], default: float) -> float | None:
     return float(f"{best * (0.5 if best == min(final) else 2):.3g}")
 
 
-def lrs_of(config: str, factors: list[float]) -> list[float]:
-    base = DEFAULT_LR[CONFIGS[config][1]]
-    return [float(f"{base * f:.3g}") for f in factors]
+def centre_lr(config: str, chosen: dict[str, float]) -> float:
+    """The centre of ``config``'s sweep: the example's default for an optimizer's reference
+    (:data:`REFERENCE`) or while the reference has no chosen lr yet; otherwise that default
+    times the factor the reference's own sweep moved by (its chosen lr / its default). On this
+    model DDP + AdamW's sweep ended at a quarter of the default: sweeping every AdamW-family
+    method around the default again would put each optimum at the low edge and cost up to two
+    extension runs per method, where a sweep centred on the reference's lr brackets it."""
+    optimizer = CONFIGS[config][1]
+    ref = REFERENCE[optimizer]
+    ref_lr = next((lr for key, lr in chosen.items() if key.split("@")[0] == ref), None)
+    if config == ref or ref_lr is None:
+        return DEFAULT_LR[optimizer]
+    return float(f"{DEFAULT_LR[optimizer] * ref_lr / DEFAULT_LR[CONFIGS[ref][1]]:.3g}")
+
+
+def lrs_of(centre: float, factors: list[float]) -> list[float]:
+    return [float(f"{centre * f:.3g}") for f in factors]
 
 
 def execute(study: Study, configs: list[str], seeds: list[int], factors: list[float], swept: list[str],
             validate: list[tuple[str, str]]) -> dict:
     """Every run of the study in order (timing, sweep, seeds, validation), or with
     ``study.load_only`` the ones that exist; what :func:`benchmarks.ttq_report.write` reads."""
-    runs: dict = {"timing": {}, "sweep": {}, "chosen": {}, "quality": {}, "full": [], "keys": {}}
+    runs: dict = {"timing": {}, "sweep": {}, "centre": {}, "chosen": {}, "quality": {}, "full": [], "keys": {}}
     with contextlib.nullcontext() if study.load_only else Network(nodes=2, ranks_per_node=2,
                                                                     link=study.links[0]) as net:
         for link in study.links:
@@ -250,9 +271,12 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                                                            study.timing_settings(c, link), link, net)
         keys = quality_keys(study, configs, runs["timing"])
         runs["keys"] = {k: v[0] for k, v in keys.items()}
-        for key, plan_link in dict.fromkeys(keys.values()):
+        # the references first (their chosen lr centres the others' sweeps), then in the given order
+        order = sorted(dict.fromkeys(keys.values()), key=lambda kv: kv[0].split("@")[0] not in REFERENCE.values())
+        for key, plan_link in order:
             config = key.split("@")[0]
-            lrs = lrs_of(config, factors) if config in swept else lrs_of(config, [1.0])
+            centre = runs["centre"][key] = centre_lr(config, runs["chosen"])
+            lrs = lrs_of(centre, factors) if config in swept else lrs_of(centre, [1.0])
             final, runs["quality"][key] = {}, {}
             for lr in lrs:
                 rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
@@ -261,7 +285,7 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                     final[lr] = rec["evals"][-1][2]
                     runs["quality"][key][(lr, seeds[0])] = rec
             for _ in range(study.args.sweep_extend if config in swept else 0):
-                lr = beyond_edge(final, DEFAULT_LR[CONFIGS[config][1]])
+                lr = beyond_edge(final, centre)
                 if lr is None:
                     break
                 rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
@@ -271,7 +295,7 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                 final[lr] = rec["evals"][-1][2]
                 runs["quality"][key][(lr, seeds[0])] = rec
             runs["sweep"][key] = final
-            runs["chosen"][key] = best_lr(final, DEFAULT_LR[CONFIGS[config][1]]) if final else lrs_of(config, [1.0])[0]
+            runs["chosen"][key] = best_lr(final, centre) if final else centre
         for seed in seeds[1:]:
             for key, plan_link in dict.fromkeys(keys.values()):
                 config, lr = key.split("@")[0], runs["chosen"][key]

@@ -43,6 +43,7 @@ def analyse(settings: dict, runs: dict) -> dict:
         lrs = sorted(final)
         chosen = runs["chosen"][key]
         out["sweep"][key] = {"final_val": {f"{lr:g}": final[lr] for lr in lrs}, "chosen": chosen,
+                             "centre": runs.get("centre", {}).get(key),
                              "at_edge": len(lrs) > 1 and chosen in (lrs[0], lrs[-1])}
     for link in settings["links"]:
         ref_key = runs["keys"].get((REFERENCE, link))
@@ -180,9 +181,12 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            f"seq {mod['seq']}{f', {params:,} parameters' if params else ''}; batch {mod['batch']} per rank; "
            f"{settings['steps']} steps, LR warm-up {settings['lr_warmup']} then cosine to 10 %; validation "
            f"every {settings['eval_every']} steps on {settings['val_batches']} held-out batches per rank\n",
-           f"- seeds {settings['seeds']}; lr sweep x {settings['lr_factors']} of {settings['default_lr']} on "
-           f"{len(settings['swept'])} configurations (seed 0, final validation loss), extended by half or twice "
-           f"the best while it is the lowest or highest tried, up to {settings.get('sweep_extend', 0)} times\n",
+           f"- seeds {settings['seeds']}; lr sweep x {settings['lr_factors']} of a centre on "
+           f"{len(settings['swept'])} configurations (seed 0, final validation loss): DDP + AdamW and DDP + Lion "
+           f"around the example's default ({settings['default_lr']}), every other configuration around its "
+           "optimizer's default times the factor its reference (DDP + AdamW, or DDP + Lion for Lion) moved by; "
+           f"extended by half or twice the best while it is the lowest or highest tried, up to "
+           f"{settings.get('sweep_extend', 0)} times\n",
            "- baselines: " + "; ".join(f"{k}: {v}" for k, v in HOOKS.items() if k != "local") +
            f"; PowerSGD {settings['powersgd']}\n",
            f"- compression warm-ups (steps at full precision): {settings['switch']}\n",
@@ -208,11 +212,12 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
                    f"{_f(v['full_final_val'], '{:.4f}')} / {_f(v['quality_final_val'], '{:.4f}')} | "
                    f"{'same' if v['plan_full'] == v['plan_quality'] else 'DIFFER'} | "
                    f"{_f(v['timing_other_load'], '{:.0%}')} / {_f(v['other_load'], '{:.0%}')} |\n")
-    out.append("\n## Learning-rate sweep (seed 0, final validation loss)\n\n| quality key | " +
-               "lr: final val | chosen |\n|---|---|---|\n")
+    out.append("\n## Learning-rate sweep (seed 0, final validation loss)\n\n| quality key | centre | " +
+               "lr: final val | chosen |\n|---|---|---|---|\n")
     for key, s in result["sweep"].items():
         vals = ", ".join(f"{lr}: {v:.4f}" for lr, v in s["final_val"].items())
-        out.append(f"| {key} | {vals} | {s['chosen']:g}{' (at the sweep edge)' if s['at_edge'] else ''} |\n")
+        centre = f"{s['centre']:g}" if s.get("centre") is not None else "–"
+        out.append(f"| {key} | {centre} | {vals} | {s['chosen']:g}{' (at the sweep edge)' if s['at_edge'] else ''} |\n")
     out.append("\n## Plans and topology (timing runs)\n\n")
     for link, data in result["links"].items():
         for config, r in data["rows"].items():

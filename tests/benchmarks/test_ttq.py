@@ -87,6 +87,18 @@ def test_the_sweep_goes_on_past_an_edge_optimum():
     assert ttq.beyond_edge({5e-4: 1.9, 1e-3: 1.8, 2e-3: math.nan}, 1e-3) is None  # the highest diverged: inside
 
 
+def test_sweeps_are_centred_where_their_reference_sweep_ended():
+    # the references sweep around the example's default; the others around the default times the
+    # factor their reference moved by (DDP + AdamW for the AdamW family, DDP + Lion for Lion)
+    chosen = {"ddp_adamw@1gbit": 7.5e-4, "ddp_lion@1gbit": 2.5e-4}
+    assert ttq.centre_lr("ddp_adamw", chosen) == 3e-3
+    assert ttq.centre_lr("ddp_lion", chosen) == 1e-3
+    assert ttq.centre_lr("lowbit_adam", chosen) == 7.5e-4
+    assert ttq.centre_lr("lowbit_turboquant", chosen) == 7.5e-4
+    assert ttq.centre_lr("ddp_bf16_lion", chosen) == 2.5e-4
+    assert ttq.centre_lr("lowbit_lion_1bit", {"ddp_adamw@1gbit": 7.5e-4}) == 1e-3  # Lion's reference not swept yet
+    assert ttq.lrs_of(7.5e-4, [0.5, 1, 2]) == [3.75e-4, 7.5e-4, 1.5e-3]
+
 def test_target_is_the_reference_at_80_percent_mean_over_seeds():
     curves = [[(0, 5.0), (80, 2.0), (100, 1.9)], [(0, 5.0), (80, 2.2), (100, 2.0)]]
     assert ta.target_loss(curves, 100) == pytest.approx(2.1)
