@@ -76,7 +76,7 @@ REFERENCE = {"lion": "ddp_lion", "adamw": "ddp_adamw", "onebit_adam": "ddp_adamw
              "turboquant": "ddp_adamw"}
 MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0}
 FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
-        "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 2, "timing_warm": 15,
+        "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 4, "timing_warm": 15,
         "timing_main": 30,
         "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@1gbit", "model": MODEL, "powersgd_start": None}
 #: a smoke run of every stage: 0.44M parameters, 120 steps, one seed, one configuration swept
@@ -326,11 +326,11 @@ def main(argv=None) -> int:
     parser.add_argument("--links", default="1gbit,100mbit")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", default=None)
-    parser.add_argument("--lr-factors", default=None, help="the sweep: default lr x these (seed 0)")
-    parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: default lr")
+    parser.add_argument("--lr-factors", default=None, help="the sweep: centre lr (centre_lr) x these (seed 0)")
+    parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: their centre lr")
     parser.add_argument("--sweep-extend", type=int, default=None,
                         help="while a swept config's best lr is the lowest or highest tried, try half or twice it, "
-                             "at most this many times (full study 2, --quick 0)")
+                             "at most this many times (full study 4, --quick 0)")
     parser.add_argument("--validate", default=None, help="CONFIG@LINK,...: full runs on the link ('' for none)")
     parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
     parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
