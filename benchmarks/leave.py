@@ -1,4 +1,4 @@
-"""How a benchmark worker rank ends: ``leave(main())``.
+"""How a benchmark worker rank (or a test's torchrun app) ends: ``leave(main())``.
 
 The default process group is destroyed only after ``main()`` has returned, so its DDP model
 is gone by then. Were DDP's reducer the group's last owner, freeing it would join gloo's

@@ -12,17 +12,16 @@ checkpoint. Rank 0 writes the final weights (as a list of floats) and the losses
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import lowbit_strategy
+from benchmarks.leave import leave
 from lowbit_strategy import LowBitConfig
 
 
@@ -134,23 +133,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = run_ddp(args) if args.front == "ddp" else run_lightning(args)
-    # Destroyed only now that the DDP model is gone. Were DDP's reducer the group's last owner,
-    # freeing it would join gloo's worker threads while holding the GIL (torch binds the reducer
-    # without releasing it), and a worker still freeing the final barrier's work waits for the
-    # GIL to drop its tensors: a deadlock, about 1 run in 8 at 4 ranks on 2 cores.
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump({**result, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
-    # done: leave without interpreter finalization, where a gloo worker that used collectives
-    # and autograd aborts now and then (tests/distributed.py has the same exit, and why)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    # the group destroyed only now that the DDP model is gone, then out without interpreter
+    # finalization: benchmarks/leave.py says why for both
+    leave(0)
 
 if __name__ == "__main__":
     main()

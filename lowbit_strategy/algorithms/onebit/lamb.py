@@ -174,7 +174,8 @@ class OneBitLamb(_OneBitOptimizer):
             torch._foreach_lerp_(avgs, list(c.unbind()), 1 - self.coeff_beta)  # c_avg = β3·c_avg + (1-β3)·c
             _scaled_step_(ps, us, c, group["lr"])
 
-    def _warmup_chain(self, group, ps, states, step):
+    @staticmethod
+    def _warmup_chain(group, ps, states, step):
         """Lines 1-2 up to the trust ratio, one parameter at a time (its chain in cache): the
         updates ``u`` and the norms ``‖p‖``, ``‖u‖`` (the denominator formed in the buffer of
         ``sqrt(v)``: one temporary fewer than :func:`lamb_update`)."""
