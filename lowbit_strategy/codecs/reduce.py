@@ -32,3 +32,12 @@ def rank_sum(x: torch.Tensor) -> torch.Tensor:
         level = x[0 : 2 * pairs : 2] + x[1 : 2 * pairs : 2]
         x = torch.cat([level, x[-1:]]) if x.shape[0] % 2 else level
     return x[0]
+
+
+def divide(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x / k`` (float), correctly rounded on every device: the weights ``s_r / P`` of the
+    rank means above. torch on CUDA divides by a Python (CPU) scalar as ``x · (1/k)``, which
+    can be one ulp off the true quotient where ``1/k`` is inexact (P = 5, say); a divisor
+    tensor on ``x``'s own device takes the IEEE division on both CPU and CUDA, so a CUDA run
+    and its CPU oracle compute the same bits."""
+    return x / torch.full((), k, dtype=x.dtype, device=x.device)

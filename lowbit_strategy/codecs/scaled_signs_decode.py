@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs.reduce import rank_sum
+from lowbit_strategy.codecs.reduce import divide, rank_sum
 from lowbit_strategy.codecs.signs import fused_kernels, signs_from_bits
 from lowbit_strategy.codecs.streaming import SLICE, slices
 from lowbit_strategy.validation import is_int
@@ -206,20 +206,20 @@ def scaled_sign_mean(
         raise ValueError(f"scaled_sign_mean: out must be a contiguous float32 tensor of 8c = {8 * c} elements")
     fused = fused_kernels(rows)
     if fused is not None and k <= fused.MAX_ROWS:
-        return fused.mean(rows, scales / k, block, out)
+        return fused.mean(rows, divide(scales, k), block, out)
     device = bits.device
     index = rows.to(torch.int32)
     if block is not None and not _block_tables(c, scales.shape[1]):
-        weights = (scales / k)[:, _byte_blocks(c, block, device)].unsqueeze(-1)  # (k, c, 1)
+        weights = divide(scales, k)[:, _byte_blocks(c, block, device)].unsqueeze(-1)  # (k, c, 1)
         terms = _pm1_table(device).index_select(0, index.view(-1)).view(k, c, 8).mul_(weights)  # exact products
         return _into(rank_sum(terms).reshape(-1), out)
     if block is not None:  # a (256, 8) table of ±w per (row, block), as below with one per row
         nb = scales.shape[1]
-        tables = ((scales / k).view(k, nb, 1, 1) * _pm1_table(device)).view(k * nb * 256, 8)
+        tables = (divide(scales, k).view(k, nb, 1, 1) * _pm1_table(device)).view(k * nb * 256, 8)
         offsets = _byte_blocks(c, block, device).to(torch.int32).mul_(256)
         first = torch.arange(0, k * nb * 256, nb * 256, dtype=torch.int32, device=device).view(k, 1)
     else:
-        tables = ((scales / k).view(k, 1, 1) * _pm1_table(device)).view(k * 256, 8)  # (k·256, 8): ±w_r
+        tables = (divide(scales, k).view(k, 1, 1) * _pm1_table(device)).view(k * 256, 8)  # (k·256, 8): ±w_r
         offsets = torch.zeros((), dtype=torch.int32, device=device)
         first = torch.arange(0, k * 256, 256, dtype=torch.int32, device=device).view(k, 1)
     index = first + offsets + index  # (k, c): each byte's row of ±w

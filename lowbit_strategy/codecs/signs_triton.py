@@ -23,7 +23,10 @@ by construction, and checked in Triton's interpreter by ``tests/codecs/test_sign
   padded to a power of two with −0.0, which is the exact identity of IEEE addition (``x +
   (−0.0) = x`` for every ``x``, −0.0 included), so a row paired with padding is carried up
   unchanged, as ``rank_sum`` carries an odd last row, and the real rows meet in the same
-  pairs at every level. Each level adds explicit pairs (``split``), and floating-point
+  pairs at every level. The −0.0 is a kernel argument, not a constant: a constant −0.0 in a
+  select compiled to ``FSEL …, -RZ`` on sm_90, which read +0.0 on an H100 (:func:`_pad`).
+  The weights ``s_r / P`` come from :func:`~lowbit_strategy.codecs.reduce.divide`, correctly
+  rounded on CUDA too. Each level adds explicit pairs (``split``), and floating-point
   contraction is off at launch (``enable_fp_fusion=False``);
 * majority (Lion Cub Sec. 3): per bit, the count of +1 votes is an integer sum, exact in any
   order, compared with :func:`~lowbit_strategy.codecs.votes.majority_threshold`'s threshold.
@@ -94,6 +97,16 @@ if AVAILABLE:
         return (s.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _pad(x, mask, neg_zero):
+        """``x`` where ``mask``, else −0.0, the identity of the float sums below (``y + −0.0`` is
+        ``y`` for every ``y``, signed zeros included). ``neg_zero`` is a kernel argument (the
+        host passes −0.0), not a constant: LLVM turns a select of the constant −0.0, also one
+        written on the integer bits, into a float select that ptxas encodes as ``FSEL …, -RZ``
+        on sm_90, and that negated zero register reads +0.0 (an all-zero sum came out +0.0 on an
+        H100 where torch gives −0.0). A register the compiler cannot see into is selected as is."""
+        return tl.where(mask, x, neg_zero)
+
+    @triton.jit
     def _decode_kernel(
         bits_ptr, scale_ptr, out_ptr, n, row_len, nb, block_bytes,
         TILE: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
@@ -112,7 +125,7 @@ if AVAILABLE:
 
     @triton.jit
     def _mean_kernel(
-        bits_ptr, w_ptr, out_ptr, k, c, nb, block_bytes,
+        bits_ptr, w_ptr, out_ptr, k, c, nb, block_bytes, neg_zero,
         KP: tl.constexpr, LOGK: tl.constexpr, TILE: tl.constexpr, BLOCKED: tl.constexpr,
     ):  # fmt: skip
         e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -126,7 +139,7 @@ if AVAILABLE:
         else:
             index = r[:, None] + col * 0
         w = tl.load(w_ptr + index, mask=mask, other=0.0)
-        terms = tl.where(mask, _signed(w, bit), -0.0)  # -0.0: the identity
+        terms = _pad(_signed(w, bit), mask, neg_zero)  # -0.0: the identity
         for _ in tl.static_range(LOGK):  # rank_sum's levels: rows (2i, 2i + 1) -> i
             pairs = tl.permute(tl.reshape(terms, (terms.shape[0] // 2, 2, TILE)), (0, 2, 1))
             a, b = tl.split(pairs)
@@ -135,7 +148,7 @@ if AVAILABLE:
 
     @triton.jit
     def _channel_kernel(
-        words_ptr, w_ptr, out_ptr, k, n, cols, word_stride, w_stride,
+        words_ptr, w_ptr, out_ptr, k, n, cols, word_stride, w_stride, neg_zero,
         BITS: tl.constexpr, KP: tl.constexpr, LOGK: tl.constexpr, TILE: tl.constexpr, MEAN: tl.constexpr,
     ):  # fmt: skip
         e = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -156,7 +169,7 @@ if AVAILABLE:
                 terms = (2 * code - 1).to(tl.float32)
             else:
                 terms = tl.where(code == 2, -1.0, code.to(tl.float32))
-        terms = tl.where(mask, terms, -0.0)  # -0.0: the identity
+        terms = _pad(terms, mask, neg_zero)  # -0.0: the identity
         for _ in tl.static_range(LOGK):  # rank_sum's levels: rows (2i, 2i + 1) -> i
             pairs = tl.permute(tl.reshape(terms, (terms.shape[0] // 2, 2, TILE)), (0, 2, 1))
             a, b = tl.split(pairs)
@@ -218,7 +231,7 @@ def mean(rows: torch.Tensor, weights: torch.Tensor, block: int | None, out: torc
     nb = weights.shape[1] if block is not None else 1
     with _on_device(rows):
         _mean_kernel[(triton.cdiv(8 * c, tile),)](
-            rows.contiguous(), weights.contiguous(), out, k, c, nb, (block or 8) // 8,
+            rows.contiguous(), weights.contiguous(), out, k, c, nb, (block or 8) // 8, -0.0,
             KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, BLOCKED=block is not None, **_LAUNCH,
         )  # fmt: skip
     return out
@@ -243,7 +256,7 @@ def channel_reduce(
     w_stride = weights.stride(0) if mean else 0
     with _on_device(words):
         _channel_kernel[(triton.cdiv(n, tile),)](
-            words, weights, out, k, n, cols, words.stride(0), w_stride,
+            words, weights, out, k, n, cols, words.stride(0), w_stride, -0.0,
             BITS=bits, KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, MEAN=mean, **_LAUNCH,
         )  # fmt: skip
     return out

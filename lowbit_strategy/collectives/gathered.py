@@ -44,7 +44,7 @@ from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
-from lowbit_strategy.codecs.reduce import rank_sum
+from lowbit_strategy.codecs.reduce import divide, rank_sum
 from lowbit_strategy.codecs.signs import fused_kernels
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.validation import is_int
@@ -222,7 +222,7 @@ def decode_reduce(
         ):
             raise ValueError("out must be one float32 tensor per matrix, sized rows * cols")
     # "mean": fold 1/P into the scales once (R floats) instead of into every element.
-    weights = scales.float() / p
+    weights = divide(scales.float(), p)  # correctly rounded on CUDA too
     fused = fused_kernels(words)  # CUDA: one Triton pass per matrix, the same floats (signs_triton)
     if fused is not None and (p > fused.MAX_ROWS or words.stride(1) != 1):
         fused = None

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowbit_strategy.codecs.reduce import rank_sum
+from lowbit_strategy.codecs.reduce import divide, rank_sum
 
 
 def f32(x: float) -> float:
@@ -60,3 +60,14 @@ def test_kernels_grow_with_log_p_only():
 def test_no_rows_is_an_error():
     with pytest.raises(ValueError, match="at least one row"):
         rank_sum(torch.empty(0, 3))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 7, 64])
+def test_divide_is_the_correctly_rounded_quotient(k):
+    # float64 holds the quotient of two float32 values closely enough that rounding it to
+    # float32 is the correctly rounded quotient: what CUDA's x · (1/k) misses by an ulp
+    x = torch.rand(100_000, generator=torch.Generator().manual_seed(k)) * 3
+    x[:3] = torch.tensor([0.0, -0.0, 2.0**-140])
+    got = divide(x, k)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), (x.double() / k).float().view(torch.int32))

@@ -272,7 +272,7 @@ _CUDA_CHECK = textwrap.dedent(
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
     g = torch.Generator().manual_seed(0)
-    for k, c, block in ((1, 1 << 17, None), (4, 50_000, None), (8, 4099, 16), (8, 1 << 15, 16384), (64, 999, None)):
+    for k, c, block in ((1, 1 << 17, None), (5, 50_000, None), (8, 4099, 16), (3, 1 << 15, 16384), (64, 999, None)):
         nb = 1 if block is None else -(-8 * c // block)
         bits = torch.randint(0, 256, (k, c), dtype=torch.uint8, generator=g)
         scales = torch.rand(k * nb, generator=g) * 3
@@ -318,26 +318,39 @@ def test_cuda_bit_exact():
 _PTX_CHECK = textwrap.dedent(
     """
     import json
+    import os
+    import re
+    import subprocess
+    import tempfile
     import triton
+    import triton.backends.nvidia
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from lowbit_strategy.codecs import signs_triton as st
 
     assert not st.INTERPRETED
     target = GPUTarget("cuda", 90, 32)
+    nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+
+    sass = []
 
     def ptx(fn, sig, consts, **options):
         src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        return triton.compile(src, target=target, options={"num_warps": 4, **options}).asm["ptx"]
+        kernel = triton.compile(src, target=target, options={"num_warps": 4, **options})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass.append(subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout)
+        return kernel.asm["ptx"]
 
     dec = {"bits_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i64", "row_len": "i64", "nb": "i32",
            "block_bytes": "i32", "TILE": "constexpr", "BLOCKED": "constexpr", "OUT": "constexpr"}
     mean = {"bits_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "c": "i64", "nb": "i32",
-            "block_bytes": "i32", "KP": "constexpr", "LOGK": "constexpr", "TILE": "constexpr", "BLOCKED": "constexpr"}
+            "block_bytes": "i32", "neg_zero": "fp32", "KP": "constexpr", "LOGK": "constexpr", "TILE": "constexpr", "BLOCKED": "constexpr"}
     maj = {"words_ptr": "*u8", "out_ptr": "*u8", "p": "i32", "c": "i64", "row_stride": "i64", "threshold": "i32",
            "PP": "constexpr", "TB": "constexpr"}
     chan = {"words_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "n": "i64", "cols": "i64",
-            "word_stride": "i64", "w_stride": "i64", "BITS": "constexpr", "KP": "constexpr", "LOGK": "constexpr",
+            "word_stride": "i64", "w_stride": "i64", "neg_zero": "fp32", "BITS": "constexpr", "KP": "constexpr", "LOGK": "constexpr",
             "TILE": "constexpr", "MEAN": "constexpr"}
     text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st._LAUNCH)
             + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st._LAUNCH)
@@ -345,7 +358,9 @@ _PTX_CHECK = textwrap.dedent(
             + "".join(ptx(st._channel_kernel, chan, dict(BITS=b, KP=8, LOGK=3, TILE=512, MEAN=m), **st._LAUNCH)
                       for b in (1, 2) for m in (True, False)))
     print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "neg": text.count("neg.f32"),
-                      "add": text.count("add.rn.f32"), "xor": text.count("xor.b32")}))
+                      "add": text.count("add.rn.f32"), "xor": text.count("xor.b32"),
+                      "fsel_negated": len(re.findall(r"FSEL[^;]*, -R", "".join(sass))),
+                      "fsel": "".join(sass).count("FSEL")}))
     """
 )
 
@@ -354,10 +369,13 @@ _PTX_CHECK = textwrap.dedent(
 def test_compiled_ptx_has_no_fma():
     """What the interpreter cannot show: the kernels compile for an H100 (no GPU needed); the
     mean's adds stay IEEE adds (no FMA contraction, no flush-to-zero); signs are flipped by
-    XOR, with no float negation (which ptxas may fold into a select that loses −0.0)."""
+    XOR, with no float negation (which ptxas may fold into a select that loses −0.0); and no
+    select in the machine code (SASS) has a negated operand: ``FSEL …, -RZ`` (how ptxas wrote
+    a constant −0.0 padding) read +0.0 on an H100."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["fma"] == 0 and got["ftz"] == 0 and got["neg"] == 0, got
     assert got["add"] > 0 and got["xor"] > 0, got
+    assert got["fsel_negated"] == 0 and got["fsel"] > 0, got
