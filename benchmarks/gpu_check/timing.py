@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def median_s(fn: Callable[[], object], device: torch.device, repeat: int = 5, warmup: int = 1) -> float:
@@ -34,6 +35,37 @@ def median_s(fn: Callable[[], object], device: torch.device, repeat: int = 5, wa
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def host_issue_s(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Median host seconds to *issue* ``fn`` (no synchronization after it). On a GPU, when
+    this is close to :func:`median_s`'s event time the call is bound by the host (Python and
+    torch's dispatch, one kernel launch per op), not by the GPU: fewer calls would make it
+    faster, faster kernels would not. On a CPU it is the call's time."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_count(fn: Callable[[], object]) -> int:
+    """The torch operator calls one call of ``fn`` dispatches (views and metadata included;
+    Triton kernels are not torch operators and are not counted)."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
 
 
 def copy_s(numel: int, device: torch.device, repeat: int = 5) -> float:

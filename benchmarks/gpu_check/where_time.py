@@ -10,6 +10,9 @@ each algorithm stops paying.
    call (median of 3 after a warm-up) and summed: encode, the server's step at P = 8 (its chunk
    from 8 gathered rows), decode. 1-bit Adam/LAMB add their optimizer step beyond AdamW's
    (``measure._optimizer_ns``, on at most 2^24 parameters in 32 tensors, per element).
+   Beside each time: the torch operator calls of the step and the host time to issue them
+   without a sync (:func:`.timing.op_count`, :func:`.timing.host_issue_s`), which tell a
+   launch-bound codec (issue time near the measured time: needs fewer calls) from a slow kernel.
 3. **Projection**: :func:`lowbit_strategy.plan.predict.predict` (the planner's own model) with
    that compute time and those codec times as nanoseconds per element of the model (each
    algorithm's measured total over its parameter count, so the planner's ``ns x N`` gives back
@@ -36,7 +39,7 @@ import torch
 from benchmarks.gpu_check import Part, table
 from benchmarks.gpu_check import codec_work as cw
 from benchmarks.gpu_check.gpt import GPT, SMALL, TINY
-from benchmarks.gpu_check.timing import cpu_rank_threads, median_s
+from benchmarks.gpu_check.timing import cpu_rank_threads, host_issue_s, median_s, op_count
 
 LINKS = (10.0, 25.0, 100.0, 400.0)
 WORLDS = (8, 64)
@@ -128,12 +131,15 @@ def _builders(quantized: dict[int, bool], lanes: dict[str, int], cuda: bool):
     return out
 
 
-def _codec_times(bucket_list, builders, dev, part: Part) -> dict[str, dict[str, float]]:
-    """Seconds per step of each codec's encode / server / decode, summed over the buckets."""
+def _codec_times(bucket_list, builders, dev, part: Part, host: dict | None = None) -> dict[str, dict[str, float]]:
+    """Seconds per step of each codec's encode / server / decode, summed over the buckets; into
+    ``host`` (when given) the same steps' host issue seconds and torch operator calls."""
     out = {}
     for name, build in builders.items():
         print(f"   codecs: {name}", flush=True)
         sums = {"encode": 0.0, "server": 0.0, "decode": 0.0}
+        issue = {"encode": 0.0, "server": 0.0, "decode": 0.0}
+        ops = {"encode": 0, "server": 0, "decode": 0}
         try:
             for ps in bucket_list:
                 work = build(ps)
@@ -141,9 +147,16 @@ def _codec_times(bucket_list, builders, dev, part: Part) -> dict[str, dict[str, 
                     fn = getattr(work, step)
                     if fn is not None:
                         sums[step] += median_s(fn, dev, repeat=3)
+                        if host is not None:
+                            issue[step] += host_issue_s(fn)
+                            ops[step] += op_count(fn)
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize(dev)
                 del work
             sums["total"] = sum(sums.values())
             out[name] = sums
+            if host is not None:
+                host[name] = {"issue_ms": {k: v * 1e3 for k, v in issue.items()}, "ops": ops}
         except Exception as exc:
             traceback.print_exc()
             part.failures.append(f"codec time of {name}: {type(exc).__name__}: {str(exc)[:200]}")
@@ -210,7 +223,8 @@ def _run(args) -> Part:
     chosen = classify(model)
     quantized = {id(p): chosen[id(p)].quantized for p in model.parameters()}
     lanes = {_lane(p): p for p in WORLDS}  # Lion Cub's lane at each world size, timed at that P
-    times = _codec_times(bucket_list, _builders(quantized, lanes, cuda), dev, part)
+    host: dict = {}
+    times = _codec_times(bucket_list, _builders(quantized, lanes, cuda), dev, part, host)
     try:
         steps = _optimizer_ns(dev, min(n, 1 << 24))
     except Exception as exc:
@@ -247,7 +261,9 @@ def _run(args) -> Part:
     part.data = {"model": dict(shape, parameters=n, buckets=len(bucket_list), bucket_size_mb=mb, batch=batch,
                                loss=loss, forward_backward_ms=compute_s * 1e3),
                  "codec_ms": {k: {s: v * 1e3 for s, v in d.items()} for k, d in times.items()},
-                 "optimizer_step_ns_per_element": steps, "projection": {}, "break_even_gbps": {}}
+                 "codec_host": host, "optimizer_step_ns_per_element": steps, "projection": {}, "break_even_gbps": {}}
+    rows_host = [[name] + [f"{h['ops'][s]:,} · {h['issue_ms'][s]:.2f} · {times[name][s] * 1e3:.2f}"
+                           for s in ("encode", "server", "decode")] for name, h in host.items()]
     tables = []
     for p in WORLDS:
         codec_ns = ns(p)
@@ -293,6 +309,11 @@ def _run(args) -> Part:
         "", "Codec time per step, ms (real codec calls on every bucket, summed; server: its chunk from "
         f"P = {SERVER_P} gathered rows; Lion Cub at its P = {WORLDS[0]} lane {_lane(WORLDS[0])}):", "",
         table(["algorithm", "encode", "server", "decode", "optimizer beyond AdamW", "total", "of fwd+bwd"], rows_codec),
+        "", "Host side of the same calls, per step (cells: torch operator calls · ms the host takes to issue "
+        "them, no sync · ms measured above). Where the issue time is close to the measured time the step is "
+        "bound by the host (one launch per operator), so fewer calls would make it faster and faster kernels "
+        "would not. Triton kernels are not torch operators and are not counted:", "",
+        table(["codec", "encode", "server", "decode"], rows_host),
         "", "TurboQuant's rows run its default backend (`auto`: the Triton kernels on CUDA, "
         "torch on a CPU); on CUDA "
         "the torch backend's time is shown beside it, not projected.",

@@ -5,6 +5,7 @@ import math
 import types
 
 import pytest
+import torch
 
 from benchmarks.gpu_check import codec_speed, where_time
 
@@ -38,6 +39,11 @@ def test_where_time_cpu_projection_and_break_even_agree(tmp_path):
     assert math.isfinite(data["model"]["loss"]) and data["model"]["forward_backward_ms"] > 0
     for codec, steps in data["codec_ms"].items():
         assert steps["total"] > 0 and all(math.isfinite(v) for v in steps.values()), codec
+    assert set(data["codec_host"]) == set(data["codec_ms"])
+    for codec, host in data["codec_host"].items():  # every codec dispatches torch operators on CPU
+        assert host["ops"]["encode"] > 0 and host["ops"]["decode"] > 0, codec
+        assert all(v >= 0 and math.isfinite(v) for v in host["issue_ms"].values()), codec
+        assert f"| {codec} | {host['ops']['encode']:,} · " in part.markdown, codec
     for p in map(str, where_time.WORLDS):
         proj = data["projection"][p]
         for algo, (_label, row, _) in where_time.ALGOS.items():
@@ -59,3 +65,21 @@ def test_where_time_cpu_projection_and_break_even_agree(tmp_path):
                         elif float(link) < be:
                             assert faster, (algo, p, ref, link, be)
     assert "stops paying" in part.markdown
+
+
+def test_op_count_counts_each_torch_operator_call():
+    from benchmarks.gpu_check.timing import op_count
+
+    x = torch.ones(8)
+
+    def adds(k):
+        def fn():
+            y = x
+            for _ in range(k):
+                y = y + 1
+            return y
+
+        return fn
+
+    assert op_count(adds(5)) - op_count(adds(2)) == 3
+    assert op_count(lambda: None) == 0
