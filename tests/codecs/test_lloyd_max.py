@@ -3,12 +3,13 @@ import pytest
 import torch
 
 from lowbit_strategy.codecs import lloyd_max_codebook, lloyd_max_mse
+from lowbit_strategy.codecs import lloyd_max, lloyd_max_table
 from lowbit_strategy.codecs.lloyd_max import CODEBOOK_BITS, check_bits
 
-FAST_BITS = [2, 3, 4, 5, 6]  # 7 and 8 bits take seconds (slow tier)
+FAST_BITS = [2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("bits", FAST_BITS)
+@pytest.mark.parametrize("bits", CODEBOOK_BITS)
 def test_sorted_symmetric_float32(bits):
     c = lloyd_max_codebook(bits)
     assert c.dtype == torch.float32 and c.shape == (2**bits,)
@@ -80,3 +81,22 @@ def test_wide_codebooks(bits):
     assert torch.all(c[1:] > c[:-1]) and torch.equal(c, -c.flip(0))
     ratio = lloyd_max_mse(lloyd_max_codebook(bits - 1)) / lloyd_max_mse(c)
     assert 3.5 < ratio < 4.2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])  # the solver takes milliseconds up to 5 bits
+def test_table_holds_the_solvers_levels(bits):
+    assert lloyd_max_table.HALF_LEVELS[bits] == lloyd_max._half_levels(bits)  # float64, exact
+
+
+@pytest.mark.slow
+def test_table_file_is_what_the_solver_writes():
+    # every width (8 bits: ~100,000 rounds, seconds): the committed table is the solver's output
+    path = lloyd_max.__file__.replace("lloyd_max.py", "lloyd_max_table.py")
+    with open(path) as f:
+        assert f.read() == lloyd_max.table_source()
+
+
+def test_codebook_is_the_table_rounded_once_to_float32():
+    for bits in CODEBOOK_BITS:
+        half = torch.tensor(lloyd_max_table.HALF_LEVELS[bits], dtype=torch.float64).float()
+        assert torch.equal(lloyd_max_codebook(bits), torch.cat([-half.flip(0), half]))

@@ -301,6 +301,7 @@ _PTX_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # compiles the kernels for sm_90 (seconds), like signs_triton's PTX test
 def test_compiled_ptx_rounds_like_torch():
     """What the interpreter cannot show: the kernels compiled for an H100 (no GPU needed)
     divide and take square roots with IEEE rounding (div.rn/sqrt.rn, not the approximate
