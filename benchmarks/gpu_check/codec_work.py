@@ -119,15 +119,15 @@ def matrices(x: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> list[torch.T
 def bitdp(mats: Sequence[torch.Tensor], p: int, bits: int = 2) -> Work:
     """BitDP's two-stage form on the quantized matrices ``mats`` of a bucket (the others
     travel in float32 with no codec)."""
-    from lowbit_strategy.codecs import channel_decode, channel_encode
+    from lowbit_strategy.codecs import channel_encode_many
     from lowbit_strategy.collectives.gathered import Layout, decode_reduce, pack_payload
     from lowbit_strategy.collectives.gathered_two_stage import chunk_plan
 
     layout = Layout.of([tuple(m.shape) for m in mats], bits)
 
-    def encode():
-        pairs = [channel_encode(m, bits, validate=False) for m in mats]
-        return pack_payload([c for c, _ in pairs], [s for _, s in pairs], layout)
+    def encode():  # as the hook's _encode (without error feedback)
+        enc = channel_encode_many(mats, bits, validate=False)
+        return pack_payload([c for c, _, _ in enc], [s for _, s, _ in enc], layout)
 
     words, scales = encode()
     mine = chunk_plan(layout, p).chunk_layout(0)
@@ -135,15 +135,12 @@ def bitdp(mats: Sequence[torch.Tensor], p: int, bits: int = 2) -> Work:
     if mine is not None:
         got_words, got_scales = words[: mine.words].repeat(p, 1), scales[: mine.rows].repeat(p, 1)
 
-        def server():
+        def server():  # as gathered_two_stage's _server
             y = decode_reduce(got_words, got_scales, mine)
-            pairs, sent = [], []
-            for e, (r, c) in zip(mine.elem_offsets, mine.shapes):
-                code, sc = channel_encode(y[e : e + r * c].view(r, c), bits, validate=False)
-                pairs.append((code, sc))
-                sent.append(channel_decode(code, sc, bits).view(-1))
-            packed = pack_payload([c for c, _ in pairs], [s for _, s in pairs], mine)
-            return packed, y.sub_(torch.cat(sent))
+            views = [y[e : e + r * c].view(r, c) for e, (r, c) in zip(mine.elem_offsets, mine.shapes)]
+            enc = channel_encode_many(views, bits, decode=True, validate=False)
+            packed = pack_payload([c for c, _, _ in enc], [s for _, s, _ in enc], mine)
+            return packed, y.sub_(torch.cat([d.reshape(-1) for _, _, d in enc if d is not None]))
 
     return Work(encode, lambda: decode_reduce(words.view(1, -1), scales.view(1, -1), layout), server)
 

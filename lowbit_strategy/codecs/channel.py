@@ -16,6 +16,8 @@ Codes are returned as unsigned lane values ready for :func:`lowbit_strategy.code
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lowbit_strategy.codecs import compiled
@@ -67,6 +69,66 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     if bits == 1:
         return compare_bytes(torch.ge, rows, 0).reshape(-1), _mean_abs_sliced(rows.detach())
     return _ternary_sliced(rows.detach())  # out= buffers: no autograd graph
+
+
+def channel_encode_many(
+    mats: Sequence[torch.Tensor], bits: int, *, decode: bool = False, validate: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """:func:`channel_encode` of every matrix of ``mats`` (each as ``channel_encode`` sees it:
+    dim 0 rows, the rest flattened), with about the torch calls of one: a run of consecutive
+    contiguous matrices of the same width, two rows or more each, is encoded as one stack of
+    rows. With ``decode``, also each one's :func:`channel_decode` (float32, its rows' shape),
+    from one decode per run. Returns ``(codes, scales, decoded or None)`` per matrix, views into its
+    run's tensors.
+
+    Why: a bucket holds tens of matrices (48 in GPT-2 small), and ~20 small torch calls per
+    matrix left the encode bound by the host on a GPU (the one-GPU check, part 4).
+
+    The same codes and scales as encoding each matrix alone on the CPU: every operation is
+    elementwise or a reduction along whole rows, and torch reduces a row in the same order in
+    any call of two rows or more (:mod:`.streaming`; a one-row or strided matrix is encoded
+    alone). On CUDA the reduction's launch configuration may follow the number of rows, so a
+    row's scale can differ from its lone encoding in rounding; every rank stacks the same
+    runs, so ranks agree."""
+    runs: list[list[torch.Tensor]] = []
+    for m in mats:
+        rows = _as_rows(m, validate)
+        run = runs[-1] if runs else None
+        if run and _stacks(run[-1]) and _stacks(rows) and run[-1].shape[1] == rows.shape[1]:
+            run.append(rows)
+        else:
+            runs.append([rows])
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for run in runs:
+        stack = run[0] if len(run) == 1 else _adjacent(run)
+        stack = torch.cat(run) if stack is None else stack
+        codes, scales = channel_encode(stack, bits, validate=False)
+        decoded = channel_decode(codes, scales, bits) if decode else None
+        r0 = 0
+        for rows in run:
+            r, c = rows.shape
+            dec = None if decoded is None else decoded[r0 : r0 + r]
+            out.append((codes[r0 * c : (r0 + r) * c], scales[r0 : r0 + r], dec))
+            r0 += r
+    return out
+
+
+def _adjacent(run: list[torch.Tensor]) -> torch.Tensor | None:
+    """The run's rows as one view when they lie back to back in one storage (a flat buffer's
+    consecutive matrices), else None (they are concatenated)."""
+    first = run[0]
+    at = first.storage_offset()
+    for rows in run:
+        if rows.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or rows.storage_offset() != at:
+            return None
+        at += rows.numel()
+    return first.as_strided((sum(r.shape[0] for r in run), first.shape[1]), (first.shape[1], 1))
+
+
+def _stacks(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` may join a stack: two rows or more, and contiguous (torch reduces a
+    strided row, a transposed weight's, in another order than a contiguous one)."""
+    return rows.shape[0] > 1 and rows.is_contiguous()
 
 
 def _ternary(

@@ -43,7 +43,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
-from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode
+from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many
 from lowbit_strategy.codecs.reduce import divide, rank_sum
 from lowbit_strategy.codecs.signs import fused_kernels
 from lowbit_strategy.collectives import group as g
@@ -141,8 +141,8 @@ def pack_payload(
 def encode(mats: Sequence[torch.Tensor], bits: int) -> tuple[Layout, torch.Tensor, torch.Tensor]:
     """Channel-encode every matrix (Eq. 5-9) and pack them: (layout, words, scales)."""
     layout = Layout.of([matrix_shape(m) for m in mats], bits)
-    pairs = [channel_encode(m, bits) for m in mats]
-    words, scales = pack_payload([c for c, _ in pairs], [s for _, s in pairs], layout)
+    enc = channel_encode_many(mats, bits)
+    words, scales = pack_payload([c for c, _, _ in enc], [s for _, s, _ in enc], layout)
     return layout, words, scales
 
 

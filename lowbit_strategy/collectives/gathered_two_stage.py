@@ -62,7 +62,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
-from lowbit_strategy.codecs.channel import channel_decode, channel_encode
+from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
@@ -241,14 +241,11 @@ class GatheredTwoStage:
                 got_words[:, : mine.words], got_scales[:, : mine.rows], mine, chunk_rows=self._chunk_rows, out=y
             )
             y.add_(self._server_error)
-            pairs, sent = [], []
-            for e, shape in zip(mine.elem_offsets, mine.shapes):
-                c, sc = channel_encode(y[e : e + shape[0] * shape[1]].view(shape), layout.bits, validate=False)
-                pairs.append((c, sc))
-                sent.append(channel_decode(c, sc, layout.bits).view(-1))
-            w, sc = pack_payload([c for c, _ in pairs], [x for _, x in pairs], mine)
+            views = [y[e : e + r * c].view(r, c) for e, (r, c) in zip(mine.elem_offsets, mine.shapes)]
+            enc = channel_encode_many(views, layout.bits, decode=True, validate=False)  # equal widths at once
+            w, sc = pack_payload([c for c, _, _ in enc], [x for _, x, _ in enc], mine)
             words[: mine.words], scales[: mine.rows] = w, sc
-            err = y.sub_(torch.cat(sent))
+            err = y.sub_(torch.cat([d.reshape(-1) for _, _, d in enc if d is not None]))  # (decode=True: all)
             if raised is not None:  # a flagged step leaves the server error as it was
                 err = torch.where(raised, self._server_error, err)
             self._server_error.copy_(err)

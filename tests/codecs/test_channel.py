@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lowbit_strategy.codecs import bits, channel_decode, channel_encode
-from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO
+from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many
+from lowbit_strategy.codecs.streaming import SLICE
 
 matrices = st.tuples(st.integers(1, 6), st.integers(1, 12)).flatmap(
     lambda shape: arrays(np.float32, shape, elements=st.floats(-100, 100, width=32))
@@ -129,3 +130,73 @@ def test_codes_and_scales_equal_the_textbook_form_bitwise(g, b):
     t = torch.from_numpy(g)
     for got, expected in zip(channel_encode(t, b), _textbook_encode(t, b)):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_encode_many_is_each_matrix_encoded_alone_bitwise(b):
+    g = torch.Generator().manual_seed(b)
+    shapes = [(6, 40), (3, 40), (1, 40), (4, 40), (5, 17), (7, 17), (2, 40), (9,), (700, 400), (2, 400), (3, 4, 10)]
+    mats = [torch.randn(s, generator=g) * torch.rand(s[0], *[1] * (len(s) - 1), generator=g) for s in shapes]
+    mats[1][0].zero_()  # a row with nothing kept: scale 0
+    mats.append(torch.randn(30, 16, generator=g).t())  # a transposed view: rows of 30
+    mats.append(torch.randn(5, 30, generator=g, dtype=torch.float64))
+    got = channel_encode_many(mats, b, decode=True)
+    assert len(got) == len(mats)
+    assert 700 * 400 > SLICE  # the stack of the (700, 400) run is encoded in slices, alone it is too
+    for m, (codes, scales, dec) in zip(mats, got):
+        want_c, want_s = channel_encode(m, b)
+        assert _same(codes, want_c) and _same(scales, want_s)
+        assert _same(dec, channel_decode(want_c, want_s, b))
+    assert all(d is None for _, _, d in channel_encode_many(mats, b))
+
+
+def test_encode_many_runs_about_the_calls_of_one_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    mats = [torch.randn(16, 64) for _ in range(12)]
+    with Count():
+        channel_encode_many(mats[:1], 2, decode=True, validate=False)
+    one, Count.n = Count.n, 0
+    with Count():
+        channel_encode_many(mats, 2, decode=True, validate=False)
+    # 12 matrices: the stack's calls plus a few views per matrix, not 12 encodes
+    assert Count.n < 3 * one, (Count.n, one)
+    Count.n = 0
+    with Count():
+        for m in mats:
+            c, s = channel_encode(m, 2, validate=False)
+            channel_decode(c, s, 2)
+    assert Count.n > 9 * one
+
+
+def test_encode_many_rejects_what_encode_rejects():
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        channel_encode_many([torch.ones(2, 3), torch.tensor([[1.0, float("nan"), 0.0]] * 2)], 2)
+    with pytest.raises(ValueError, match="bits"):
+        channel_encode_many([torch.ones(2, 3)], 3)
+
+
+def test_encode_many_reads_back_to_back_matrices_in_place():
+    # a flat buffer's consecutive matrices (a bucket, the server's chunk) are one view, not a copy
+    flat = torch.randn(6 * 40 + 4 * 40 + 3 * 8, generator=torch.Generator().manual_seed(3))
+    mats = [flat[:240].view(6, 40), flat[240:400].view(4, 40), flat[400:].view(3, 8)]
+    got = channel_encode_many(mats, 2, decode=True)
+    for m, (codes, scales, dec) in zip(mats, got):
+        want_c, want_s = channel_encode(m, 2)
+        assert _same(codes, want_c) and _same(scales, want_s) and _same(dec, channel_decode(want_c, want_s, 2))
+    gap = [flat[:240].view(6, 40), flat[280:400].view(3, 40)]  # not adjacent: concatenated
+    for m, (codes, scales, _) in zip(gap, channel_encode_many(gap, 2)):
+        want_c, want_s = channel_encode(m, 2)
+        assert _same(codes, want_c) and _same(scales, want_s)

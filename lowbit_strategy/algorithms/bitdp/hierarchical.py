@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp.hook import _Plan
-from lowbit_strategy.codecs.channel import channel_decode, channel_encode
+from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.gathered import Layout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
@@ -53,23 +53,26 @@ def _pieces(rows: list[torch.Tensor], per_node: int, j: int) -> list[tuple[int, 
 def _encode(state, plan: _Plan, rows, pieces):
     """Codes, scales and new residuals (full parameter shape, this rank's rows changed) of
     this rank's rows, as the flat hook's ``_encode`` does for whole matrices."""
-    codes, scales, residuals = [], [], {}
+    ms, olds = [], []
     for k, a, b in pieces:
         key = plan.quantized[k][2]
         m = rows[k][a:b].float()
         old = state.residuals.get(key) if state.error_feedback else None
         if old is not None:
             m = m + (old.t() if key in plan.transposed else old)[a:b].to(m.device)
-        c, s = channel_encode(m, state.bits, validate=False)
-        if state.error_feedback:
+        ms.append(m)
+        olds.append(old)
+    enc = channel_encode_many(ms, state.bits, decode=state.error_feedback, validate=False)  # equal widths at once
+    residuals = {}
+    for (k, a, b), m, old, (_, _, d) in zip(pieces, ms, olds, enc):
+        if d is not None:
+            key = plan.quantized[k][2]
             full = rows[k].new_zeros(rows[k].shape, dtype=torch.float32) if old is None else old.to(m.device).clone()
             if old is None and key in plan.transposed:
                 full = full.t().contiguous()  # kept in the parameter's own layout
-            (full.t() if key in plan.transposed else full)[a:b] = m - channel_decode(c, s, state.bits).view(m.shape)
+            (full.t() if key in plan.transposed else full)[a:b] = m - d.view(m.shape)
             residuals[key] = full
-        codes.append(c)
-        scales.append(s)
-    return codes, scales, residuals
+    return [c for c, _, _ in enc], [s for _, s, _ in enc], residuals
 
 
 def _full_runs(buf: torch.Tensor, runs) -> list[torch.Tensor]:

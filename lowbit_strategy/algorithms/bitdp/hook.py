@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp import local_state
 from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
-from lowbit_strategy.codecs.channel import channel_decode, channel_encode
+from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.cost_model import BITDP_FORMS, bitdp_form
 from lowbit_strategy.collectives.gathered import (
@@ -308,22 +308,20 @@ class BitDPState:
 
 def _encode(state: BitDPState, plan: _Plan, rows: list[torch.Tensor]):
     """``(codes, scales, residuals)`` of the bucket's quantized matrices (channel-major
-    ``rows``): each matrix (plus its residual, with error feedback) channel-encoded at
-    ``state.bits``; ``residuals``: this step's new residuals by parameter id, in the
-    parameter's own layout (kept only if the step is applied)."""
-    codes, scales, residuals = [], [], {}
+    ``rows``), each (plus its residual, with error feedback) channel-encoded at ``state.bits``,
+    equal widths at once (non-finite input: flagged, never decoded); ``residuals``: this step's
+    new ones by parameter id, in the parameter's own layout (kept only if the step is applied)."""
+    ms = []
     for (_, _, key), m in zip(plan.quantized, rows):
-        if state.error_feedback:  # residuals are kept in the parameter's own layout
-            r = state.residuals.get(key)
-            r = None if r is None else (r.t() if key in plan.transposed else r)
-            m = m.float() if r is None else m.float() + r.to(m.device)
-        c, s = channel_encode(m, state.bits, validate=False)  # non-finite input: flagged, never decoded
-        if state.error_feedback:
-            e = m - channel_decode(c, s, state.bits).view(m.shape)
+        r = state.residuals.get(key) if state.error_feedback else None  # in the parameter's layout
+        ms.append(m if r is None else m.float() + (r.t() if key in plan.transposed else r).to(m.device))
+    enc = channel_encode_many(ms, state.bits, decode=state.error_feedback, validate=False)
+    residuals = {}
+    for (_, _, key), m, (_, _, d) in zip(plan.quantized, ms, enc):
+        if d is not None:
+            e = m.float() - d.view(m.shape)
             residuals[key] = e.t().contiguous() if key in plan.transposed else e
-        codes.append(c)
-        scales.append(s)
-    return codes, scales, residuals
+    return [c for c, _, _ in enc], [s for _, s, _ in enc], residuals
 
 
 def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
