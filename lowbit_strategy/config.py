@@ -70,7 +70,8 @@ class LowBitConfig:
             rank passes the same lengths).
         compile_codecs: run some codecs' elementwise chains compiled with ``torch.compile``
             (CPU and CUDA), bit for bit the eager codecs' results; opt-in because each process pays
-            for compiling on first use (seconds; :mod:`lowbit_strategy.codecs.compiled`).
+            for compiling on first use (seconds; :mod:`lowbit_strategy.codecs.compiled`). It pays
+            on CPU ranks; on an H100 no chain was faster than eager, so leave it off on CUDA.
             Without a working compiler the eager codecs run, after one warning.
         topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction
             inside each node, the algorithm's compressed collective between nodes on a
