@@ -131,10 +131,10 @@ def _builders(quantized: dict[int, bool], lanes: dict[str, int], cuda: bool):
     return out
 
 
-def _codec_times(bucket_list, builders, dev, part: Part, host: dict | None = None) -> dict[str, dict[str, float]]:
-    """Seconds per step of each codec's encode / server / decode, summed over the buckets; into
-    ``host`` (when given) the same steps' host issue seconds and torch operator calls."""
-    out = {}
+def _codec_times(bucket_list, builders, dev, part: Part) -> tuple[dict, dict]:
+    """Seconds per step of each codec's encode / server / decode, summed over the buckets; and
+    per codec the same steps' host issue ms and torch operator calls."""
+    out, host = {}, {}
     for name, build in builders.items():
         print(f"   codecs: {name}", flush=True)
         sums = {"encode": 0.0, "server": 0.0, "decode": 0.0}
@@ -147,20 +147,16 @@ def _codec_times(bucket_list, builders, dev, part: Part, host: dict | None = Non
                     fn = getattr(work, step)
                     if fn is not None:
                         sums[step] += median_s(fn, dev, repeat=3)
-                        if host is not None:
-                            issue[step] += host_issue_s(fn)
-                            ops[step] += op_count(fn)
-                        if dev.type == "cuda":
-                            torch.cuda.synchronize(dev)
+                        issue[step] += host_issue_s(fn)  # queued work is synchronized by the next median_s
+                        ops[step] += op_count(fn)
                 del work
             sums["total"] = sum(sums.values())
             out[name] = sums
-            if host is not None:
-                host[name] = {"issue_ms": {k: v * 1e3 for k, v in issue.items()}, "ops": ops}
+            host[name] = {"issue_ms": {k: v * 1e3 for k, v in issue.items()}, "ops": ops}
         except Exception as exc:
             traceback.print_exc()
             part.failures.append(f"codec time of {name}: {type(exc).__name__}: {str(exc)[:200]}")
-    return out
+    return out, host
 
 
 def _project(model_desc, compute_s: float, codec_ns: dict, p: int, link: float) -> dict[str, float]:
@@ -223,8 +219,7 @@ def _run(args) -> Part:
     chosen = classify(model)
     quantized = {id(p): chosen[id(p)].quantized for p in model.parameters()}
     lanes = {_lane(p): p for p in WORLDS}  # Lion Cub's lane at each world size, timed at that P
-    host: dict = {}
-    times = _codec_times(bucket_list, _builders(quantized, lanes, cuda), dev, part, host)
+    times, host = _codec_times(bucket_list, _builders(quantized, lanes, cuda), dev, part)
     try:
         steps = _optimizer_ns(dev, min(n, 1 << 24))
     except Exception as exc:
