@@ -42,6 +42,17 @@ def _as_rows(g: torch.Tensor, validate: bool = True) -> torch.Tensor:
     return rows.float()
 
 
+def fused_kernels(t: torch.Tensor):
+    """:mod:`.channel_triton` when its fused encode serves ``t`` (a CUDA tensor, triton
+    importable), else ``None``. Imported on the first CUDA tensor: triton is optional, and a
+    CPU run never loads it."""
+    if t.device.type != "cuda":
+        return None
+    from lowbit_strategy.codecs import channel_triton
+
+    return channel_triton if channel_triton.serves(t) else None
+
+
 def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``g`` row-wise into (codes, scales).
 
@@ -51,9 +62,29 @@ def channel_encode(g: torch.Tensor, bits: int, *, validate: bool = True) -> tupl
     ``codes`` is uint8 of ``g.numel()`` lane values (row-major), ``scales`` float32 with
     one entry per row (dim 0; a 1-D tensor is a single row).
     """
+    bits = _check_bits(bits)
+    codes, scales, _ = _encode(_as_rows(g, validate), bits, decode=False)
+    return codes, scales
+
+
+def _check_bits(bits: int) -> int:
     if bits not in (1, 2):
         raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
-    rows = _as_rows(g, validate)
+    return bits
+
+
+def _encode(rows: torch.Tensor, bits: int, decode: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(codes, scales, decoded or None)`` of float32 ``rows``: on CUDA the fused kernels of
+    :mod:`.channel_triton` (the same bits, two launches instead of ~20), else the torch code."""
+    fused = fused_kernels(rows)
+    if fused is not None and rows.shape[1] < fused.MAX_COLS:
+        mag = rows.abs()
+        return fused.channel_encode(rows, mag, mag.mean(dim=1), bits, decode, THRESHOLD_FACTOR)
+    codes, scales = _encode_torch(rows, bits)
+    return codes, scales, channel_decode(codes, scales, bits) if decode else None
+
+
+def _encode_torch(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     if bits == 2 and compiled.compiled_enabled():  # opt-in: the same codes and scales, compiled (compiled.py)
         encoded = compiled.channel_ternary(rows, THRESHOLD_FACTOR, _mean_abs_sliced, _scales)
         if encoded is not None:
@@ -90,6 +121,7 @@ def channel_encode_many(
     alone). On CUDA the reduction's launch configuration may follow the number of rows, so a
     row's scale can differ from its lone encoding in rounding; every rank stacks the same
     runs, so ranks agree."""
+    _check_bits(bits)
     runs: list[list[torch.Tensor]] = []
     for m in mats:
         rows = _as_rows(m, validate)
@@ -102,8 +134,7 @@ def channel_encode_many(
     for run in runs:
         stack = run[0] if len(run) == 1 else _adjacent(run)
         stack = torch.cat(run) if stack is None else stack
-        codes, scales = channel_encode(stack, bits, validate=False)
-        decoded = channel_decode(codes, scales, bits) if decode else None
+        codes, scales, decoded = _encode(stack, bits, decode)
         r0 = 0
         for rows in run:
             r, c = rows.shape
@@ -206,8 +237,7 @@ def _ternary_sliced(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def channel_decode(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """Dequantize lane values to float32 rows: ``scale_i * q_ij``, shape (rows, cols)."""
-    if bits not in (1, 2):
-        raise ValueError(f"BitDP bits must be 1 or 2, got {bits!r}")
+    _check_bits(bits)
     rows = scales.numel()
     if rows == 0 or codes.numel() % rows:
         raise ValueError(f"{codes.numel()} codes do not split into {rows} rows")

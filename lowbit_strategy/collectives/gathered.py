@@ -134,8 +134,33 @@ def pack_payload(
     (uint8 words, float32 scales) payload laid out as ``layout``."""
     if len(codes) != len(layout.shapes) or len(scales) != len(layout.shapes):
         raise ValueError(f"layout has {len(layout.shapes)} matrices, got {len(codes)} codes / {len(scales)} scales")
-    words = torch.cat([lanes.pack(c.reshape(-1), layout.bits, validate=False) for c in codes])
+    per = lanes.lane(layout.bits).per_word
+    words = torch.cat([lanes.pack(run, layout.bits, validate=False) for run in _adjacent_runs(codes, per)])
     return words, torch.cat([s.reshape(-1).float() for s in scales])
+
+
+def _adjacent_runs(codes: Sequence[torch.Tensor], per: int) -> list[torch.Tensor]:
+    """``codes`` (flattened) joined into one view wherever consecutive ones lie back to back in
+    one storage (a stack's matrices, :func:`~lowbit_strategy.codecs.channel_encode_many`) and
+    each but the last fills whole words (``per`` codes): packing such a run at once gives the
+    words of packing each alone, concatenated, with one pack's torch calls (a host-bound step
+    on a GPU)."""
+    runs: list[list[torch.Tensor]] = []
+    for c in codes:
+        c = c.reshape(-1)
+        prev = runs[-1][-1] if runs else None
+        if (
+            prev is not None
+            and prev.numel() % per == 0
+            and prev.is_contiguous()
+            and c.is_contiguous()
+            and c.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and c.storage_offset() == prev.storage_offset() + prev.numel()
+        ):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return [r[0] if len(r) == 1 else r[0].as_strided((sum(c.numel() for c in r),), (1,)) for r in runs]
 
 
 def encode(mats: Sequence[torch.Tensor], bits: int) -> tuple[Layout, torch.Tensor, torch.Tensor]:

@@ -225,3 +225,31 @@ def test_gathered_one_rank():
 
 # The gloo run (P = 2, 3, 4) shares its launch with the two-stage form's:
 # tests/collectives/test_gathered_two_stage.py::test_both_forms_on_gloo.
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_pack_payload_packs_a_stacks_adjacent_codes_at_once(monkeypatch, bits):
+    # a stack's codes are views back to back in one tensor: packed in one call where each but
+    # the last of a run fills whole words, with the words of packing each alone
+    from lowbit_strategy.codecs import bits as lanes
+    from lowbit_strategy.collectives import gathered
+
+    per = lanes.lane(bits).per_word
+    shapes = [(2, 4 * per), (3, 2 * per), (1, per + 1), (2, 2 * per), (1, 3)]  # the third ends mid-word
+    n = sum(r * c for r, c in shapes)
+    stack = torch.randint(0, 2**bits if bits == 1 else 3, (n,), dtype=torch.uint8)
+    codes, at = [], 0
+    for r, c in shapes:
+        codes.append(stack[at : at + r * c])
+        at += r * c
+    codes.append(torch.randint(0, 2, (8,), dtype=torch.uint8))  # another storage
+    layout = Layout.of(shapes + [(1, 8)], bits)
+    scales = [torch.rand(r) for r, _ in shapes + [(1, 8)]]
+    want = torch.cat([lanes.pack(c, bits) for c in codes])
+    calls = []
+    real = lanes.pack
+    monkeypatch.setattr(lanes, "pack", lambda c, *a, **k: (calls.append(c.numel()), real(c, *a, **k))[1])
+    words, _ = gathered.pack_payload(codes, scales, layout)
+    assert torch.equal(words, want) and words.numel() == layout.words
+    # runs: the first three (the third's end is the run's end), the last two of the stack, the other storage
+    assert calls == [sum(r * c for r, c in shapes[:3]), sum(r * c for r, c in shapes[3:]), 8]
