@@ -11,6 +11,10 @@ from benchmarks import ttq_analysis as ta
 from benchmarks.baselines import HOOKS
 
 REFERENCE = "ddp_adamw"
+#: an optimizer family whose best reachable loss is far from AdamW's (Lion at this batch size) also
+#: gets its own target: the loss its DDP fp32 run reaches at 80 % of the run, so its members still
+#: get a time to target and a "× DDP bf16" against DDP bf16 with the same optimizer
+OWN_REFERENCE = {"lion": "ddp_lion"}
 #: the "× DDP bf16" comparison of each optimizer family
 BF16 = {"lion": "ddp_bf16_lion", "adamw": "ddp_bf16_adamw", "onebit_adam": "ddp_bf16_adamw",
         "onebit_lamb": "ddp_bf16_adamw", "turboquant": "ddp_bf16_adamw"}
@@ -46,13 +50,8 @@ def analyse(settings: dict, runs: dict) -> dict:
                              "centre": runs.get("centre", {}).get(key),
                              "at_edge": len(lrs) > 1 and chosen in (lrs[0], lrs[-1])}
     for link in settings["links"]:
-        ref_key = runs["keys"].get((REFERENCE, link))
-        ref = [curve(r) for r in runs["quality"].get(ref_key, {}).values()
-               if r["lr"] == runs["chosen"].get(ref_key)]
-        try:
-            target = ta.target_loss(ref, steps) if ref else None
-        except ValueError:
-            target = None
+        target = _target(REFERENCE, link, runs, steps)
+        own = {f: _target(ref, link, runs, steps) for f, ref in OWN_REFERENCE.items() if ref in settings["configs"]}
         rows, cums = {}, {}
         for config in settings["configs"]:
             key = runs["keys"].get((config, link))
@@ -66,10 +65,12 @@ def analyse(settings: dict, runs: dict) -> dict:
             cum = ta.cumulative_seconds(steps, switch, pt)
             cums[config] = cum
             per_seed = {}
+            own_target = own.get(_opt(config, settings))
             for seed, rec in sorted(seeds.items()):
-                s_t = ta.steps_to_target(curve(rec), target) if target is not None else None
-                per_seed[seed] = {"steps_to_target": s_t, "seconds_to_target": None if s_t is None else
-                                  ta.seconds_at(cum, s_t), "final_val": rec["evals"][-1][2], "plan": rec["plan"]}
+                per_seed[seed] = {**_to(curve(rec), target, cum, ""), "final_val": rec["evals"][-1][2],
+                                  "plan": rec["plan"]}
+                if own_target is not None:
+                    per_seed[seed].update(_to(curve(rec), own_target, cum, "own_"))
             rows[config] = {"key": key, "lr": runs["chosen"][key], "switch": switch, "phase_times": pt,
                             "seconds_per_step": {n: v["mean"] for n, v in pt.items() if n != "startup"},
                             "wire_bytes_per_step": phase_bytes(timing), "projected_seconds": cum[-1],
@@ -81,10 +82,27 @@ def analyse(settings: dict, runs: dict) -> dict:
                 if rec["lr"] == rows[config]["lr"] and seed[1] in rows[config]["per_seed"]:
                     b = ta.step_at_seconds(cum, budget)
                     rows[config]["per_seed"][seed[1]]["loss_at_budget"] = ta.at_step(curve(rec), b)
-        out["links"][link] = {"target": target, "budget_s": budget, "rows": rows}
+        out["links"][link] = {"target": target, "own_targets": own, "budget_s": budget, "rows": rows}
     for full in runs["full"]:
         out["validation"].append(validation(full, out["links"].get(full["link"], {}), runs, settings))
     return out
+
+
+def _target(reference: str, link: str, runs: dict, steps: int) -> float | None:
+    """The mean over seeds of ``reference``'s validation loss at 80 % of the run, at its chosen lr."""
+    key = runs["keys"].get((reference, link))
+    ref = [curve(r) for r in runs["quality"].get(key, {}).values() if r["lr"] == runs["chosen"].get(key)]
+    try:
+        return ta.target_loss(ref, steps) if ref else None
+    except ValueError:
+        return None
+
+
+def _to(points: list[tuple[float, float]], target: float | None, cum: list[float], prefix: str) -> dict:
+    """``{prefix}steps_to_target`` and ``{prefix}seconds_to_target`` of one quality curve."""
+    s_t = ta.steps_to_target(points, target) if target is not None else None
+    seconds = None if s_t is None else ta.seconds_at(cum, s_t)
+    return {f"{prefix}steps_to_target": s_t, f"{prefix}seconds_to_target": seconds}
 
 
 def validation(full: dict, link: dict, runs: dict, settings: dict) -> dict:
@@ -125,11 +143,7 @@ def link_table(link: str, data: dict, settings: dict) -> str:
             continue
         seeds = list(r["per_seed"].values())
         secs = [s["seconds_to_target"] for s in seeds]
-        ref = rows.get(BF16.get(_opt(config, settings), ""), {})
-        ref_secs = [s["seconds_to_target"] for s in ref.get("per_seed", {}).values()]
-        ratio = (statistics.fmean(ref_secs) / statistics.fmean(secs)
-                 if secs and ref_secs and None not in secs + ref_secs and config != BF16.get(_opt(config, settings))
-                 else None)
+        ratio = _ratio(rows, config, BF16.get(_opt(config, settings), ""), "seconds_to_target")
         sps, wb = r["seconds_per_step"], r["wire_bytes_per_step"]
         lines.append(
             f"| {LABEL.get(config, config)} | {r['lr']:g} | "
@@ -137,7 +151,38 @@ def link_table(link: str, data: dict, settings: dict) -> str:
             f"{_f(ratio, '{:.2f}×')} | {ta.summary([s.get('loss_at_budget') for s in seeds], '{:.3f}')} | "
             f"{_f(sps.get('warm-up'), '{:.3f}')} / {_f(sps.get('main'), '{:.3f}')} | "
             f"{_f(_k(wb.get('warm-up')))} / {_f(_k(wb.get('main')))} |")
+    for fam, own in data.get("own_targets", {}).items():
+        lines += _own_table(fam, own, rows, settings)
     return "\n".join(lines) + "\n"
+
+
+def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[str]:
+    """The family's configurations against its own target (:data:`OWN_REFERENCE`)."""
+    members = [c for c, r in rows.items() if "per_seed" in r and _opt(c, settings) == fam]
+    if own is None or not members:
+        return []
+    ref = OWN_REFERENCE[fam]
+    lines = [f"\n{LABEL.get(ref, ref)}'s own target for the {fam.capitalize()} family: validation loss "
+             f"**{own:.4f}** (at {int(0.8 * settings['steps'])} steps, mean over seeds):\n",
+             f"| method | steps to target | time to target (s) | × {LABEL.get(BF16[fam], BF16[fam])} | "
+             f"× {LABEL.get(ref, ref)} |", "|---|---:|---:|---:|---:|"]
+    for c in members:
+        seeds = list(rows[c]["per_seed"].values())
+        lines.append(f"| {LABEL.get(c, c)} | {ta.summary([s['own_steps_to_target'] for s in seeds], '{:.0f}')} | "
+                     f"{ta.summary([s['own_seconds_to_target'] for s in seeds])} | "
+                     f"{_f(_ratio(rows, c, BF16[fam], 'own_seconds_to_target'), '{:.2f}×')} | "
+                     f"{_f(_ratio(rows, c, ref, 'own_seconds_to_target'), '{:.2f}×')} |")
+    return lines
+
+
+def _ratio(rows: dict, config: str, ref: str, field: str) -> float | None:
+    """``ref``'s mean seconds to the target over ``config``'s (above 1: ``config`` is faster); None
+    where either misses the target in a seed, or ``config`` is ``ref``."""
+    secs = [s.get(field) for s in rows[config].get("per_seed", {}).values()]
+    ref_secs = [s.get(field) for s in rows.get(ref, {}).get("per_seed", {}).values()]
+    if config == ref or not secs or not ref_secs or None in secs + ref_secs:
+        return None
+    return statistics.fmean(ref_secs) / statistics.fmean(secs)  # type: ignore[arg-type]
 
 
 def _k(b):
@@ -168,7 +213,24 @@ def facts(result: dict, settings: dict) -> str:
         missed = sorted(c for c, r in data["rows"].items() if c not in done)
         lines.append(f"- {link}: fastest to the target: {LABEL.get(best, best)}, {done[best]:.1f} s{cmp}. "
                      f"Not reaching it in every seed: {', '.join(LABEL.get(c, c) for c in missed) or 'none'}.")
+        for fam, own in data.get("own_targets", {}).items():
+            lines += _own_fact(link, fam, own, data["rows"], settings)
     return "\n".join(lines) + "\n"
+
+
+def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict) -> list[str]:
+    """The family's fastest configuration to its own target, against DDP bf16 with its optimizer."""
+    done = {c: statistics.fmean(s["own_seconds_to_target"] for s in r["per_seed"].values())
+            for c, r in rows.items() if "per_seed" in r and r["per_seed"] and _opt(c, settings) == fam
+            and all(s.get("own_seconds_to_target") is not None for s in r["per_seed"].values())}
+    if own is None or not done:
+        return []
+    best = min(done, key=lambda c: (done[c], c))
+    b16 = BF16[fam]
+    cmp = (f"; {LABEL[b16]} {done[b16]:.1f} s: {done[b16] / done[best]:.2f}× slower" if b16 in done and b16 != best
+           else "; that is DDP with bf16 communication" if b16 == best else f"; {LABEL[b16]} does not reach it")
+    return [f"- {link}, {fam.capitalize()} family to its own target ({own:.4f}): fastest {LABEL.get(best, best)}, "
+            f"{done[best]:.1f} s{cmp}."]
 
 
 def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:

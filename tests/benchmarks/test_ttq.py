@@ -162,3 +162,36 @@ def test_report_projects_loopback_losses_onto_link_step_times(tmp_path):
     md = (tmp_path / "ttq.md").read_text()
     assert "not reached" in md and "DDP bf16 + AdamW" in md and (tmp_path / "ttq_loss.png").exists()
     assert "fastest to the target: DDP bf16 + AdamW" in md
+
+
+def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
+    """Lion never reaches AdamW's target here (as at this model's batch size): the Lion family is
+    also timed to DDP fp32 + Lion's own 80 % loss, and compared with DDP bf16 + Lion there."""
+    configs = ["ddp_adamw", "ddp_lion", "ddp_bf16_lion", "lowbit_lion"]
+    settings = {"configs": configs, "links": ["1gbit"], "steps": 100, "switch": dict.fromkeys(configs, 0),
+                "seeds": [0, 1], "lr_factors": [1.0], "swept": [],
+                "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}, "eval_every": 10,
+                "val_batches": 1, "lr_warmup": 1, "powersgd": {}, "default_lr": {}}
+    slopes = {"ddp_adamw": 2.0, "ddp_lion": 1.0, "ddp_bf16_lion": 1.0, "lowbit_lion": 1.0}
+    step_s = {"ddp_adamw": 0.2, "ddp_lion": 0.2, "ddp_bf16_lion": 0.1, "lowbit_lion": 0.05}
+    runs = {"timing": {(c, "1gbit"): _timing(c, step_s[c], 0, 100) for c in configs},
+            "keys": {(c, "1gbit"): c for c in configs}, "chosen": dict.fromkeys(configs, 1e-3),
+            "sweep": {c: {1e-3: 5.0 - slopes[c]} for c in configs},
+            "quality": {c: {(1e-3, s): _quality(c, 1e-3, s, slopes[c] + 0.1 * s) for s in (0, 1)}
+                        for c in configs}, "full": []}
+    result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
+    link = result["links"]["1gbit"]
+    own = link["own_targets"]["lion"]
+    assert own == pytest.approx(5.0 - (1.0 + 1.1) / 2 * 0.8)
+    lion = link["rows"]["lowbit_lion"]["per_seed"][0]
+    assert lion["steps_to_target"] is None  # AdamW's target: out of reach
+    s_t = (5.0 - own) / 1.0 * 100
+    assert lion["own_steps_to_target"] == pytest.approx(s_t)
+    assert lion["own_seconds_to_target"] == pytest.approx(3.0 + (s_t - 3) * 0.05)
+    assert "own_steps_to_target" not in link["rows"]["ddp_adamw"]["per_seed"][0]  # AdamW: one target
+    md = (tmp_path / "ttq.md").read_text()
+    bf16_s = [link["rows"]["ddp_bf16_lion"]["per_seed"][k]["own_seconds_to_target"] for k in (0, 1)]
+    ours = [link["rows"]["lowbit_lion"]["per_seed"][k]["own_seconds_to_target"] for k in (0, 1)]
+    ratio = sum(bf16_s) / sum(ours)
+    assert ratio > 1.5 and "| Lion Cub (auto) | " in md and f"{ratio:.2f}×" in md
+    assert "Lion family to its own target" in md and "fastest Lion Cub (auto)" in md
