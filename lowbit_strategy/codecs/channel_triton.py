@@ -26,7 +26,9 @@ interpreter by ``tests/codecs/test_channel_triton.py`` (on a GPU by the one-GPU 
 * the decode is torch's ``channel_decode``: ``((q == 1) − (q == 2)) · s`` for 2 bits,
   ``(2q − 1) · s`` for 1 bit, each factor exact, one rounding in the product.
 
-Floating-point contraction is off at launch (``enable_fp_fusion=False``).
+Floating-point contraction is off at launch (``enable_fp_fusion=False``). Under ``torch.compile``
+the launcher is left out of the graph (``torch.compiler.disable``): Inductor failed to compile
+these kernels on the H100 (part 2 of the one-GPU check), and they need no compiling.
 
 **Where they run.** :func:`lowbit_strategy.codecs.channel.fused_kernels` hands CUDA tensors to
 this module when triton imports; everything else keeps the torch code. With
@@ -118,6 +120,7 @@ if AVAILABLE:
                 tl.store(out_ptr + r * c + j, signed * s, mask=m)
 
 
+@torch.compiler.disable  # opaque to torch.compile: its graph breaks here and the kernels run as they are
 def channel_encode(
     rows: torch.Tensor, mag: torch.Tensor, mean_abs: torch.Tensor, bits: int, decode: bool, factor: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

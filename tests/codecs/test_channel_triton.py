@@ -143,6 +143,16 @@ def test_the_threshold_and_the_kept_scale():
         assert codes.tolist() == [1, 2, 1, 2, 0, 0, 0, 0, 1, 0, 1, 2, 1, 0, 1, 2] and scales.tolist() == torch.tensor([3.5, 13 / 3]).tolist()
 
 
+def test_torch_compile_leaves_the_kernels_out_of_its_graph(fused):
+    # Dynamo traced into the launch (on the H100, Inductor then failed to compile the kernel; in
+    # the interpreter, the trace fails): the launcher is disabled for it, so a compiled caller
+    # gets the same bits
+    x = awkward(6, 40, seed=5)
+    want = channel_encode(x, 2)
+    got = torch.compile(lambda t: channel_encode(t, 2, validate=False), backend="eager")(x)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
 def test_cpu_never_dispatches_without_the_hook():
     assert channel.fused_kernels(torch.zeros(4)) is None
 
