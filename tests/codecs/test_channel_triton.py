@@ -10,11 +10,6 @@ without one, the slow :func:`test_compiled_ptx_rounds_like_torch` compiles them 
 reads the machine code.
 """
 
-import importlib
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,26 +17,14 @@ import torch
 
 from lowbit_strategy.codecs import channel
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode, channel_encode_many
+from tests.codecs.triton_checks import assert_ok_on_cuda, compiled_figures, import_interpreted, need_triton, same_bits
 
-
-def _import_interpreted():
-    os.environ["TRITON_INTERPRET"] = "1"  # left set: triton reads it again at the first launch
-    from lowbit_strategy.codecs import channel_triton
-
-    if channel_triton.AVAILABLE and not channel_triton.INTERPRETED:
-        channel_triton = importlib.reload(channel_triton)
-    return channel_triton
-
-
-ct = _import_interpreted()
+ct = import_interpreted("channel_triton")
 
 
 @pytest.fixture(autouse=True)
 def _need_triton():
-    if not ct.AVAILABLE:
-        if os.environ.get("LOWBIT_ALLOW_NO_TRITON") == "1":
-            pytest.skip("triton is not installed (LOWBIT_ALLOW_NO_TRITON=1)")
-        pytest.fail('triton is not installed: pip install -e ".[dev]"', pytrace=False)
+    need_triton(ct)
 
 
 @pytest.fixture
@@ -63,14 +46,6 @@ def torch_code(fn, *args, **kw):
         return fn(*args, **kw)
     finally:
         channel.fused_kernels = saved
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bit patterns (tells -0.0 from 0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def awkward(r: int, c: int, seed: int) -> torch.Tensor:
@@ -114,7 +89,7 @@ def test_encode_many_with_decode_bit_exact(fused, bits):
     want = torch_code(channel_encode_many, mats, bits, decode=True)
     got = channel_encode_many(mats, bits, decode=True)
     assert fused == [(12, 48), (48, 20), (1, 30), (3, 7)]
-    for (c1, s1, d1), (c2, s2, d2), m in zip(got, want, mats):
+    for (c1, s1, d1), (c2, s2, d2) in zip(got, want):
         assert same_bits(c1, c2) and same_bits(s1, s2) and same_bits(d1, d2)
         assert same_bits(d1, channel_decode(c1, s1, bits))  # the kernel's decode is channel_decode
 
@@ -140,7 +115,8 @@ def test_the_threshold_and_the_kept_scale():
             codes, scales = channel_encode(row, 2)
         finally:
             channel.fused_kernels = saved
-        assert codes.tolist() == [1, 2, 1, 2, 0, 0, 0, 0, 1, 0, 1, 2, 1, 0, 1, 2] and scales.tolist() == torch.tensor([3.5, 13 / 3]).tolist()
+        assert codes.tolist() == [1, 2, 1, 2, 0, 0, 0, 0, 1, 0, 1, 2, 1, 0, 1, 2]
+        assert scales.tolist() == torch.tensor([3.5, 13 / 3]).tolist()
 
 
 def test_torch_compile_leaves_the_kernels_out_of_its_graph(fused):
@@ -163,9 +139,7 @@ _CUDA_CHECK = textwrap.dedent(
     from lowbit_strategy.codecs import channel, channel_triton as ct
     from lowbit_strategy.codecs.channel import channel_encode_many
     assert ct.serves(torch.zeros(1, device="cuda")) and not ct.INTERPRETED
-    def same(a, b):
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    from tests.codecs.triton_checks import same_bits as same
     g = torch.Generator().manual_seed(0)
     shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (1, 50257), (3, 37)]
     for bits in (1, 2):
@@ -193,42 +167,26 @@ _CUDA_CHECK = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreter tests above cover CPU")
 def test_cuda_bit_exact():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    assert_ok_on_cuda(_CUDA_CHECK)
 
 
 _PTX_CHECK = textwrap.dedent(
     """
-    import json, os, re, subprocess, tempfile
-    import triton, triton.backends.nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import json, re
     from lowbit_strategy.codecs import channel_triton as ct
+    from tests.codecs.triton_checks import compile_sm90
 
     assert not ct.INTERPRETED
-    target = GPUTarget("cuda", 90, 32)
-    nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-    sass, ptx = [], []
-
-    def build(fn, sig, consts):
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                                options={"num_warps": 4, **ct._LAUNCH})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            sass.append(subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout)
-        ptx.append(kernel.asm["ptx"])
-
+    sass = []
     codes = {"x_ptr": "*fp32", "mean_ptr": "*fp32", "codes_ptr": "*u8", "kept_ptr": "*fp32", "count_ptr": "*i32",
              "c": "i64", "x_rs": "i64", "x_cs": "i64", "k_rs": "i64", "k_cs": "i64", "factor": "fp32",
              "BITS": "constexpr", "TILE": "constexpr"}
     finish = {"codes_ptr": "*u8", "sum_ptr": "*fp32", "count_ptr": "*i32", "scales_ptr": "*fp32", "out_ptr": "*fp32",
               "c": "i64", "BITS": "constexpr", "DECODE": "constexpr", "TILE": "constexpr"}
-    for bits in (1, 2):
-        build(ct._codes_kernel, codes, dict(BITS=bits, TILE=1024))
-        build(ct._finish_kernel, finish, dict(BITS=bits, DECODE=True, TILE=1024))
-    text, machine = "".join(ptx), "".join(sass)
+    text = "".join(compile_sm90(ct._codes_kernel, codes, dict(BITS=b, TILE=1024), sass, **ct._LAUNCH)
+                   + compile_sm90(ct._finish_kernel, finish, dict(BITS=b, DECODE=True, TILE=1024), sass, **ct._LAUNCH)
+                   for b in (1, 2))
+    machine = "".join(sass)
     print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "div_rn": text.count("div.rn.f32"),
                       "div_approx": len(re.findall(r"div\\.(approx|full)", text)),
                       "fsel_negated": len(re.findall(r"FSEL[^;]*, -R", machine))}))
@@ -242,9 +200,6 @@ def test_compiled_ptx_rounds_like_torch():
     FMA contraction and no flush-to-zero, the scale's division IEEE round-to-nearest (no
     approximate division), and no select with a negated operand in the machine code (``FSEL …,
     -RZ`` read +0.0 on an H100)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = compiled_figures(_PTX_CHECK)
     assert got["fma"] == 0 and got["ftz"] == 0 and got["div_approx"] == 0 and got["fsel_negated"] == 0, got
     assert got["div_rn"] > 0, got

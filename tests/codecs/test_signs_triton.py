@@ -10,11 +10,6 @@ so the argument handling is the one a GPU runs. On a machine with CUDA,
 without one, :func:`test_compiled_ptx_has_no_fma` compiles them for an H100 and reads the PTX.
 """
 
-import importlib
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,26 +20,14 @@ from lowbit_strategy.codecs import signs, votes
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.codecs.votes import majority_bits
 from lowbit_strategy.collectives import gathered
+from tests.codecs.triton_checks import assert_ok_on_cuda, compiled_figures, import_interpreted, need_triton, same_bits
 
-
-def _import_interpreted():
-    os.environ["TRITON_INTERPRET"] = "1"  # left set: triton reads it again at the first launch
-    from lowbit_strategy.codecs import signs_triton
-
-    if signs_triton.AVAILABLE and not signs_triton.INTERPRETED:
-        signs_triton = importlib.reload(signs_triton)
-    return signs_triton
-
-
-st = _import_interpreted()
+st = import_interpreted("signs_triton")
 
 
 @pytest.fixture(autouse=True)
 def _need_triton():
-    if not st.AVAILABLE:
-        if os.environ.get("LOWBIT_ALLOW_NO_TRITON") == "1":
-            pytest.skip("triton is not installed (LOWBIT_ALLOW_NO_TRITON=1)")
-        pytest.fail('triton is not installed: pip install -e ".[dev]"', pytrace=False)
+    need_triton(st)
 
 
 @pytest.fixture
@@ -63,14 +46,6 @@ def fused(monkeypatch):
     real = st.decode
     monkeypatch.setattr(st, "decode", counted)
     return calls
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bit patterns (tells -0.0 from 0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def payload(k: int, c: int, nb: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,38 +285,21 @@ _CUDA_CHECK = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreter tests above cover CPU")
 def test_cuda_bit_exact():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    assert_ok_on_cuda(_CUDA_CHECK)
 
 
 _PTX_CHECK = textwrap.dedent(
     """
     import json
-    import os
     import re
-    import subprocess
-    import tempfile
-    import triton
-    import triton.backends.nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from lowbit_strategy.codecs import signs_triton as st
+    from tests.codecs.triton_checks import compile_sm90
 
     assert not st.INTERPRETED
-    target = GPUTarget("cuda", 90, 32)
-    nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-
     sass = []
 
     def ptx(fn, sig, consts, **options):
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        kernel = triton.compile(src, target=target, options={"num_warps": 4, **options})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            sass.append(subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout)
-        return kernel.asm["ptx"]
+        return compile_sm90(fn, sig, consts, sass, **options)
 
     dec = {"bits_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i64", "row_len": "i64", "nb": "i32",
            "block_bytes": "i32", "TILE": "constexpr", "BLOCKED": "constexpr", "OUT": "constexpr"}
@@ -372,10 +330,7 @@ def test_compiled_ptx_has_no_fma():
     XOR, with no float negation (which ptxas may fold into a select that loses −0.0); and no
     select in the machine code (SASS) has a negated operand: ``FSEL …, -RZ`` (how ptxas wrote
     a constant −0.0 padding) read +0.0 on an H100."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = compiled_figures(_PTX_CHECK)
     assert got["fma"] == 0 and got["ftz"] == 0 and got["neg"] == 0, got
     assert got["add"] > 0 and got["xor"] > 0, got
     assert got["fsel_negated"] == 0 and got["fsel"] > 0, got

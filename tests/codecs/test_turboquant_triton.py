@@ -10,11 +10,7 @@ triton is part of the ``dev`` extra, so CI has it and these tests must run: with
 they *fail*, unless ``LOWBIT_ALLOW_NO_TRITON=1`` is set (then they skip), for platforms with
 no triton wheel.
 """
-import importlib
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,40 +21,14 @@ from hypothesis import strategies as st
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
 from lowbit_strategy.codecs.hadamard import _blocked_fwht
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
+from tests.codecs.triton_checks import assert_ok_on_cuda, compiled_figures, import_interpreted, need_triton, same_bits
 
-
-def _import_interpreted():
-    # left set for the rest of the process: triton imports parts of itself lazily at the
-    # first launch and checks the variable again then
-    os.environ["TRITON_INTERPRET"] = "1"
-    from lowbit_strategy.codecs import turboquant_triton
-
-    if turboquant_triton.AVAILABLE and not turboquant_triton.INTERPRETED:
-        turboquant_triton = importlib.reload(turboquant_triton)  # rebuild for the interpreter
-    return turboquant_triton
-
-
-tt = _import_interpreted()
+tt = import_interpreted("turboquant_triton")
 
 
 @pytest.fixture(autouse=True)
 def _need_triton():
-    if not tt.AVAILABLE:
-        if os.environ.get("LOWBIT_ALLOW_NO_TRITON") == "1":
-            pytest.skip("triton is not installed (LOWBIT_ALLOW_NO_TRITON=1)")
-        pytest.fail(
-            'triton is not installed, so the Triton backend is untested: pip install -e ".[dev]" '
-            "(or set LOWBIT_ALLOW_NO_TRITON=1 on a platform without triton wheels)",
-            pytrace=False,
-        )
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bit patterns (tells -0.0 from 0.0; NaN == NaN)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    need_triton(tt)
 
 
 def both(bits: int, block: int, **kw) -> tuple[TurboQuantCodec, TurboQuantCodec]:
@@ -252,25 +222,16 @@ _CUDA_CHECK = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the interpreter tests above cover CPU")
 def test_cuda_bit_exact():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _CUDA_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    assert_ok_on_cuda(_CUDA_CHECK)
 
 
 _PTX_CHECK = textwrap.dedent(
     """
     import json
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from lowbit_strategy.codecs import turboquant_triton as tt
+    from tests.codecs.triton_checks import compile_sm90 as ptx  # H100; needs no GPU
 
     assert not tt.INTERPRETED
-    target = GPUTarget("cuda", 90, 32)  # H100; compiling needs no GPU (triton bundles ptxas)
-
-    def ptx(fn, sig, consts, **options):
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        return triton.compile(src, target=target, options={"num_warps": 4, **options}).asm["ptx"]
 
     enc = {"x_ptr": "*fp32", "sgn_ptr": "*u8", "scale_in_ptr": "*fp32", "mids_ptr": "*fp32",
            "codes_ptr": "*u8", "scale_out_ptr": "*fp32", "nblocks": "i32", "nbytes": "i32",
@@ -309,12 +270,7 @@ def test_compiled_ptx_rounds_like_torch():
     FMA — which they would without enable_fp_fusion=False (the RMS tree's first level,
     ``a·a + b·b``, does: checked below), and which would break bit-exactness against
     torch."""
-    import json
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = compiled_figures(_PTX_CHECK)
     assert got["enc_div_rn"] > 0 and got["enc_sqrt_rn"] > 0 and got["enc8_div_rn"] > 0, got
     assert got["approx"] == 0 and got["ftz"] == 0 and got["fma"] == 0, got
     assert got["fma_if_fused"] > 0, got  # the check above can see an FMA
