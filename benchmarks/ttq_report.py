@@ -227,8 +227,15 @@ def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict
         return []
     best = min(done, key=lambda c: (done[c], c))
     b16 = BF16[fam]
-    cmp = (f"; {LABEL[b16]} {done[b16]:.1f} s: {done[b16] / done[best]:.2f}× slower" if b16 in done and b16 != best
-           else "; that is DDP with bf16 communication" if b16 == best else f"; {LABEL[b16]} does not reach it")
+    if b16 == best:
+        cmp = "; that is DDP with bf16 communication"
+    elif b16 in done:
+        cmp = f"; {LABEL[b16]} {done[b16]:.1f} s: {done[b16] / done[best]:.2f}× " + (
+            "slower" if done[b16] > done[best] else "as fast")
+    elif b16 in rows and "per_seed" in rows[b16]:
+        cmp = f"; {LABEL[b16]} does not reach it in every seed"
+    else:
+        cmp = f"; {LABEL[b16]} was not run"
     return [f"- {link}, {fam.capitalize()} family to its own target ({own:.4f}): fastest {LABEL.get(best, best)}, "
             f"{done[best]:.1f} s{cmp}."]
 

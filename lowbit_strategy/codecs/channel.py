@@ -75,7 +75,9 @@ def _check_bits(bits: int) -> int:
 
 def _encode(rows: torch.Tensor, bits: int, decode: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(codes, scales, decoded or None)`` of float32 ``rows``: on CUDA the fused kernels of
-    :mod:`.channel_triton` (the same bits, two launches instead of ~20), else the torch code."""
+    :mod:`.channel_triton` (the same bits, two launches instead of ~20), else the torch code.
+    Codes are not differentiable: ``rows`` are detached, as the CPU's sliced path always was."""
+    rows = rows.detach()
     fused = fused_kernels(rows)
     if fused is not None and rows.shape[1] < fused.MAX_COLS:
         mag = rows.abs()

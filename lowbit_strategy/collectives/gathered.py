@@ -152,6 +152,7 @@ def _adjacent_runs(codes: Sequence[torch.Tensor], per: int) -> list[torch.Tensor
         if (
             prev is not None
             and prev.numel() % per == 0
+            and c.dtype == prev.dtype
             and prev.is_contiguous()
             and c.is_contiguous()
             and c.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()

@@ -195,3 +195,7 @@ def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
     ratio = sum(bf16_s) / sum(ours)
     assert ratio > 1.5 and "| Lion Cub (auto) | " in md and f"{ratio:.2f}×" in md
     assert "Lion family to its own target" in md and "fastest Lion Cub (auto)" in md
+    fp32_s = [link["rows"]["ddp_lion"]["per_seed"][k]["own_seconds_to_target"] for k in (0, 1)]
+    row = next(line for line in md.splitlines() if line.startswith("| Lion Cub (auto) | ") and line.count("×") == 2)
+    assert row.endswith(f"| {ratio:.2f}× | {sum(fp32_s) / sum(ours):.2f}× |")  # × DDP bf16 + Lion, × DDP fp32 + Lion
+    assert f"DDP bf16 + Lion {sum(bf16_s) / 2:.1f} s: {ratio:.2f}× slower" in md

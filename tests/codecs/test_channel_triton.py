@@ -49,22 +49,25 @@ def torch_code(fn, *args, **kw):
 
 
 def awkward(r: int, c: int, seed: int) -> torch.Tensor:
-    """Gradients with the cases that matter: an all-zero row (nothing kept: scale 0, decoded
-    signed zeros), signed zeros, entries exactly at the threshold, subnormals, huge values."""
+    """Gradients with the cases that matter, from the second row on (a lone row stays random):
+    an all-zero row (α = 0: every entry kept, scale 0), signed zeros and subnormals, entries
+    exactly at the threshold, huge values, and a scale that underflows to 0 under a negative
+    code (decoded −0.0)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(r, c, generator=g) * torch.rand(r, 1, generator=g) * 3
-    x[0] = 0.0
-    if r > 1:
-        x[1, ::2] = -0.0
-        x[1, 1::2] = 1e-41
-    if r > 2:
-        x[2] = torch.tensor([3.0, -3.0, 5.0, -5.0]).repeat(c // 4 + 1)[:c]  # mean 4 (c % 4 == 0): α = 3 = |x|
-    if r > 3:
-        x[3, : c // 2] = 3.0e38
+    special = [
+        lambda row: row.zero_(),
+        lambda row: (row[::2].fill_(-0.0), row[1::2].fill_(1e-41)),
+        lambda row: row.copy_(torch.tensor([3.0, -3.0, 5.0, -5.0]).repeat(c // 4 + 1)[:c]),  # α = 3 = |x| (c % 4 == 0)
+        lambda row: row[: c // 2].fill_(3.0e38),
+        lambda row: (row.zero_(), row[0].fill_(-1.4e-45)),  # mean and scale underflow to 0: decoded -0.0
+    ]
+    for i, fill in enumerate(special[: max(0, r - 1)]):
+        fill(x[i + 1])
     return x
 
 
-SHAPES = [(1, 37), (4, 8), (5, 129), (3, 2048), (2, 2049), (6, 5000), (64, 96)]
+SHAPES = [(1, 37), (2, 1), (3, 3), (4, 8), (6, 129), (3, 2048), (2, 2049), (6, 5000), (64, 96)]
 
 
 @pytest.mark.parametrize("bits", [1, 2])
@@ -82,7 +85,7 @@ def test_encode_bit_exact(fused, bits, shape):
 def test_encode_many_with_decode_bit_exact(fused, bits):
     # a flat buffer's back-to-back matrices (stacked as one view), a transposed weight (its
     # strided rows: encoded alone, the kernel reading its strides), a 1-D bias and a lone row
-    flat = awkward(1, 3 * 4 * 48 + 48 * 20, seed=bits).view(-1)
+    flat = awkward(8, (3 * 4 * 48 + 48 * 20) // 8, seed=bits).view(-1)
     mats = [flat[: 4 * 48].view(4, 48), flat[4 * 48 : 8 * 48].view(4, 48), flat[8 * 48 : 12 * 48].view(4, 48)]
     mats.append(flat[12 * 48 :].view(20, 48).t())  # (48, 20), strided
     mats += [awkward(1, 30, seed=3).view(-1), awkward(3, 7, seed=4)]
@@ -92,6 +95,26 @@ def test_encode_many_with_decode_bit_exact(fused, bits):
     for (c1, s1, d1), (c2, s2, d2) in zip(got, want):
         assert same_bits(c1, c2) and same_bits(s1, s2) and same_bits(d1, d2)
         assert same_bits(d1, channel_decode(c1, s1, bits))  # the kernel's decode is channel_decode
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_strided_inputs_bit_exact(fused, bits):
+    # the kernel reads rows through their strides and writes the kept magnitudes back through
+    # |rows|' own: a transposed weight, a permuted 3-D one, an expanded (stride-0) row
+    base = awkward(6, 96, seed=11)
+    cases = [base.t(), base.view(6, 8, 12).permute(2, 0, 1), awkward(1, 40, seed=12).expand(5, 40)]
+    for x in cases:
+        want = torch_code(channel_encode_many, [x], bits, decode=True)[0]
+        got = channel_encode_many([x], bits, decode=True)[0]
+        assert all(same_bits(a, b) for a, b in zip(got, want)), tuple(x.stride())
+
+
+def test_the_decoded_signed_zero_is_kept(fused):
+    # a scale that underflows to 0 under a -1 code decodes to -0.0 (the kernel must not lose it)
+    x = awkward(6, 16, seed=13)
+    for bits in (1, 2):
+        _, _, d = channel_encode_many([x], bits, decode=True)[0]
+        assert (d[5, 0] == 0) and torch.signbit(d[5, 0]) and not torch.signbit(d[5, 1])
 
 
 def test_non_finite_input_gives_the_same_codes_and_nan_where_torch_has_nan(fused):
@@ -145,6 +168,11 @@ _CUDA_CHECK = textwrap.dedent(
     for bits in (1, 2):
         mats = [torch.randn(r, c, generator=g) * torch.rand(r, 1, generator=g) for r, c in shapes]
         mats[0][:5] = 0.0
+        mats[1][0] = 0.0
+        mats[1][0, 0] = -1.4e-45  # scale underflows to 0 under a -1 code: decoded -0.0
+        mats[1][1, ::2], mats[1][1, 1::2] = -0.0, 1e-41
+        mats[1][2] = torch.tensor([3.0, -3.0, 5.0, -5.0]).repeat(192)  # at the threshold
+        mats[1][3, :100] = 3.0e38
         mats.append(torch.randn(96, 64, generator=g).t())  # strided rows
         cuda = [m.cuda() for m in mats]
         saved, channel.fused_kernels = channel.fused_kernels, lambda t: None

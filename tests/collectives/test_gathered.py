@@ -253,3 +253,20 @@ def test_pack_payload_packs_a_stacks_adjacent_codes_at_once(monkeypatch, bits):
     assert torch.equal(words, want) and words.numel() == layout.words
     # runs: the first three (the third's end is the run's end), the last two of the stack, the other storage
     assert calls == [sum(r * c for r, c in shapes[:3]), sum(r * c for r, c in shapes[3:]), 8]
+    # never joined: a gap, an overlap, a strided view, another dtype of the same storage; joined
+    # from an offset that is not a whole word
+    s = stack[: 8 * per]
+    cases = {
+        "gap": ([s[:per], s[2 * per : 3 * per]], [per, per]),
+        "overlap": ([s[:per], s[per // 2 : per // 2 + per]], [per, per]),
+        "strided": ([s[:per], s[per : 3 * per : 2]], [per, per]),
+        "unaligned": ([s[1 : 1 + per], s[1 + per : 1 + 3 * per]], [3 * per]),
+    }
+    words32 = torch.zeros(2 * per, dtype=torch.int32)
+    cases["dtype"] = ([words32[:per], words32.view(torch.uint8)[per : 2 * per]], [per, per])  # offsets in its units
+    for name, (parts, want_calls) in cases.items():
+        calls.clear()
+        lay = Layout.of([(1, p.numel()) for p in parts], bits)
+        got, _ = gathered.pack_payload(parts, [torch.rand(1) for _ in parts], lay)
+        assert calls == want_calls, name
+        assert torch.equal(got, torch.cat([real(p.reshape(-1), bits) for p in parts])), name
