@@ -146,15 +146,23 @@ def channel_encode_many(
     return out
 
 
+def follows(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
+    """Whether ``nxt`` starts where ``prev`` ends in the same storage, with the same dtype: two
+    contiguous tensors so placed read as one (a flat buffer's consecutive matrices, a stack's
+    codes)."""
+    return (
+        nxt.dtype == prev.dtype
+        and nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        and nxt.storage_offset() == prev.storage_offset() + prev.numel()
+    )
+
+
 def _adjacent(run: list[torch.Tensor]) -> torch.Tensor | None:
     """The run's rows as one view when they lie back to back in one storage (a flat buffer's
     consecutive matrices), else None (they are concatenated)."""
+    if not all(follows(a, b) for a, b in zip(run, run[1:])):
+        return None
     first = run[0]
-    at = first.storage_offset()
-    for rows in run:
-        if rows.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or rows.storage_offset() != at:
-            return None
-        at += rows.numel()
     return first.as_strided((sum(r.shape[0] for r in run), first.shape[1]), (first.shape[1], 1))
 
 

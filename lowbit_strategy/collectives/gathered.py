@@ -43,7 +43,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
-from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many
+from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many, follows
 from lowbit_strategy.codecs.reduce import divide, rank_sum
 from lowbit_strategy.codecs.signs import fused_kernels
 from lowbit_strategy.collectives import group as g
@@ -152,11 +152,9 @@ def _adjacent_runs(codes: Sequence[torch.Tensor], per: int) -> list[torch.Tensor
         if (
             prev is not None
             and prev.numel() % per == 0
-            and c.dtype == prev.dtype
             and prev.is_contiguous()
             and c.is_contiguous()
-            and c.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-            and c.storage_offset() == prev.storage_offset() + prev.numel()
+            and follows(prev, c)
         ):
             runs[-1].append(c)
         else:
