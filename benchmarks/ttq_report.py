@@ -198,9 +198,7 @@ def facts(result: dict, settings: dict) -> str:
     """Per link, plainly: the fastest method to the target and the best DDP bf16 baseline."""
     lines = []
     for link, data in result["links"].items():
-        done = {c: statistics.fmean(s["seconds_to_target"] for s in r["per_seed"].values())
-                for c, r in data["rows"].items() if "per_seed" in r and r["per_seed"] and
-                all(s["seconds_to_target"] is not None for s in r["per_seed"].values())}
+        done = _reached(data["rows"], "seconds_to_target")
         if not done:
             lines.append(f"- {link}: no configuration reached the target in every seed.")
             continue
@@ -218,11 +216,16 @@ def facts(result: dict, settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reached(rows: dict, field: str) -> dict[str, float]:
+    """Mean seconds to a target (``field`` of each seed) of the configurations that reach it in
+    every seed."""
+    return {c: statistics.fmean(s[field] for s in r["per_seed"].values()) for c, r in rows.items()
+            if r.get("per_seed") and all(s.get(field) is not None for s in r["per_seed"].values())}
+
+
 def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict) -> list[str]:
     """The family's fastest configuration to its own target, against DDP bf16 with its optimizer."""
-    done = {c: statistics.fmean(s["own_seconds_to_target"] for s in r["per_seed"].values())
-            for c, r in rows.items() if "per_seed" in r and r["per_seed"] and _opt(c, settings) == fam
-            and all(s.get("own_seconds_to_target") is not None for s in r["per_seed"].values())}
+    done = _reached({c: r for c, r in rows.items() if _opt(c, settings) == fam}, "own_seconds_to_target")
     if own is None or not done:
         return []
     best = min(done, key=lambda c: (done[c], c))
