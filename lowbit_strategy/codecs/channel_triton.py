@@ -133,18 +133,16 @@ def channel_encode(
     dev = rows.device
     codes = torch.empty(r * c, dtype=torch.uint8, device=dev)
     tile = _tile(c)
+    # 1 bit: the scales are the means, and no count is kept (the kernels never touch it)
+    count = torch.empty(r, dtype=torch.int32, device=dev) if bits == 2 else mean_abs
     with _on_device(rows):
-        if bits == 1:
-            scales = mean_abs
-            _codes_kernel[(r,)](rows, mean_abs, codes, mag, codes, c, *rows.stride(), *mag.stride(), factor,
-                                BITS=1, TILE=tile, **_LAUNCH)  # fmt: skip
-            count = kept_sum = scales
-        else:
-            count = torch.empty(r, dtype=torch.int32, device=dev)
-            _codes_kernel[(r,)](rows, mean_abs, codes, mag, count, c, *rows.stride(), *mag.stride(), factor,
-                                BITS=2, TILE=tile, **_LAUNCH)  # fmt: skip
+        _codes_kernel[(r,)](rows, mean_abs, codes, mag, count, c, *rows.stride(), *mag.stride(), factor,
+                            BITS=bits, TILE=tile, **_LAUNCH)  # fmt: skip
+        if bits == 2:
             kept_sum = mag.sum(dim=1)  # torch's order, over the torch code's operand (module docstring)
             scales = torch.empty(r, dtype=torch.float32, device=dev)
+        else:
+            kept_sum = scales = mean_abs
         decoded = torch.empty(r, c, dtype=torch.float32, device=dev) if decode else None
         if bits == 2 or decode:
             _finish_kernel[(r,)](codes, kept_sum, count, scales, decoded if decode else scales, c,
