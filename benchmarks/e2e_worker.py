@@ -124,6 +124,24 @@ def make_strategy(kind: str, overrides: dict | None = None, powersgd_start: int 
     return kind  # a registered name
 
 
+def resolved_plans(optimizers) -> list[str]:
+    """What each lowbit communicator's ``auto`` resolved to, one string per optimizer that has
+    one: Lion Cub's :class:`~lowbit_strategy.algorithms.lion_cub.plan.Plan` (its ``plan``), or
+    TurboQuant's per-bucket forms (its ``forms``) as ``forms: fp32 x2, tq x7`` (forms sorted by
+    name). Read before the strategy's teardown detaches the communicators; an algorithm without
+    a plan (or a baseline) gives nothing."""
+    found = []
+    for opt in optimizers:
+        comm = getattr(getattr(opt, "_optimizer", opt), "communicator", None)
+        plan, forms = getattr(comm, "plan", None), getattr(comm, "forms", None)
+        if plan is not None:
+            found.append(str(plan))
+        elif forms:
+            counts = {f: list(forms.values()).count(f) for f in sorted(set(forms.values()))}
+            found.append("forms: " + ", ".join(f"{f} x{n}" for f, n in counts.items()))
+    return found
+
+
 class Probe(pl.Callback):
     """Budget flag, steady-state window (time, counters, comm seconds), losses, curve."""
 
@@ -157,9 +175,7 @@ class Probe(pl.Callback):
         self.marks[name] = (step, now - self._t0, counters, self.stats.total_seconds, hooks,
                             self.stats.total_bytes_sent, usage.ru_utime + usage.ru_stime)
         if name == "end":  # the communicators are detached at teardown: read their plans now
-            self.plans = [str(plan) for plan in (getattr(getattr(getattr(o, "_optimizer", o), "communicator", None),
-                                                         "plan", None) for o in trainer.strategy.optimizers)
-                          if plan is not None]
+            self.plans = resolved_plans(trainer.strategy.optimizers)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()

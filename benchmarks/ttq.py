@@ -156,7 +156,7 @@ class Study:
         path = self.path(kind, name)
         if self.load_only:
             return self.load(path, settings)
-        if self.args.skip_existing and (rec := self.load(path, settings)) is not None:
+        if self.args.skip_existing and (rec := self.load(path, settings)) is not None and not unplanned(kind, rec):
             return rec
         self.done_runs += 1
         elapsed = time.monotonic() - self.start
@@ -211,6 +211,13 @@ def loopback_envs(env: dict, nodes: int = 2, per_node: int = 2) -> list[dict]:
              "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1"} for r in range(world)]
 
 
+def unplanned(kind: str, rec: dict) -> bool:
+    """A timing run of a :data:`LINK_PLANNED` configuration that recorded no plan (the worker
+    read it after teardown had detached the communicators, before 2026-11-27): it is run again,
+    since :func:`quality_keys` needs its plan to tell whether the links share quality runs."""
+    return kind == "timing" and rec.get("config") in LINK_PLANNED and not rec.get("plan")
+
+
 def quality_keys(study: Study, configs: list[str], timing: dict) -> dict[tuple[str, str], tuple[str, object]]:
     """(config, link name) -> (quality key, the link its runs are planned for): one key per
     configuration, one per distinct plan for :data:`LINK_PLANNED` ones."""
@@ -220,9 +227,10 @@ def quality_keys(study: Study, configs: list[str], timing: dict) -> dict[tuple[s
             if c not in LINK_PLANNED:
                 keys[(c, link.name)] = (c, study.links[0])
                 continue
+            # an unrecorded plan ([] or no timing run yet) matches nothing: runs per link
             plan = (timing.get((c, link.name)) or {}).get("plan")
             same = next(ln for ln in study.links if ln == link or
-                        (plan is not None and (timing.get((c, ln.name)) or {}).get("plan") == plan))
+                        (plan and (timing.get((c, ln.name)) or {}).get("plan") == plan))
             keys[(c, link.name)] = (f"{c}@{same.name}", same)
     return keys
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
 
-from benchmarks.e2e_worker import CONFIGS, make_strategy, parse_overrides, rank_setup, validate  # noqa: E402
+from benchmarks.e2e_worker import CONFIGS, make_strategy, parse_overrides, rank_setup, resolved_plans, validate  # noqa: E402
 from benchmarks.leave import leave  # noqa: E402
 from benchmarks.netem import rank_counters  # noqa: E402
 from examples.gpt_lion import GPT  # noqa: E402
@@ -62,6 +62,7 @@ class Clock(pl.Callback):
         self.train_loss: list[float] = []
         self.evals: list[tuple[int, float, float]] = []
         self.counters: dict[int, list[int] | None] = {}
+        self.plans: list[str] = []
         self._last = 0.0
         self._print = 0.0
 
@@ -76,6 +77,10 @@ class Clock(pl.Callback):
             self.counters[0] = counters_or_none()
         self._restart()
         self._print = self._last
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # the strategy's teardown detaches the communicators after this hook: read the plans now
+        self.plans = resolved_plans(trainer.strategy.optimizers)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
@@ -98,16 +103,6 @@ class Clock(pl.Callback):
             self._restart()
         else:
             self._last = time.perf_counter()
-
-
-def plans_of(strategy) -> list[str]:
-    """The resolved plans of the lowbit communicators (Lion Cub's and TurboQuant's auto)."""
-    found = []
-    for opt in getattr(strategy, "optimizers", []):
-        plan = getattr(getattr(getattr(opt, "_optimizer", opt), "communicator", None), "plan", None)
-        if plan is not None:
-            found.append(str(plan))
-    return found
 
 
 def main() -> int:
@@ -168,7 +163,7 @@ def main() -> int:
             "link_bps": float(os.environ.get("LBS_LINK_BPS", 0)) or None,
             "params": sum(t.numel() for t in model.parameters()),
             "topology": topology.describe() if topology is not None else "flat (DDP)",
-            "plan": plans_of(trainer.strategy), "hook_calls": getattr(trainer.strategy, "hook_calls", None),
+            "plan": clock.plans, "hook_calls": getattr(trainer.strategy, "hook_calls", None),
             "lowbit_overrides": args.lowbit or None,
             "step_s": [round(t, 5) for t in clock.step_s], "train_loss": clock.train_loss, "evals": clock.evals,
             # counters per node (first rank of each node): [if_tx, if_rx, wire_tx, wire_rx] after each mark step

@@ -6,10 +6,12 @@ report's tables from run records. No training here (the slow tier runs the worke
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import ttq, ttq_analysis as ta, ttq_report
+from benchmarks.collectives import parse_link
 
 
 def test_phases_split_startup_warmup_and_main():
@@ -199,3 +201,37 @@ def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| Lion Cub (auto) | ") and line.count("×") == 2)
     assert row.endswith(f"| {ratio:.2f}× | {sum(fp32_s) / sum(ours):.2f}× |")  # × DDP bf16 + Lion, × DDP fp32 + Lion
     assert f"DDP bf16 + Lion {sum(bf16_s) / 2:.1f} s: {ratio:.2f}× slower" in md
+
+
+def test_quality_runs_are_shared_across_links_only_for_one_recorded_plan():
+    links = [parse_link("1gbit"), parse_link("100mbit")]
+    study = SimpleNamespace(links=links)
+    lp = ["Plan(mode='lp', bits=8, levels=31)"]
+    timing = {("lowbit_lion", "1gbit"): {"plan": lp}, ("lowbit_lion", "100mbit"): {"plan": lp},
+              ("lowbit_turboquant", "1gbit"): {"plan": ["forms: fp32 x2, tq x5"]},
+              ("lowbit_turboquant", "100mbit"): {"plan": ["forms: tq x7"]}}
+    keys = ttq.quality_keys(study, ["lowbit_lion", "lowbit_turboquant", "ddp_adamw"], timing)
+    assert keys[("lowbit_lion", "1gbit")] == keys[("lowbit_lion", "100mbit")] == ("lowbit_lion@1gbit", links[0])
+    assert keys[("lowbit_turboquant", "100mbit")] == ("lowbit_turboquant@100mbit", links[1])
+    assert keys[("ddp_adamw", "100mbit")] == ("ddp_adamw", links[0])  # no plan: one quality key
+    # an unrecorded plan on both links is not "the same plan": each link gets its own runs
+    blind = {k: {"plan": []} for k in timing}
+    keys = ttq.quality_keys(study, ["lowbit_lion"], blind)
+    assert keys[("lowbit_lion", "100mbit")] == ("lowbit_lion@100mbit", links[1])
+    assert ttq.unplanned("timing", {"config": "lowbit_lion", "plan": []})
+    assert not ttq.unplanned("timing", {"config": "lowbit_lion", "plan": lp})
+    assert not ttq.unplanned("timing", {"config": "ddp_adamw", "plan": []})
+    assert not ttq.unplanned("quality", {"config": "lowbit_lion", "plan": []})
+
+
+def test_resolved_plans_reads_lion_cubs_plan_and_turboquants_forms():
+    from benchmarks.e2e_worker import resolved_plans
+    from lowbit_strategy.algorithms.lion_cub import Plan
+
+    lion = SimpleNamespace(communicator=SimpleNamespace(plan=Plan("lp", 8, 31)))
+    turbo = SimpleNamespace(_optimizer=SimpleNamespace(communicator=SimpleNamespace(
+        plan=None, forms={"b2": "tq", "b0": "fp32", "b1": "tq"})))
+    assert resolved_plans([lion, turbo, SimpleNamespace()]) == [
+        "Plan(mode='lp', bits=8, levels=31)", "forms: fp32 x1, tq x2"]
+    unresolved = SimpleNamespace(communicator=SimpleNamespace(plan=None, forms={}))
+    assert resolved_plans([unresolved]) == []
