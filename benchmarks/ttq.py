@@ -78,7 +78,7 @@ MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_m
 FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
         "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 4, "timing_warm": 15,
         "timing_main": 30,
-        "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@1gbit", "model": MODEL, "powersgd_start": None}
+        "validate": "ddp_bf16_adamw@1gbit,lowbit_adam@100mbit", "model": MODEL, "powersgd_start": None}
 #: a smoke run of every stage: 0.44M parameters, 120 steps, one seed, one configuration swept
 QUICK = {"configs": ["ddp_adamw", "ddp_bf16_adamw", "ddp_powersgd_adamw", "lowbit_adam"], "steps": 120,
          "eval_every": 20, "val_batches": 8, "lr_warmup": 10, "seeds": "0", "lr_factors": "0.5,1,2",
