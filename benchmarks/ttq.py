@@ -31,12 +31,15 @@ runs are per link, unless both links' timing runs resolved the same plan.
 
 Every run is one JSON under ``<out>/runs/`` carrying the settings it ran with; with
 ``--skip-existing`` a run whose JSON exists with the same settings is not run again, so the
-study can be continued across sessions (``--max-minutes`` stops it cleanly).
+study can be continued across sessions (``--max-minutes`` stops it cleanly). Every run also
+records :func:`code_fingerprint`; ``--retime`` reruns the timing runs that older code made (the
+report lists them), so the final tables time the code users get.
 
 Usage (root needed for the links)::
 
     python -m benchmarks.ttq --quick               # <= 10 min: small model, 4 configs -> results/ttq/quick/
     python -m benchmarks.ttq --skip-existing       # the full study (hours; see --dry-run) -> results/ttq/
+    python -m benchmarks.ttq --skip-existing --retime   # ... and time again what older code timed
     python -m benchmarks.ttq --dry-run             # the runs it would do
     python -m benchmarks.ttq --report-only
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -74,6 +78,9 @@ DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3
 #: centred where its sweep ended (:func:`centre_lr`)
 REFERENCE = {"lion": "ddp_lion", "adamw": "ddp_adamw", "onebit_adam": "ddp_adamw", "onebit_lamb": "ddp_adamw",
              "turboquant": "ddp_adamw"}
+#: what a run executes, so what its step times depend on (:func:`code_fingerprint`)
+CODE = ["lowbit_strategy", "callbacks", "examples/gpt_lion.py", "benchmarks/baselines.py", "benchmarks/e2e_worker.py",
+        "benchmarks/ttq_worker.py", "benchmarks/netem.py", "benchmarks/leave.py"]
 MODEL = {"d_model": 256, "layers": 5, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0}
 FULL = {"configs": BASELINES + ALGORITHMS, "steps": 1500, "eval_every": 25, "val_batches": 16, "lr_warmup": 50,
         "seeds": "0,1,2", "lr_factors": "0.5,1,2", "sweep": "all", "sweep_extend": 4, "timing_warm": 15,
@@ -108,6 +115,7 @@ class Study:
         self.model = dict(args.model)
         self.start, self.done_runs, self.planned = time.monotonic(), 0, 0
         self.deadline = self.start + args.max_minutes * 60
+        self.code = code_fingerprint()
         #: only read the runs that exist (--report-only)
         self.load_only = False
 
@@ -156,7 +164,8 @@ class Study:
         path = self.path(kind, name)
         if self.load_only:
             return self.load(path, settings)
-        if self.args.skip_existing and (rec := self.load(path, settings)) is not None and not unplanned(kind, rec):
+        if self.args.skip_existing and (rec := self.load(path, settings)) is not None and \
+                reusable(kind, rec, self.code, self.args.retime):
             return rec
         self.done_runs += 1
         elapsed = time.monotonic() - self.start
@@ -189,7 +198,8 @@ class Study:
             return None
         rec = json.loads(partial.read_text())
         partial.unlink()
-        rec.update(settings=settings, run_seconds=round(wall, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        rec.update(settings=settings, code=self.code, run_seconds=round(wall, 1),
+                   date=time.strftime("%Y-%m-%d %H:%M:%S"),
                    other_load=round(max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) /
                                     (wall * (os.cpu_count() or 1)), 3))
         path.write_text(json.dumps(rec) + "\n")
@@ -211,11 +221,30 @@ def loopback_envs(env: dict, nodes: int = 2, per_node: int = 2) -> list[dict]:
              "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1"} for r in range(world)]
 
 
+def code_fingerprint() -> str:
+    """12 hex digits of a sha256 over every ``.py`` file of :data:`CODE` (path and bytes, sorted):
+    each run records it, so a timing run made by older code (a codec since made faster, say) is
+    seen in the report and rerun by ``--retime``. Quality runs record it too, for provenance; their
+    losses do not depend on speed-ups that keep the bits (the tests hold the codecs bit-exact)."""
+    digest = hashlib.sha256()
+    for name in CODE:
+        path = ROOT / name
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def unplanned(kind: str, rec: dict) -> bool:
     """A timing run of a :data:`LINK_PLANNED` configuration that recorded no plan (the worker
     read it after teardown had detached the communicators, before 2026-11-27): it is run again,
     since :func:`quality_keys` needs its plan to tell whether the links share quality runs."""
     return kind == "timing" and rec.get("config") in LINK_PLANNED and not rec.get("plan")
+
+
+def reusable(kind: str, rec: dict, code: str, retime: bool) -> bool:
+    """Whether ``--skip-existing`` keeps a run whose settings match: not a timing run without
+    its plan (:func:`unplanned`), nor, under ``--retime``, a timing run made by other code."""
+    return not unplanned(kind, rec) and not (retime and kind == "timing" and rec.get("code") != code)
 
 
 def quality_keys(study: Study, configs: list[str], timing: dict) -> dict[tuple[str, str], tuple[str, object]]:
@@ -344,6 +373,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
                         help=f"model/data changes to the preset's {MODEL} (e.g. d_model=64,layers=2)")
     parser.add_argument("--skip-existing", action="store_true", help="keep runs whose JSON has the same settings")
+    parser.add_argument("--retime", action="store_true",
+                        help="with --skip-existing: rerun the timing runs made by other code (code_fingerprint)")
     parser.add_argument("--max-minutes", type=float, default=24 * 60, help="start no run after this")
     parser.add_argument("--output", default=None, help="folder (default results/ttq, --quick results/ttq/quick)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and stop")
@@ -384,7 +415,7 @@ def main(argv=None) -> int:
                 "powersgd": {**POWERSGD, "start_powerSGD_iter": switch_of("ddp_powersgd_adamw", args.steps,
                                                                         args.powersgd_start)},
                 "switch": {c: switch_of(c, args.steps, args.powersgd_start) for c in configs},
-                "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR}
+                "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR, "code": study.code}
     if args.report_only:
         study.load_only = True
         if (out / "ttq.json").exists():  # the date and duration of the run that made it

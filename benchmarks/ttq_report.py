@@ -74,7 +74,8 @@ def analyse(settings: dict, runs: dict) -> dict:
             rows[config] = {"key": key, "lr": runs["chosen"][key], "switch": switch, "phase_times": pt,
                             "seconds_per_step": {n: v["mean"] for n, v in pt.items() if n != "startup"},
                             "wire_bytes_per_step": phase_bytes(timing), "projected_seconds": cum[-1],
-                            "timing_plan": timing["plan"], "topology": timing["topology"],
+                            "timing_plan": timing["plan"], "timing_code": timing.get("code"),
+                            "topology": timing["topology"],
                             "timing_other_load": timing.get("other_load"), "per_seed": per_seed}
         budget = min(cums.values(), key=lambda c: c[-1])[-1] if cums else None
         for config, cum in cums.items():
@@ -133,7 +134,8 @@ def link_table(link: str, data: dict, settings: dict) -> str:
     rows, budget = data["rows"], data["budget_s"]
     lines = [f"### {link}\n\ntarget: validation loss **{_f(data['target'], '{:.4f}')}** (DDP fp32 + AdamW at "
              f"{int(0.8 * settings['steps'])} of {settings['steps']} steps, mean over seeds); budget for the loss "
-             f"column: **{_f(budget)} s** (the fastest configuration's whole run).\n",
+             f"column: **{_f(budget)} s** (the fastest configuration's whole run; the others are read part-way "
+             f"through their {settings['steps']}-step schedule, not as runs tuned to that budget).\n",
              f"| method | lr | steps to target | time to target (s) | × DDP bf16 | loss at {_f(budget, '{:.0f}')} s | "
              "s/step (warm-up / main) | cross-node kB/step/node (warm-up / main) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -143,10 +145,11 @@ def link_table(link: str, data: dict, settings: dict) -> str:
             continue
         seeds = list(r["per_seed"].values())
         secs = [s["seconds_to_target"] for s in seeds]
+        name = LABEL.get(config, config) + _seed_note(r, settings)
         ratio = _ratio(rows, config, BF16.get(_opt(config, settings), ""), "seconds_to_target")
         sps, wb = r["seconds_per_step"], r["wire_bytes_per_step"]
         lines.append(
-            f"| {LABEL.get(config, config)} | {r['lr']:g} | "
+            f"| {name} | {r['lr']:g} | "
             f"{ta.summary([s['steps_to_target'] for s in seeds], '{:.0f}')} | {ta.summary(secs)} | "
             f"{_f(ratio, '{:.2f}×')} | {ta.summary([s.get('loss_at_budget') for s in seeds], '{:.3f}')} | "
             f"{_f(sps.get('warm-up'), '{:.3f}')} / {_f(sps.get('main'), '{:.3f}')} | "
@@ -168,7 +171,8 @@ def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[
              f"× {LABEL.get(ref, ref)} |", "|---|---:|---:|---:|---:|"]
     for c in members:
         seeds = list(rows[c]["per_seed"].values())
-        lines.append(f"| {LABEL.get(c, c)} | {ta.summary([s['own_steps_to_target'] for s in seeds], '{:.0f}')} | "
+        lines.append(f"| {LABEL.get(c, c)}{_seed_note(rows[c], settings)} | "
+                     f"{ta.summary([s['own_steps_to_target'] for s in seeds], '{:.0f}')} | "
                      f"{ta.summary([s['own_seconds_to_target'] for s in seeds])} | "
                      f"{_f(_ratio(rows, c, BF16[fam], 'own_seconds_to_target'), '{:.2f}×')} | "
                      f"{_f(_ratio(rows, c, ref, 'own_seconds_to_target'), '{:.2f}×')} |")
@@ -176,13 +180,21 @@ def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[
 
 
 def _ratio(rows: dict, config: str, ref: str, field: str) -> float | None:
-    """``ref``'s mean seconds to the target over ``config``'s (above 1: ``config`` is faster); None
-    where either misses the target in a seed, or ``config`` is ``ref``."""
-    secs = [s.get(field) for s in rows[config].get("per_seed", {}).values()]
-    ref_secs = [s.get(field) for s in rows.get(ref, {}).get("per_seed", {}).values()]
-    if config == ref or not secs or not ref_secs or None in secs + ref_secs:
+    """``ref``'s mean seconds to the target over ``config``'s (above 1: ``config`` is faster), over
+    the seeds both have (a missing seed run must not pair one method's seeds 0-2 with another's
+    0-1); None where either misses the target in one of them, or ``config`` is ``ref``."""
+    mine, theirs = rows[config].get("per_seed", {}), rows.get(ref, {}).get("per_seed", {})
+    common = sorted(set(mine) & set(theirs))
+    secs, ref_secs = [mine[k].get(field) for k in common], [theirs[k].get(field) for k in common]
+    if config == ref or not common or None in secs + ref_secs:
         return None
     return statistics.fmean(ref_secs) / statistics.fmean(secs)  # type: ignore[arg-type]
+
+
+def _seed_note(row: dict, settings: dict) -> str:
+    """`` (2 of 3 seeds)`` where seed runs are missing (still running, or failed), else nothing."""
+    have, want = len(row.get("per_seed", {})), len(settings["seeds"])
+    return f" ({have} of {want} seeds)" if have < want else ""
 
 
 def _k(b):
@@ -209,6 +221,8 @@ def facts(result: dict, settings: dict) -> str:
                f"{'slower' if bf16[b16] > done[best] else 'as fast'}" if b16 and b16 != best else
                "; that is DDP with bf16 communication" if b16 == best else "")
         missed = sorted(c for c, r in data["rows"].items() if c not in done)
+        short = sorted(c for c, r in data["rows"].items() if _seed_note(r, settings) and "per_seed" in r)
+        cmp += (f" (seeds missing for {', '.join(LABEL.get(c, c) for c in short)}: not final)" if short else "")
         lines.append(f"- {link}: fastest to the target: {LABEL.get(best, best)}, {done[best]:.1f} s{cmp}. "
                      f"Not reaching it in every seed: {', '.join(LABEL.get(c, c) for c in missed) or 'none'}.")
         for fam, own in data.get("own_targets", {}).items():
@@ -282,7 +296,7 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
                    f"{_f(v['error_seconds'], '{:+.1%}')} | {_f(v['measured_seconds_to_target'])} | "
                    f"{_f(v['projected_seconds_to_target'])} | {_f(v['error_seconds_to_target'], '{:+.1%}')} | "
                    f"{_f(v['full_final_val'], '{:.4f}')} / {_f(v['quality_final_val'], '{:.4f}')} | "
-                   f"{'same' if v['plan_full'] == v['plan_quality'] else 'DIFFER'} | "
+                   f"{plan_check(v['config'], v['plan_full'], [v['plan_quality'] or []])} | "
                    f"{_f(v['timing_other_load'], '{:.0%}')} / {_f(v['other_load'], '{:.0%}')} |\n")
     out.append("\n## Learning-rate sweep (seed 0, final validation loss)\n\n| quality key | centre | " +
                "lr: final val | chosen |\n|---|---|---|---|\n")
@@ -294,10 +308,30 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
     for link, data in result["links"].items():
         for config, r in data["rows"].items():
             if "missing" not in r:
-                seed_plans = {tuple(s["plan"]) for s in r["per_seed"].values()}
-                flag = "" if seed_plans <= {tuple(r["timing_plan"])} else " — quality run's plan DIFFERS"
+                check = plan_check(config, r["timing_plan"], [s["plan"] for s in r["per_seed"].values()])
+                flag = "" if check == "same" else f" — quality runs' plan: {check}"
                 out.append(f"- {link} {config}: {r['topology']}; plan {r['timing_plan'] or '–'}{flag}\n")
+    stale = sorted(f"{c}@{link}" for link, data in result["links"].items() for c, r in data["rows"].items()
+                   if "missing" not in r and r.get("timing_code") != settings.get("code"))
+    if stale:
+        out.append(f"\n**Timed by other code** than this report's ({settings.get('code')}): {len(stale)} timing "
+                   f"run(s), {', '.join(stale)}. Their step times may not be today's; "
+                   "`python -m benchmarks.ttq --skip-existing --retime` times them again.\n")
     return "".join(out)
+
+
+def plan_check(config: str, timing_plan: list[str], quality_plans: list[list[str]]) -> str:
+    """Whether the quality runs trained with the plan the link's timing run resolved: ``same``,
+    ``DIFFERS`` (a projection mixing two plans), or, for a configuration whose plan reads the
+    link (:data:`benchmarks.ttq.LINK_PLANNED`), ``unrecorded`` where a quality run kept no plan
+    (made before the worker read the plans ahead of teardown)."""
+    from benchmarks.ttq import LINK_PLANNED
+
+    if any(q and q != timing_plan for q in quality_plans):
+        return "DIFFERS"
+    if config in LINK_PLANNED and timing_plan and not all(quality_plans):
+        return f"unrecorded in {sum(not q for q in quality_plans)} of {len(quality_plans)}"
+    return "same"
 
 
 def plot(result: dict, runs: dict, settings: dict, path: Path) -> None:

@@ -235,3 +235,45 @@ def test_resolved_plans_reads_lion_cubs_plan_and_turboquants_forms():
         "Plan(mode='lp', bits=8, levels=31)", "forms: fp32 x1, tq x2"]
     unresolved = SimpleNamespace(communicator=SimpleNamespace(plan=None, forms={}))
     assert resolved_plans([unresolved]) == []
+
+
+def test_code_fingerprint_follows_the_code_runs_execute(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "worker.py").write_text("y = 2\n")
+    monkeypatch.setattr(ttq, "ROOT", tmp_path)
+    monkeypatch.setattr(ttq, "CODE", ["pkg", "worker.py"])
+    first = ttq.code_fingerprint()
+    assert first == ttq.code_fingerprint() and len(first) == 12
+    (tmp_path / "pkg" / "a.py").write_text("x = 3\n")  # a codec made faster, say
+    second = ttq.code_fingerprint()
+    assert second != first
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")
+    assert ttq.code_fingerprint() == second
+    timing = {"config": "ddp_adamw", "plan": [], "code": first}
+    assert ttq.reusable("timing", timing, second, retime=False)
+    assert not ttq.reusable("timing", timing, second, retime=True)
+    assert ttq.reusable("timing", {**timing, "code": second}, second, retime=True)
+    assert ttq.reusable("quality", timing, second, retime=True)  # --retime times again; losses are kept
+    assert not ttq.reusable("timing", {**timing, "config": "lowbit_lion"}, first, retime=False)
+
+
+def test_plan_check_tells_differs_from_unrecorded():
+    lp = ["Plan(mode='lp', bits=8, levels=63)"]
+    assert ttq_report.plan_check("lowbit_lion", lp, [lp, lp]) == "same"
+    assert ttq_report.plan_check("lowbit_lion", lp, [lp, ["Plan(mode='fp32', bits=32, levels=0)"]]) == "DIFFERS"
+    assert ttq_report.plan_check("lowbit_lion", lp, [[], lp, []]) == "unrecorded in 2 of 3"
+    assert ttq_report.plan_check("ddp_adamw", [], [[], []]) == "same"
+    # a fixed mode's plan is the configuration's: an old run without it is not a mismatch
+    assert ttq_report.plan_check("lowbit_lion_1bit", ["Plan(mode='1bit', bits=1, levels=0)"], [[]]) == "same"
+
+
+def test_ratios_pair_seeds_and_rows_say_when_seeds_are_missing():
+    settings = {"seeds": [0, 1, 2]}
+    rows = {"a": {"per_seed": {0: {"t": 10.0}, 1: {"t": 20.0}}},
+            "ref": {"per_seed": {0: {"t": 20.0}, 1: {"t": 40.0}, 2: {"t": 1000.0}}}}
+    assert ttq_report._ratio(rows, "a", "ref", "t") == pytest.approx(2.0)  # seed 2 of ref left out
+    assert ttq_report._seed_note(rows["a"], settings) == " (2 of 3 seeds)"
+    assert ttq_report._seed_note(rows["ref"], settings) == ""
+    rows["a"]["per_seed"][1]["t"] = None
+    assert ttq_report._ratio(rows, "a", "ref", "t") is None
