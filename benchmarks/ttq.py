@@ -405,6 +405,10 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     swept = configs if args.sweep == "all" else [c for c in args.sweep.split(",") if c in configs]
     validate = [tuple(v.split("@")) for v in args.validate.split(",") if v]
+    short = {c: w for c in configs if 0 < (w := switch_of(c, args.steps, args.powersgd_start)) <= STARTUP}
+    if short:  # the timing runs time steps 1..STARTUP as start-up, at full precision
+        parser.error(f"compression warm-ups {short} end within the {STARTUP} start-up steps the timing runs time "
+                     f"at full precision; give --powersgd-start above {STARTUP} (or more --steps)")
     study = Study(args, out)
     command = " ".join(["python -m benchmarks.ttq", *(argv if argv is not None else sys.argv[1:])])
     settings = {"configs": configs, "links": [ln.name for ln in study.links], "steps": args.steps, "seeds": seeds,

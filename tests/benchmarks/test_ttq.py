@@ -277,3 +277,9 @@ def test_ratios_pair_seeds_and_rows_say_when_seeds_are_missing():
     assert ttq_report._seed_note(rows["ref"], settings) == ""
     rows["a"]["per_seed"][1]["t"] = None
     assert ttq_report._ratio(rows, "a", "ref", "t") is None
+
+
+def test_a_warm_up_inside_the_start_up_steps_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        ttq.main(["--configs", "ddp_powersgd_adamw", "--powersgd-start", "2", "--dry-run"])
+    assert "--powersgd-start above 3" in capsys.readouterr().err
