@@ -94,7 +94,8 @@ clean:
 # Time to quality: steps and seconds to DDP fp32 + AdamW's loss at 80 % of the run, per
 # method, at 2 emulated nodes x 2 ranks over 1 Gbit/s and 100 Mbit/s (root; benchmarks/ttq.py ->
 # benchmarks/results/ttq/). The full study takes many hours on a 2-core machine: it keeps every run
-# as JSON and continues where it stopped. `make bench-ttq TTQ_ARGS=--quick` (= bench-ttq-quick):
+# as JSON and continues where it stopped (`TTQ_ARGS=--retime` also times again what older code
+# timed, before the final tables). `make bench-ttq TTQ_ARGS=--quick` (= bench-ttq-quick):
 # every stage on a small model in <= 10 minutes -> benchmarks/results/ttq/quick/
 bench-ttq: $(STAMP)
 	$(PY) -m benchmarks.ttq --skip-existing $(TTQ_ARGS)
