@@ -27,7 +27,10 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
 
 
 def curve(rec: dict) -> list[tuple[float, float]]:
-    return [(float(s), float(v)) for s, _, v in rec["evals"]]
+    """A run's validation curve (step, loss), smoothed (:func:`benchmarks.ttq_analysis.smooth`):
+    what targets, crossings, losses at the budget and the plot read. The lr sweep reads the
+    raw final loss."""
+    return ta.smooth([(float(s), float(v)) for s, _, v in rec["evals"]])
 
 
 def phase_bytes(rec: dict) -> dict[str, float]:
@@ -220,11 +223,13 @@ def facts(result: dict, settings: dict) -> str:
         cmp = (f"; the best DDP bf16 ({LABEL[b16]}) {bf16[b16]:.1f} s: {bf16[b16] / done[best]:.2f}× "
                f"{'slower' if bf16[b16] > done[best] else 'as fast'}" if b16 and b16 != best else
                "; that is DDP with bf16 communication" if b16 == best else "")
-        missed = sorted(c for c, r in data["rows"].items() if c not in done)
-        short = sorted(c for c, r in data["rows"].items() if _seed_note(r, settings) and "per_seed" in r)
-        cmp += (f" (seeds missing for {', '.join(LABEL.get(c, c) for c in short)}: not final)" if short else "")
+        missed = sorted(c for c, r in data["rows"].items() if c not in done and "per_seed" in r)
+        absent = sorted(c for c, r in data["rows"].items() if "per_seed" not in r)
+        short = sum(1 for r in data["rows"].values() if "per_seed" in r and _seed_note(r, settings))
         lines.append(f"- {link}: fastest to the target: {LABEL.get(best, best)}, {done[best]:.1f} s{cmp}. "
-                     f"Not reaching it in every seed: {', '.join(LABEL.get(c, c) for c in missed) or 'none'}.")
+                     f"Not reaching it in every seed: {', '.join(LABEL.get(c, c) for c in missed) or 'none'}."
+                     + (f" Not run yet: {', '.join(LABEL.get(c, c) for c in absent)}." if absent else "")
+                     + (f" **Not final**: {short} configuration(s) still miss seeds." if short else ""))
         for fam, own in data.get("own_targets", {}).items():
             lines += _own_fact(link, fam, own, data["rows"], settings)
     return "\n".join(lines) + "\n"
@@ -279,7 +284,10 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            "- **how**: quality runs on loopback (2 x 2 ranks, no shaping) give the validation loss per step; "
            "timing runs on each emulated link time every step of each phase (start-up steps one by one, then "
            "each phase's first step and the mean of the rest); the time to a loss is the projected training "
-           "seconds of the steps before it. Evaluation is not in the seconds. Full runs on the links check "
+           "seconds of the steps before it. Evaluation is not in the seconds. Targets, crossings, the loss at "
+           f"the budget and the plot read each validation curve averaged over {2 * ta.SMOOTH + 1} consecutive "
+           "evaluations (centred), so that no crossing rests on one noisy evaluation; the lr sweep reads the "
+           "raw final loss. Full runs on the links check "
            "the projection (below).\n\n",
            "## Time to target\n\n"]
     out += [link_table(link, data, settings) + "\n" for link, data in result["links"].items()]

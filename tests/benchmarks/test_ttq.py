@@ -283,3 +283,18 @@ def test_a_warm_up_inside_the_start_up_steps_is_refused(capsys):
     with pytest.raises(SystemExit):
         ttq.main(["--configs", "ddp_powersgd_adamw", "--powersgd-start", "2", "--dry-run"])
     assert "--powersgd-start above 3" in capsys.readouterr().err
+
+
+def test_smoothing_keeps_a_trend_and_a_crossing_off_one_noisy_evaluation():
+    line = [(float(s), 5.0 - s / 100) for s in range(0, 101, 10)]
+    smoothed = ta.smooth(line)
+    assert [s for s, _ in smoothed] == [s for s, _ in line]
+    assert [v for _, v in smoothed[1:-1]] == pytest.approx([v for _, v in line[1:-1]])  # a line keeps its inside
+    assert smoothed[0][1] == pytest.approx(4.95)  # the ends average what they have
+    assert ta.smooth(line, half=0) == line
+    # one evaluation 0.05 below the trend at step 50: the trend crosses 4.46 at step 54, the raw
+    # curve already at 49.3 (on the dip), the smoothed one at 52.3
+    dipped = [(s, v - (0.05 if s == 50 else 0.0)) for s, v in line]
+    assert ta.steps_to_target(line, 4.46) == pytest.approx(54.0)
+    assert ta.steps_to_target(dipped, 4.46) == pytest.approx(49.33, abs=0.01)
+    assert ta.steps_to_target(ta.smooth(dipped), 4.46) == pytest.approx(52.33, abs=0.01)
