@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import astuple
 from datetime import timedelta
 from pathlib import Path
@@ -137,8 +138,7 @@ def resolved_plans(optimizers) -> list[str]:
         if plan is not None:
             found.append(str(plan))
         elif forms:
-            counts = {f: list(forms.values()).count(f) for f in sorted(set(forms.values()))}
-            found.append("forms: " + ", ".join(f"{f} x{n}" for f, n in counts.items()))
+            found.append("forms: " + ", ".join(f"{f} x{n}" for f, n in sorted(Counter(forms.values()).items())))
     return found
 
 

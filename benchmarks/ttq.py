@@ -405,7 +405,8 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     swept = configs if args.sweep == "all" else [c for c in args.sweep.split(",") if c in configs]
     validate = [tuple(v.split("@")) for v in args.validate.split(",") if v]
-    short = {c: w for c in configs if 0 < (w := switch_of(c, args.steps, args.powersgd_start)) <= STARTUP}
+    switch = {c: switch_of(c, args.steps, args.powersgd_start) for c in configs}
+    short = {c: w for c, w in switch.items() if 0 < w <= STARTUP}
     if short:  # the timing runs time steps 1..STARTUP as start-up, at full precision
         parser.error(f"compression warm-ups {short} end within the {STARTUP} start-up steps the timing runs time "
                      f"at full precision; give --powersgd-start above {STARTUP} (or more --steps)")
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
                 "timing_warm": args.timing_warm, "timing_main": args.timing_main, "startup_steps": STARTUP,
                 "powersgd": {**POWERSGD, "start_powerSGD_iter": switch_of("ddp_powersgd_adamw", args.steps,
                                                                         args.powersgd_start)},
-                "switch": {c: switch_of(c, args.steps, args.powersgd_start) for c in configs},
+                "switch": switch,
                 "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR, "code": study.code}
     if args.report_only:
         study.load_only = True

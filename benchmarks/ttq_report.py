@@ -335,7 +335,7 @@ def plan_check(config: str, timing_plan: list[str], quality_plans: list[list[str
     (made before the worker read the plans ahead of teardown)."""
     from benchmarks.ttq import LINK_PLANNED
 
-    if any(q and q != timing_plan for q in quality_plans):
+    if timing_plan and any(q and q != timing_plan for q in quality_plans):  # both recorded, and apart
         return "DIFFERS"
     if config in LINK_PLANNED and timing_plan and not all(quality_plans):
         return f"unrecorded in {sum(not q for q in quality_plans)} of {len(quality_plans)}"

@@ -266,6 +266,8 @@ def test_plan_check_tells_differs_from_unrecorded():
     assert ttq_report.plan_check("ddp_adamw", [], [[], []]) == "same"
     # a fixed mode's plan is the configuration's: an old run without it is not a mismatch
     assert ttq_report.plan_check("lowbit_lion_1bit", ["Plan(mode='1bit', bits=1, levels=0)"], [[]]) == "same"
+    # nor is a new quality run beside a timing run made before plans were recorded
+    assert ttq_report.plan_check("lowbit_lion_1bit", [], [["Plan(mode='1bit', bits=1, levels=0)"]]) == "same"
 
 
 def test_ratios_pair_seeds_and_rows_say_when_seeds_are_missing():
