@@ -185,13 +185,29 @@ def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[
 def _ratio(rows: dict, config: str, ref: str, field: str) -> float | None:
     """``ref``'s mean seconds to the target over ``config``'s (above 1: ``config`` is faster), over
     the seeds both have (a missing seed run must not pair one method's seeds 0-2 with another's
-    0-1); None where either misses the target in one of them, or ``config`` is ``ref``."""
+    0-1); None where either misses the target in one of them, or ``config`` is ``ref``, or
+    ``config`` met it at the first evaluation (no training time to compare: a curve too short or
+    flat, as in the smoke tests, can start at or below the smoothed target)."""
     mine, theirs = rows[config].get("per_seed", {}), rows.get(ref, {}).get("per_seed", {})
     common = sorted(set(mine) & set(theirs))
     secs, ref_secs = [mine[k].get(field) for k in common], [theirs[k].get(field) for k in common]
     if config == ref or not common or None in secs + ref_secs:
         return None
-    return statistics.fmean(ref_secs) / statistics.fmean(secs)  # type: ignore[arg-type]
+    return _over(statistics.fmean(ref_secs), statistics.fmean(secs))  # type: ignore[arg-type]
+
+
+def _over(a: float, b: float) -> float | None:
+    """``a / b``; None where ``b`` is 0 (a target met at the first evaluation)."""
+    return a / b if b else None
+
+
+def _times_slower(a: float, b: float) -> str:
+    """``a`` seconds against the fastest ``b``, in words: "1.25× slower", "as fast", or "met at
+    the first evaluation" where ``b`` is 0."""
+    r = _over(a, b)
+    return "both met at the first evaluation" if r is None and not a else (
+        "the fastest met it at the first evaluation" if r is None else
+        f"{r:.2f}× {'slower' if a > b else 'as fast'}")
 
 
 def _seed_note(row: dict, settings: dict) -> str:
@@ -220,8 +236,8 @@ def facts(result: dict, settings: dict) -> str:
         best = min(done, key=lambda c: (done[c], c))
         bf16 = {c: t for c, t in done.items() if c.startswith("ddp_bf16_")}
         b16 = min(bf16, key=lambda c: (bf16[c], c)) if bf16 else None
-        cmp = (f"; the best DDP bf16 ({LABEL[b16]}) {bf16[b16]:.1f} s: {bf16[b16] / done[best]:.2f}× "
-               f"{'slower' if bf16[b16] > done[best] else 'as fast'}" if b16 and b16 != best else
+        cmp = (f"; the best DDP bf16 ({LABEL[b16]}) {bf16[b16]:.1f} s: {_times_slower(bf16[b16], done[best])}"
+               if b16 and b16 != best else
                "; that is DDP with bf16 communication" if b16 == best else "")
         missed = sorted(c for c, r in data["rows"].items() if c not in done and "per_seed" in r)
         absent = sorted(c for c, r in data["rows"].items() if "per_seed" not in r)
@@ -252,8 +268,7 @@ def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict
     if b16 == best:
         cmp = "; that is DDP with bf16 communication"
     elif b16 in done:
-        cmp = f"; {LABEL[b16]} {done[b16]:.1f} s: {done[b16] / done[best]:.2f}× " + (
-            "slower" if done[b16] > done[best] else "as fast")
+        cmp = f"; {LABEL[b16]} {done[b16]:.1f} s: {_times_slower(done[b16], done[best])}"
     elif b16 in rows and "per_seed" in rows[b16]:
         cmp = f"; {LABEL[b16]} does not reach it in every seed"
     else:

@@ -281,6 +281,18 @@ def test_ratios_pair_seeds_and_rows_say_when_seeds_are_missing():
     assert ttq_report._ratio(rows, "a", "ref", "t") is None
 
 
+def test_a_target_met_at_the_first_evaluation_gives_no_ratio_and_no_division_by_zero():
+    """A short or flat curve (the smoke runs: 24 steps) can start at or below the smoothed target;
+    CI once failed on the ZeroDivisionError this made."""
+    rows = {"a": {"per_seed": {0: {"t": 0.0}}}, "ref": {"per_seed": {0: {"t": 3.0}}}}
+    assert ttq_report._ratio(rows, "a", "ref", "t") is None
+    assert ttq_report._ratio(rows, "ref", "a", "t") == 0.0
+    assert ttq_report._times_slower(3.0, 0.0) == "the fastest met it at the first evaluation"
+    assert ttq_report._times_slower(0.0, 0.0) == "both met at the first evaluation"
+    assert ttq_report._times_slower(3.0, 2.0) == "1.50× slower"
+    assert ttq_report._times_slower(2.0, 2.0) == "1.00× as fast"
+
+
 def test_a_warm_up_inside_the_start_up_steps_is_refused(capsys):
     with pytest.raises(SystemExit):
         ttq.main(["--configs", "ddp_powersgd_adamw", "--powersgd-start", "2", "--dry-run"])
