@@ -12,7 +12,11 @@ bytes and hang or corrupt the collective). So the timing is a collective:
   rank does, so that rank's codec time is the one the step waits for.
 
 :func:`median_seconds` is the timing loop both measurements use (a warm-up call, then the
-median of ``repeat`` calls, the device synchronized around each on CUDA).
+median of ``repeat`` calls, the device synchronized around each on CUDA) and
+:func:`sample_values` the values they time, drawn from a private generator: a measurement
+that drew from torch's global RNG would make ``auto`` change the user's training (a
+``DataLoader(shuffle=True)`` seeds each epoch's order from it, and dropout draws from it), so
+a run with ``auto`` and one with the plan ``auto`` chose would not train alike.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ import torch
 
 from lowbit_strategy.collectives import group as g
 
-__all__ = ["agreed_slowest", "median_seconds"]
+__all__ = ["agreed_slowest", "median_seconds", "sample_values"]
+
+
+def sample_values(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard-normal values of ``shape`` on ``device`` for a timing measurement, from a
+    generator of its own (seed 0): torch's global RNG is left as it was (see the module doc)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(*shape, generator=generator, device=device)
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device | str = "cpu") -> float:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.calibration import median_seconds
+from lowbit_strategy.collectives.calibration import median_seconds, sample_values
 from lowbit_strategy.collectives.link_probe import LinkFit, probe
 from lowbit_strategy.plan.inputs import PlanError
 
@@ -107,13 +107,13 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
     from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 
     sample = max(1024, sample // 1024 * 1024)  # whole TurboQuant rotation blocks
-    x = torch.randn(sample, device=dev)
+    x = sample_values(sample, device=dev)
     lion = measure_codec_seconds(("lp8", "1bit"), 2, sample, 1.0, dev, sample, 3)
     error = torch.zeros_like(x)
     turbo = TurboQuantCodec(4, seed=0, block=1024)
     rows = x.view(-1, 1024)
     m = x.view(1024, -1)
-    q = torch.randn(m.shape[1], 4, device=dev)
+    q = sample_values(m.shape[1], 4, device=dev)
 
     def onebit():
         packed, scales = scaled_sign_compress(x, error)[:2]
@@ -133,7 +133,7 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
 
     rows_x = x.view(1, -1)
     codes, tq_scales = encode_rows(turbo, rows_x)
-    y = torch.randn_like(x)
+    y = sample_values(*x.shape, device=dev)
     timed = {
         "compensated": onebit,
         "turboquant": lambda: turbo.decode(turbo.encode(x)),
@@ -197,7 +197,7 @@ def _contended_worker(sample: int, processes: int, start, done, out) -> None:
     out.put(ns)
     with done.get_lock():
         done.value += 1
-    x = torch.randn(sample)
+    x = sample_values(sample)
     while done.value < processes:
         x.mul_(1.0001).abs_()
 

@@ -4,6 +4,7 @@ every rank measures after a barrier, and every rank keeps the slowest rank's fig
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lowbit_strategy.collectives import calibration, wire
@@ -47,3 +48,21 @@ def _check(rank, world_size):
 @pytest.mark.slow
 def test_every_rank_measures_at_once_and_keeps_the_slowest():
     run_ranks(3, _check)
+
+
+def test_auto_plans_measure_without_touching_the_global_rng():
+    """A measurement that drew from torch's global RNG made ``auto`` change the training: the
+    DataLoader's shuffle (seeded from it each epoch) then ordered the data otherwise than with
+    the plan ``auto`` chose, pinned. Each measurement draws from a private generator."""
+    from lowbit_strategy.algorithms.lion_cub import plan as lion_plan
+    from lowbit_strategy.algorithms.turboquant import plan as tq_plan
+    from lowbit_strategy.codecs import TurboQuantCodec
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    lion_plan.measure_codec_seconds(("lp8", "1bit"), 4, 4096, 1.0, "cpu", 4096, 1)
+    tq_plan.measure_codec_seconds(TurboQuantCodec(4, seed=0, block=1024), 4, "cpu", 4096, 1)
+    assert torch.equal(torch.get_rng_state(), before)
+    a, b = calibration.sample_values(3, 5), calibration.sample_values(3, 5)
+    assert a.shape == (3, 5) and torch.equal(a, b)  # seeded: every rank times the same values
+    assert torch.equal(torch.get_rng_state(), before)

@@ -17,7 +17,7 @@ from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
 from lowbit_strategy.collectives import cost_model
-from lowbit_strategy.collectives.calibration import median_seconds
+from lowbit_strategy.collectives.calibration import median_seconds, sample_values
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
@@ -118,7 +118,7 @@ def measure_codec_seconds(
     Only the local work: the same passes the collectives make around the wire (the receive
     side of P ranks decodes N values in all, whatever P)."""
     m = max(1, min(numel, sample))
-    x = torch.randn(m, device=device)
+    x = sample_values(m, device=device)  # not the global RNG: auto must not change the training
 
     def work(name: str):
         if name == "fp32":

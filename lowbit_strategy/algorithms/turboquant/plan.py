@@ -23,7 +23,7 @@ import torch
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 from lowbit_strategy.collectives import cost_model
-from lowbit_strategy.collectives.calibration import median_seconds
+from lowbit_strategy.collectives.calibration import median_seconds, sample_values
 
 #: every form ``auto`` chooses from, in tie-break order (the first of equal predictions wins)
 AUTO_FORMS = ("allgather", "two_stage", "fp32")
@@ -78,8 +78,8 @@ def measure_codec_seconds(
     """
     b = codec.block
     m = max(b, (max(1, sample) // b) * b)
-    x = torch.randn(1, m, device=device)
-    y = torch.randn(m, device=device)
+    x = sample_values(1, m, device=device)  # not the global RNG: auto must not change the training
+    y = sample_values(m, device=device)
     codes, scales = encode_rows(codec, x)
 
     def timed(fn) -> float:
