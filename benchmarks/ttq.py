@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -123,22 +124,39 @@ class Study:
         return {**self.model, "val_batches": self.args.val_batches, "lr_warmup": self.args.lr_warmup,
                 "schedule_steps": self.args.steps}
 
-    def overrides(self, config: str, link) -> str:
+    def overrides(self, config: str, link, plan: list[str] | None = None) -> str:
+        """A :data:`LINK_PLANNED` configuration's LowBitConfig overrides: the link, and the
+        ``plan`` :func:`pin` fixes (else ``auto`` resolves it)."""
         if config not in LINK_PLANNED:
             return ""
-        return f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}"
+        told = f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}"
+        return ",".join(filter(None, (told, pin(config, plan or []))))
+
+    def plan_of_record(self, config: str, link) -> list[str]:
+        """The plan ``config``'s timing run on ``link`` recorded ([] for none, or no such run): the
+        first timing run lets ``auto`` resolve it; every later run of that link pins it
+        (:func:`pin`). Why: ``auto`` weighs the wire time against a codec time measured at
+        start-up, and where two plans are predicted about equal the choice differs from run to run
+        with the machine's load. TurboQuant at 1 Gbit/s on this machine chose fp32 in its timing
+        run and all-gather in 2 of its first 3 quality runs: runs of one key trained 2 plans, and
+        their losses were projected onto the fp32 timing run's step times."""
+        if config not in LINK_PLANNED or not (path := self.path("timing", f"{config}@{link.name}")).exists():
+            return []
+        return json.loads(path.read_text()).get("plan") or []
 
     def timing_settings(self, config: str, link) -> dict:
         warm = STARTUP + self.args.timing_warm if switch_of(config, self.args.steps, self.args.powersgd_start) else 0
         steps = max(STARTUP, warm) + self.args.timing_main
         return {**self.base(), "config": config, "steps": steps, "switch": warm, "eval_every": 0,
-                "lr": DEFAULT_LR[CONFIGS[config][1]], "seed": 0, "lowbit": self.overrides(config, link),
+                "lr": DEFAULT_LR[CONFIGS[config][1]], "seed": 0,
+                "lowbit": self.overrides(config, link, self.plan_of_record(config, link)),
                 "marks": ",".join(str(m) for m in sorted({STARTUP, max(STARTUP, warm), steps}))}
 
     def quality_settings(self, config: str, plan_link, lr: float, seed: int, eval_every: int | None = None) -> dict:
         return {**self.base(), "config": config, "steps": self.args.steps, "lr": lr, "seed": seed,
                 "switch": switch_of(config, self.args.steps, self.args.powersgd_start),
-                "eval_every": eval_every or self.args.eval_every, "lowbit": self.overrides(config, plan_link),
+                "eval_every": eval_every or self.args.eval_every,
+                "lowbit": self.overrides(config, plan_link, self.plan_of_record(config, plan_link)),
                 "marks": ""}
 
     # ---- files --------------------------------------------------------------------------
@@ -232,6 +250,26 @@ def code_fingerprint() -> str:
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def pin(config: str, plan: list[str]) -> str:
+    """LowBitConfig overrides that fix a recorded ``plan`` (:func:`benchmarks.e2e_worker.resolved_plans`)
+    instead of ``auto``: Lion Cub's ``Plan(mode='lp', bits=8, levels=63)`` -> ``lion_mode=lp,lion_bits=8``
+    (the levels follow from the lane and the world size), TurboQuant's ``forms: fp32 x1`` ->
+    ``turboquant_form=fp32``. Nothing ("": ``auto`` resolves it) for no plan, or for TurboQuant
+    buckets of several forms (one field cannot pin a form per bucket)."""
+    if not plan:
+        return ""
+    if config == "lowbit_lion":
+        found = re.fullmatch(r"Plan\(mode='(\w+)', bits=(\d+), levels=\d+\)", plan[0])
+        if found is None:
+            raise ValueError(f"pin: cannot read Lion Cub's plan {plan[0]!r}")
+        mode, bits = found.groups()
+        return f"lion_mode={mode}" + (f",lion_bits={bits}" if mode in ("sign", "lp") else "")
+    if config == "lowbit_turboquant":
+        forms = {part.strip().split(" x")[0] for p in plan for part in p.removeprefix("forms:").split(",")}
+        return f"turboquant_form={forms.pop()}" if len(forms) == 1 else ""
+    return ""
 
 
 def unplanned(kind: str, rec: dict) -> bool:
@@ -349,7 +387,7 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
             lr = runs["chosen"][key]
             rec = study.run("full", f"{config}@{link.name}_lr{lr:g}_seed{seeds[0]}",
                             {**study.quality_settings(config, plan_link, lr, seeds[0]),
-                             "lowbit": study.overrides(config, link)}, link, net)
+                             "lowbit": study.overrides(config, link, study.plan_of_record(config, link))}, link, net)
             if rec:
                 runs["full"].append(rec)
     return runs
@@ -364,7 +402,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", default=None)
     parser.add_argument("--lr-factors", default=None, help="the sweep: centre lr (centre_lr) x these (seed 0)")
-    parser.add_argument("--sweep", default=None, help="configs swept ('all' or comma-separated); others: their centre lr")
+    parser.add_argument("--sweep", default=None,
+                        help="configs swept ('all' or comma-separated); others: their centre lr")
     parser.add_argument("--sweep-extend", type=int, default=None,
                         help="while a swept config's best lr is the lowest or highest tried, try half or twice it, "
                              "at most this many times (full study 4, --quick 0)")

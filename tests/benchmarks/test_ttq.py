@@ -5,6 +5,7 @@ report's tables from run records. No training here (the slow tier runs the worke
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -312,3 +313,30 @@ def test_smoothing_keeps_a_trend_and_a_crossing_off_one_noisy_evaluation():
     assert ta.steps_to_target(line, 4.46) == pytest.approx(54.0)
     assert ta.steps_to_target(dipped, 4.46) == pytest.approx(49.33, abs=0.01)
     assert ta.steps_to_target(ta.smooth(dipped), 4.46) == pytest.approx(52.33, abs=0.01)
+
+
+def test_a_link_planned_plan_is_pinned_after_its_first_timing_run(tmp_path):
+    """``auto`` resolves a plan from a codec time measured at start-up, so near a tie it can
+    differ from run to run (TurboQuant at 1 Gbit/s: fp32 in the timing run, all-gather in 2 of 3
+    quality runs). The first timing run's plan is pinned in every later run of that link."""
+    assert ttq.pin("lowbit_lion", ["Plan(mode='lp', bits=8, levels=63)"]) == "lion_mode=lp,lion_bits=8"
+    assert ttq.pin("lowbit_lion", ["Plan(mode='1bit', bits=1, levels=0)"]) == "lion_mode=1bit"
+    assert ttq.pin("lowbit_turboquant", ["forms: fp32 x1"]) == "turboquant_form=fp32"
+    assert ttq.pin("lowbit_turboquant", ["forms: allgather x2, fp32 x1"]) == ""  # one field, two forms
+    assert ttq.pin("lowbit_turboquant", []) == ""
+    with pytest.raises(ValueError, match="cannot read"):
+        ttq.pin("lowbit_lion", ["Plan(mode=lp)"])
+    args = SimpleNamespace(links="1gbit,100mbit", model=[("d_model", 32)], max_minutes=1, val_batches=2,
+                           lr_warmup=0, steps=100, timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10)
+    study = ttq.Study(args, tmp_path)
+    gbit = study.links[0]
+    told = "link_bandwidth_gbps=1,link_latency_us=50"
+    assert study.timing_settings("lowbit_turboquant", gbit)["lowbit"] == told  # no run yet: auto resolves it
+    study.path("timing", "lowbit_turboquant@1gbit").parent.mkdir(parents=True)
+    study.path("timing", "lowbit_turboquant@1gbit").write_text(json.dumps({"plan": ["forms: fp32 x1"]}))
+    pinned = told + ",turboquant_form=fp32"
+    assert study.timing_settings("lowbit_turboquant", gbit)["lowbit"] == pinned
+    assert study.quality_settings("lowbit_turboquant", gbit, 1e-3, 1)["lowbit"] == pinned
+    assert study.quality_settings("lowbit_turboquant", study.links[1], 1e-3, 1)["lowbit"] == \
+        "link_bandwidth_gbps=0.1,link_latency_us=50"
+    assert study.timing_settings("ddp_adamw", gbit)["lowbit"] == ""
