@@ -14,9 +14,9 @@ bytes and hang or corrupt the collective). So the timing is a collective:
 :func:`median_seconds` is the timing loop both measurements use (a warm-up call, then the
 median of ``repeat`` calls, the device synchronized around each on CUDA) and
 :func:`sample_values` the values they time, drawn from a private generator: a measurement
-that drew from torch's global RNG would make ``auto`` change the user's training (a
-``DataLoader(shuffle=True)`` seeds each epoch's order from it, and dropout draws from it), so
-a run with ``auto`` and one with the plan ``auto`` chose would not train alike.
+that drew from torch's global RNG would shift every later draw from it (dropout masks, a
+``RandomSampler`` without a generator, the user's own ``torch.rand``), so a run with ``auto``
+and one with the plan ``auto`` chose would not train alike.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def test_every_rank_measures_at_once_and_keeps_the_slowest():
 
 
 def test_auto_plans_measure_without_touching_the_global_rng():
-    """A measurement that drew from torch's global RNG made ``auto`` change the training: the
-    DataLoader's shuffle (seeded from it each epoch) then ordered the data otherwise than with
+    """A measurement that drew from torch's global RNG made ``auto`` change the training: every
+    later draw from it (dropout, a RandomSampler without a generator) differed from a run with
     the plan ``auto`` chose, pinned. Each measurement draws from a private generator."""
     from lowbit_strategy.algorithms.lion_cub import plan as lion_plan
     from lowbit_strategy.algorithms.turboquant import plan as tq_plan
