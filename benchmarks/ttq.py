@@ -167,7 +167,17 @@ class Study:
         if not path.exists():
             return None
         rec = json.loads(path.read_text())
-        return rec if rec.get("settings") == settings else None
+        same = rec.get("settings") == settings or (path.parent.name == "timing" and self.chose_its_pin(rec, settings))
+        return rec if same else None
+
+    @staticmethod
+    def chose_its_pin(rec: dict, settings: dict) -> bool:
+        """Whether ``rec`` is the run that let ``auto`` choose the plan ``settings`` pin: the first
+        timing run of a link (:meth:`plan_of_record`). Asked again, it is the same run, not one to
+        make again pinned."""
+        got = rec.get("settings") or {}
+        chosen = ",".join(filter(None, (got.get("lowbit", ""), pin(got.get("config", ""), rec.get("plan") or []))))
+        return got.get("lowbit") != chosen == settings.get("lowbit") and {**got, "lowbit": chosen} == settings
 
     # ---- running ------------------------------------------------------------------------
     def _command(self, settings: dict, out: Path) -> list[str]:

@@ -340,3 +340,16 @@ def test_a_link_planned_plan_is_pinned_after_its_first_timing_run(tmp_path):
     assert study.quality_settings("lowbit_turboquant", study.links[1], 1e-3, 1)["lowbit"] == \
         "link_bandwidth_gbps=0.1,link_latency_us=50"
     assert study.timing_settings("ddp_adamw", gbit)["lowbit"] == ""
+
+
+def test_the_timing_run_that_chose_a_plan_is_kept_when_its_plan_is_pinned():
+    """The first timing run lets auto choose; the settings asked for afterwards pin that plan.
+    The run is the plan of record itself, so a resume must not make it again."""
+    auto = {"config": "lowbit_turboquant", "steps": 48, "lowbit": "link_bandwidth_gbps=1,link_latency_us=50"}
+    rec = {"settings": auto, "plan": ["forms: fp32 x1"]}
+    pinned = {**auto, "lowbit": auto["lowbit"] + ",turboquant_form=fp32"}
+    assert ttq.Study.chose_its_pin(rec, pinned)
+    assert not ttq.Study.chose_its_pin(rec, {**auto, "lowbit": auto["lowbit"] + ",turboquant_form=allgather"})
+    assert not ttq.Study.chose_its_pin(rec, {**pinned, "steps": 49})  # other settings still count
+    assert not ttq.Study.chose_its_pin(rec, auto)  # (equal settings are matched as such)
+    assert not ttq.Study.chose_its_pin({"settings": auto, "plan": ["forms: fp32 x1, tq x2"]}, pinned)
