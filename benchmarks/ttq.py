@@ -129,8 +129,8 @@ class Study:
         ``plan`` :func:`pin` fixes (else ``auto`` resolves it)."""
         if config not in LINK_PLANNED:
             return ""
-        told = f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}"
-        return ",".join(filter(None, (told, pin(config, plan or []))))
+        return with_pin(f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}",
+                        config, plan or [])
 
     def plan_of_record(self, config: str, link) -> list[str]:
         """The plan ``config``'s timing run on ``link`` recorded ([] for none, or no such run): the
@@ -176,7 +176,7 @@ class Study:
         timing run of a link (:meth:`plan_of_record`). Asked again, it is the same run, not one to
         make again pinned."""
         got = rec.get("settings") or {}
-        chosen = ",".join(filter(None, (got.get("lowbit", ""), pin(got.get("config", ""), rec.get("plan") or []))))
+        chosen = with_pin(got.get("lowbit", ""), got.get("config", ""), rec.get("plan") or [])
         return got.get("lowbit") != chosen == settings.get("lowbit") and {**got, "lowbit": chosen} == settings
 
     # ---- running ------------------------------------------------------------------------
@@ -280,6 +280,11 @@ def pin(config: str, plan: list[str]) -> str:
         forms = {part.strip().split(" x")[0] for p in plan for part in p.removeprefix("forms:").split(",")}
         return f"turboquant_form={forms.pop()}" if len(forms) == 1 else ""
     return ""
+
+
+def with_pin(overrides: str, config: str, plan: list[str]) -> str:
+    """``overrides`` with :func:`pin`'s fields for ``plan`` appended (as they are where it pins nothing)."""
+    return ",".join(filter(None, (overrides, pin(config, plan))))
 
 
 def unplanned(kind: str, rec: dict) -> bool:

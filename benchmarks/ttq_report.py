@@ -204,10 +204,9 @@ def _over(a: float, b: float) -> float | None:
 def _times_slower(a: float, b: float) -> str:
     """``a`` seconds against the fastest ``b``, in words: "1.25× slower", "as fast", or "met at
     the first evaluation" where ``b`` is 0."""
-    r = _over(a, b)
-    return "both met at the first evaluation" if r is None and not a else (
-        "the fastest met it at the first evaluation" if r is None else
-        f"{r:.2f}× {'slower' if a > b else 'as fast'}")
+    if not b:
+        return "the fastest met it at the first evaluation" if a else "both met at the first evaluation"
+    return f"{a / b:.2f}× {'slower' if a > b else 'as fast'}"
 
 
 def _seed_note(row: dict, settings: dict) -> str:
