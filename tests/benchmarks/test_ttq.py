@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import ttq, ttq_analysis as ta, ttq_report
+from benchmarks import ttq, ttq_report
+from benchmarks import ttq_analysis as ta
 from benchmarks.collectives import parse_link
 
 
