@@ -133,12 +133,14 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summary(values: list[float | None], fmt: str = "{:.1f}") -> str:
-    """``"m ± s"`` when every seed gave a value; ``"not reached"`` (with how many did) otherwise."""
+    """``"m ± s"`` when every seed gave a value; ``"not reached"`` when none did, and
+    ``"not reached in k of n seeds"`` when some did (one unreached seed makes the mean
+    meaningless: it would be the mean of the lucky seeds)."""
     got = [v for v in values if v is not None]
     if not values:
         return "–"
     if len(got) < len(values):
-        return "not reached" + (f" ({len(values) - len(got)}/{len(values)} seeds)" if got else "")
+        return "not reached" + (f" in {len(values) - len(got)} of {len(values)} seeds" if got else "")
     m, s = mean_std(got)
     return f"{fmt.format(m)} ± {fmt.format(s)}" if len(got) > 1 else fmt.format(m)
 

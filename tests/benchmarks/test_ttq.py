@@ -70,7 +70,7 @@ def test_mean_std_and_not_reached():
     assert ta.summary([10.0, 12.0, 14.0]) == "12.0 ± 2.0"
     assert ta.summary([10.0]) == "10.0"
     assert ta.summary([None, None]) == "not reached"
-    assert ta.summary([10.0, None, 12.0]) == "not reached (1/3 seeds)"
+    assert ta.summary([10.0, None, 12.0]) == "not reached in 1 of 3 seeds"
     m, s = ta.mean_std([1.0, 2.0, 3.0])
     assert (m, s) == (2.0, 1.0)
 
