@@ -302,7 +302,9 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            f"the budget and the plot read each validation curve averaged over {2 * ta.SMOOTH + 1} consecutive "
            "evaluations (centred), so that no crossing rests on one noisy evaluation; the lr sweep reads the "
            "raw final loss. Full runs on the links check "
-           "the projection (below).\n\n",
+           "the projection (below). **±** is the sample std over seeds, of the quality curves only: each "
+           "configuration's step times come from one timing run per link, so run-to-run variation of the "
+           "step time is not in it; the full runs show how far a real run lands from its projection.\n\n",
            "## Time to target\n\n"]
     out += [link_table(link, data, settings) + "\n" for link, data in result["links"].items()]
     out.append("## Verdict facts (computed)\n\n" + facts(result, settings))
