@@ -177,7 +177,7 @@ class Study:
         make again pinned."""
         got = rec.get("settings") or {}
         chosen = with_pin(got.get("lowbit", ""), got.get("config", ""), rec.get("plan") or [])
-        return got.get("lowbit") != chosen == settings.get("lowbit") and {**got, "lowbit": chosen} == settings
+        return got.get("lowbit") != chosen and {**got, "lowbit": chosen} == settings
 
     # ---- running ------------------------------------------------------------------------
     def _command(self, settings: dict, out: Path) -> list[str]:
