@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from lowbit_strategy.collectives.cost_model_nodes import Cluster
-from lowbit_strategy.plan import inputs, predict, recommend
+from lowbit_strategy.plan import inputs, predict, recommend, warmup
 
 #: where a GPU run leaves codec timings (ns per element by codec), read when present
 GPU_CODECS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "codecs.json"
@@ -63,12 +63,41 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--measure", action="store_true", help="measure the link (run under torchrun or any launcher)")
     ap.add_argument("--inputs", help="with --measure and --model: pkg.mod:fn returning one GPU's batch")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        help="the run's optimizer steps: price the whole run, full-precision warm-ups included "
+        "(without it: the steady-state step)",
+    )
+    ap.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=warmup.POWERSGD_START,
+        help="with --steps: PowerSGD's fp32 steps (start_powerSGD_iter; torch's default)",
+    )
+    ap.add_argument(
+        "--freeze-step",
+        type=int,
+        help=f"with --steps: 1-bit Adam/LAMB's warm-up (default {warmup.ONEBIT_FREEZE_SHARE:.0%} of --steps)",
+    )
+    ap.add_argument(
+        "--turboquant-warmup",
+        type=int,
+        default=warmup.TURBOQUANT_WARMUP,
+        help="with --steps: TurboQuant-Adam's warmup_steps",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
 
 def _codecs(args) -> tuple[dict[str, float] | None, str]:
-    path = Path(args.codecs) if args.codecs else GPU_CODECS if GPU_CODECS.exists() else None
+    """Codec ns per element: ``--codecs``, else ``--measure-codecs`` on this machine, else the GPU
+    report a ``make gpu-check`` left (:data:`GPU_CODECS`), else none. Asked for, a measurement wins
+    over the default report."""
+    if args.codecs and args.measure_codecs:
+        raise inputs.PlanError("--codecs", args.codecs, "pass either --codecs or --measure-codecs, not both")
+    default = GPU_CODECS if GPU_CODECS.exists() and not args.measure_codecs else None
+    path = Path(args.codecs) if args.codecs else default
     if path is not None:
         try:
             data = json.loads(path.read_text())
@@ -119,7 +148,10 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
         compute = dataclasses.replace(compute, note=f"compute {compute_s:.3g} s per step (measured)")
     ns, note = _codecs(args)
     memory = inputs.GPU_MEMORY.get((args.gpu or "").lower())
-    return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note, memory)
+    run = None
+    if args.steps is not None:
+        run = warmup.Run(args.steps, args.powersgd_start, args.freeze_step, args.turboquant_warmup)
+    return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note, memory, run=run)
 
 
 def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
@@ -134,7 +166,12 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         "gathers and reduce-scatters hide behind forward and backward but one unit's each",
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
-        f"buckets of {setup.bucket_size_mb:g} MB; steady state (warm-up steps send fp32 and are not counted)",
+        f"buckets of {setup.bucket_size_mb:g} MB; "
+        + (
+            setup.run.describe()
+            if setup.run
+            else "steady state (warm-up steps send fp32 and are not counted: --steps prices a whole run)"
+        ),
     ] + (
         [f"'!': does not fit {setup.gpu_memory / 1e9:.0f} GB per GPU with fp32 weights and gradients (8 B/param)"]
         if setup.gpu_memory
@@ -151,12 +188,16 @@ def _size(b: float) -> str:
 
 def table(rows: list[predict.Row]) -> str:
     head = f"{'method':<26} {'form':<12} {'link bytes/step':>15} {'comm s':>8} {'exposed s':>9} {'codec s':>8} "
-    head += f"{'step s':>8} {'vs DDP bf16':>11} {'memory/GPU':>10}"
+    run = bool(rows) and rows[0].run_s is not None
+    head += (
+        f"{'step s':>8} " + (f"{'warm-up':>7} {'run s':>8} " if run else "") + f"{'vs DDP bf16':>11} {'memory/GPU':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
+        whole = f"{r.warmup_steps:>7} {r.run_s:>8,.0f} " if run else ""
         lines.append(
             f"{r.method:<26} {r.form:<12} {_size(r.link_bytes):>15} {r.comm_s:>8.3g} {r.exposed_s:>9.3g} "
-            f"{r.codec_s:>8.3g} {r.step_s:>8.3g} {r.speedup:>10.2f}x {_size(r.memory_bytes):>10}"
+            f"{r.codec_s:>8.3g} {r.step_s:>8.3g} {whole}{r.speedup:>10.2f}x {_size(r.memory_bytes):>10}"
             + ("!" if r.fits is False else "")
         )
     return "\n".join(lines)

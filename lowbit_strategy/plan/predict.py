@@ -5,7 +5,7 @@ step time, and the optimizer + compression memory per GPU, from the exact byte f
 across nodes), timed by their α–β model on the given cluster.
 
 **Step time** = compute + exposed communication + codec time (steady state: warm-up steps,
-which send fp32, are not counted):
+which send fp32, are priced only over a whole run, :mod:`~lowbit_strategy.plan.warmup`):
 
 * DDP, PowerSGD and the overlapping methods start each bucket's collective during backward,
   taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
@@ -54,7 +54,7 @@ from lowbit_strategy.collectives.cost_model_nodes import (
 )
 from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.plan.inputs import Compute, Model
-from lowbit_strategy.plan.predict_sharded import sharded_rows, world_rows
+from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
 from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboquant_codec_ns: part of this module's API
     ONEBIT_BLOCK,
     POWERSGD_MIN_RATE,
@@ -64,6 +64,7 @@ from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboq
     _matrix,
     turboquant_codec_ns,
 )
+from lowbit_strategy.plan.warmup import Run, whole_run
 
 #: backward's share of the compute time (forward 1/3: 2·N·tokens of 6·N·tokens FLOPs)
 BACKWARD_SHARE = 2 / 3
@@ -88,6 +89,8 @@ class Setup:
     #: the forms TurboQuant's ``auto`` chooses among per bucket (a check against a run that
     #: compressed passes the compressed ones: the run's own choice, not the planner's)
     turboquant_forms: tuple[str, ...] = TURBOQUANT_FORMS
+    #: the run to price, warm-ups included (``--steps``), or None: the steady-state step only
+    run: Run | None = None
 
     @property
     def bucket_numel(self) -> int:
@@ -282,4 +285,12 @@ def predict(setup: Setup) -> list[Row]:
             return None
         return r.memory_bytes + 8.0 * n / shards.get(r.form, 1) <= setup.gpu_memory
 
-    return [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
+    rows = [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
+    if setup.run is None:
+        return rows
+    fp32 = {"flat": next(r for r in rows if r.key == "ddp_fp32").step_s}  # the flat rows' and PowerSGD's warm-up
+    if "hierarchical" in forms:  # exact inside each node, fp32 across
+        fp32["hierarchical"] = pr.simple("fp32", "fp32", "hierarchical", "", "fp32", None, 0.0).step_s
+    if setup.sharded:
+        fp32["sharded"] = hsdp_fp32_step(pr)
+    return whole_run(rows, setup.run, fp32)

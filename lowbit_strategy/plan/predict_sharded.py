@@ -78,6 +78,13 @@ def sharded_rows(pr: _Predictor, lion_lane: str) -> list[Row]:
     ]
 
 
+def hsdp_fp32_step(pr: _Predictor) -> float:
+    """The sharded low-bit rows' warm-up step: the exact fp32 mean across nodes, reduced unit by
+    unit during backward as HSDP does (:mod:`lowbit_strategy.integrations.sharded`)."""
+    sends = sh.hsdp_sends(pr.s.model.unit_shapes(), pr.nodes, pr.per_node, itemsize=4)
+    return _sharded(pr, "hsdp_fp32", "HSDP fp32", "", sends, None, 0.0, True).step_s
+
+
 def world_rows(pr: _Predictor) -> list[Row]:
     """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
     in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or

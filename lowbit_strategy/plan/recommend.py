@@ -1,31 +1,51 @@
 """The plan's verdict: one sentence naming the method to use, from :mod:`.predict`'s rows
-(which may be "use DDP with bf16 communication")."""
+(which may be "use DDP with bf16 communication"), ranked by the whole run's time when
+``--steps`` priced it (:mod:`.warmup`), else by the steady-state step. Where the fastest row
+is one whose effect on the loss the plan cannot price and a measurement found a cost
+(:data:`QUALITY_CAVEATS`), the sentence says so and names the fastest row without one."""
 
 from __future__ import annotations
 
 from lowbit_strategy.plan.predict import Row
 
-__all__ = ["NEAR_TIE", "RECOMMEND_MARGIN", "recommend"]
+__all__ = ["NEAR_TIE", "QUALITY_CAVEATS", "RECOMMEND_MARGIN", "recommend"]
 
 #: a low-bit method must beat DDP bf16 by this factor to be recommended over it
 RECOMMEND_MARGIN = 1.05
 #: rows this close to the fastest are named beside it (the model cannot tell them apart)
 NEAR_TIE = 0.02
+#: row key prefixes whose cost in loss the plan does not price, with what was measured of it
+#: (this package's time-to-quality benchmark: GPT, 4M parameters, 1,500 steps, 3 seeds)
+QUALITY_CAVEATS = {
+    "powersgd": "PowerSGD's effect on the loss is not priced (it needed 8% more steps than DDP to the same "
+    "loss in this package's time-to-quality benchmark)",
+    "lion_1bit": "Lion Cub 1-bit's effect on the loss is not priced (it never reached DDP + Lion's loss at 80% "
+    "of the run in this package's time-to-quality benchmark, where the 8-bit lanes did)",
+}
+#: rows whose full-precision warm-up the steady state leaves out
+_WARMS = ("powersgd", "onebit", "turboquant")
+
+
+def _caveat(row: Row) -> str | None:
+    return next((text for key, text in QUALITY_CAVEATS.items() if row.key.startswith(key)), None)
 
 
 def recommend(rows: list[Row]) -> str:
     """One sentence: the fastest row (naming the rows within :data:`NEAR_TIE` of it), or DDP
-    with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN`."""
+    with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN`. A fastest
+    row with a :data:`QUALITY_CAVEATS` entry is named with its caveat after the fastest row
+    without one that still beats DDP bf16 by the margin (itself, if there is none). Ties in
+    time keep the rows' order (:func:`min` takes the first)."""
     base = next(r for r in rows if r.key == "ddp_bf16")
     share = base.exposed_s / base.step_s
     fitting = [r for r in rows if r.fits is not False]
     if not fitting:
         return "No row fits the GPU's memory with fp32 weights and gradients: shard across more GPUs (--sharded)."
-    best = min(fitting, key=lambda r: r.step_s)
+    best = min(fitting, key=lambda r: r.time_s)
     if (
         base.fits is False
         and best.form == "sharded"
-        and (best.key == "hsdp_bf16" or best.step_s > 0.95 * min(r.step_s for r in fitting if r.key == "hsdp_bf16"))
+        and (best.key == "hsdp_bf16" or best.time_s > 0.95 * min(r.time_s for r in fitting if r.key == "hsdp_bf16"))
     ):
         return (
             f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
@@ -42,10 +62,32 @@ def recommend(rows: list[Row]) -> str:
             f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "
             f"(best: {best.method} {best.form}, {best.speedup:.2f}x)."
         )
-    near = [f"{r.method} {r.form}" for r in fitting if r is not best and r.step_s <= best.step_s * (1 + NEAR_TIE)]
+    caveat = _caveat(best)
+    safe = [r for r in fitting if not _caveat(r) and not r.key.startswith("ddp") and r.speedup >= RECOMMEND_MARGIN]
+    pick = min(safe, key=lambda r: r.time_s, default=best) if caveat else best
+    near = [
+        f"{r.method} {r.form}"
+        for r in fitting
+        if r is not pick and not (caveat and _caveat(r)) and r.time_s <= pick.time_s * (1 + NEAR_TIE)
+    ]
     ties = f"; within {NEAR_TIE:.0%} of it: {', '.join(near)}" if near else ""
-    return (
-        f"Use {best.method} ({best.form}; {best.config}): predicted {best.speedup:.2f}x DDP bf16's step "
-        f"({best.step_s:.3g} s against {base.step_s:.3g} s, where DDP bf16 waits {share:.0%} of its step on the "
-        f"network){ties}."
+    if pick.run_s is None:
+        what = "step"
+    else:
+        what = "time for the run" + (f", its {pick.warmup_steps:,} warm-up steps included" if pick.warmup_steps else "")
+    sentence = (
+        f"Use {pick.method} ({pick.form}; {pick.config}): predicted {pick.speedup:.2f}x DDP bf16's {what} "
+        f"({_seconds(pick.time_s)} against {_seconds(base.time_s)}, where DDP bf16 waits {share:.0%} of its step "
+        f"on the network){ties}."
     )
+    if pick.run_s is None and pick.key.startswith(_WARMS):
+        sentence += " Its full-precision warm-up is not priced: --steps prices a whole run."
+    if caveat and pick is not best:
+        sentence += f" {best.method} ({best.form}) is predicted faster ({best.speedup:.2f}x), but {caveat}."
+    elif caveat:
+        sentence += f" {caveat[0].upper()}{caveat[1:]}."
+    return sentence
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"

@@ -22,7 +22,8 @@ TURBOQUANT_FORMS = ("fp32", "turboquant_two_stage", "turboquant_allgather")
 class Row:
     """One method in one form: ``link_bytes`` per step leaving each node (each direction),
     ``comm_s`` its communication, ``exposed_s`` what of it the step waits for, ``codec_s``,
-    ``step_s``, ``memory_bytes`` per GPU, ``speedup`` over DDP bf16, ``config`` how to ask for it."""
+    ``step_s``, ``memory_bytes`` per GPU, ``speedup`` over DDP bf16 (of the whole run when
+    ``run_s`` is priced, else of the step), ``config`` how to ask for it."""
 
     key: str
     method: str
@@ -37,6 +38,15 @@ class Row:
     speedup: float = 0.0
     #: whether weights, gradients and this state fit the GPU's memory (None: unknown)
     fits: bool | None = field(default=None)
+    #: the run's full-precision warm-up steps, priced at the fp32 step of this row's form
+    warmup_steps: int = 0
+    #: the whole run's seconds, warm-up included (``lowbit-plan --steps``); None: steady state only
+    run_s: float | None = None
+
+    @property
+    def time_s(self) -> float:
+        """What rows are ranked by: the whole run's seconds when priced, else the step's."""
+        return self.step_s if self.run_s is None else self.run_s
 
 
 def turboquant_codec_ns(codec_ns: dict[str, float] | None, form: str, ranks: int) -> float:

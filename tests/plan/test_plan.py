@@ -141,6 +141,22 @@ def test_codec_times_from_a_report(tmp_path, capsys):
     assert code == 2 and "--codecs" in err
 
 
+def test_asked_for_a_measurement_the_plan_does_not_read_the_default_report(capsys, monkeypatch):
+    """A checkout holds a GPU's codecs.json, read by default; ``--measure-codecs`` must time this
+    machine instead (it was silently ignored), and with ``--codecs`` too it is an error."""
+    from lowbit_strategy.plan import measure
+
+    assert cli.GPU_CODECS.exists()
+    monkeypatch.setattr(measure, "measure_codecs", lambda processes=1: ({"lp": 7.0}, f"cpu x{processes}"))
+    code, out, _ = _run(capsys, *SMALL, "--link", "1gbit", "--measure-codecs", "--codec-processes", "4", "--json")
+    plan = json.loads(out)
+    assert code == 0 and "measured on this machine's cpu x4" in plan["assumptions"][4]
+    rows = {r["key"]: r for r in plan["rows"]}
+    assert rows["lion_lp8_flat"]["codec_s"] == pytest.approx(7e-9 * 1e8, rel=1e-3)
+    code, _, err = _run(capsys, *SMALL, "--codecs", str(cli.GPU_CODECS), "--measure-codecs")
+    assert code == 2 and "either --codecs or --measure-codecs" in err
+
+
 def test_optimizer_steps_and_turboquant_forms_priced_from_the_report(tmp_path, capsys):
     """1-bit LAMB's step beyond AdamW's lands on its rows only, over every parameter; with
     TurboQuant's encode and decode apart, each form counts them as the algorithm's plan does."""

@@ -1,0 +1,91 @@
+"""A whole run's time, full-precision warm-ups included (``lowbit-plan --steps``).
+
+A steady-state step flatters the methods that first send full precision:
+
+* torch's ``powerSGD_hook`` runs DDP's fp32 allreduce for its first ``start_powerSGD_iter``
+  steps (torch's default: 1,000);
+* 1-bit Adam and 1-bit LAMB until ``freeze_step``: the variance must settle first, which
+  *1-bit LAMB* (arXiv:2104.06069, Sec. 3) puts at about 15 % of training for BERT, with a
+  warm-up of 16.7 % in its experiments; unless given, the plan takes 20 %, as this package's
+  time-to-quality benchmark does;
+* TurboQuant-Adam for ``warmup_steps`` (200, ``TurboQuantAdamW``'s default).
+
+Over a run of S steps a row with W warm-up steps takes ``W · t_fp32 + (S − W) · t_step``, with
+``t_fp32`` the step of the fp32 exchange in the row's own form: DDP fp32's for the flat rows and
+PowerSGD, the exact mean inside each node and fp32 across for the hierarchical rows, the
+shards' fp32 exchange across nodes for the sharded rows. In this package's time-to-quality
+benchmark (4M parameters, 1,500 steps, 2 × 2 CPU ranks) the steady state alone made PowerSGD
+the plan's pick, while its 1,000 fp32 steps made it the slowest to the target loss on both
+links; priced over the run, it is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lowbit_strategy.plan.inputs import PlanError
+from lowbit_strategy.plan.rows import Row
+
+__all__ = ["ONEBIT_FREEZE_SHARE", "POWERSGD_START", "TURBOQUANT_WARMUP", "Run", "whole_run"]
+
+#: torch's ``powerSGD_hook`` default ``start_powerSGD_iter``
+POWERSGD_START = 1000
+#: ``TurboQuantAdamW``'s default ``warmup_steps``
+TURBOQUANT_WARMUP = 200
+#: 1-bit Adam/LAMB's ``freeze_step`` as a share of the run when it is not given
+ONEBIT_FREEZE_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run a plan prices: ``steps`` optimizer steps and each method's warm-up; checked
+    here, where it is defined, so a bad value names its option."""
+
+    steps: int
+    powersgd_start: int = POWERSGD_START
+    freeze_step: int | None = None
+    turboquant_warmup: int = TURBOQUANT_WARMUP
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise PlanError("--steps", self.steps, "pass the run's optimizer steps, >= 1")
+        for option, value in (
+            ("--powersgd-start", self.powersgd_start),
+            ("--freeze-step", self.freeze_step),
+            ("--turboquant-warmup", self.turboquant_warmup),
+        ):
+            if value is not None and value < 0:
+                raise PlanError(option, value, "pass a number of warm-up steps >= 0")
+
+    def warmup(self, key: str) -> int:
+        """The full-precision steps of the row ``key`` (a :class:`Row` key), at most the run."""
+        if key == "powersgd":
+            steps = self.powersgd_start
+        elif key.startswith("onebit"):
+            steps = self.freeze_step if self.freeze_step is not None else round(ONEBIT_FREEZE_SHARE * self.steps)
+        elif key.startswith("turboquant"):
+            steps = self.turboquant_warmup
+        else:
+            steps = 0
+        return min(steps, self.steps)
+
+    def describe(self) -> str:
+        freeze = self.warmup("onebit")
+        return (
+            f"a run of {self.steps:,} steps, full-precision warm-ups priced at the fp32 step of each row's form: "
+            f"PowerSGD {self.warmup('powersgd'):,} (start_powerSGD_iter), 1-bit Adam/LAMB {freeze:,} (freeze_step"
+            + ("" if self.freeze_step is not None else f", {ONEBIT_FREEZE_SHARE:.0%} of the run")
+            + f"), TurboQuant-Adam {self.warmup('turboquant'):,} (warmup_steps)"
+        )
+
+
+def whole_run(rows: list[Row], run: Run, fp32_step: dict[str, float]) -> list[Row]:
+    """``rows`` with their warm-up steps, the whole run's seconds and the speed-up over DDP bf16's
+    run (which has no warm-up); ``fp32_step`` the fp32 exchange's step seconds by form."""
+    base = run.steps * next(r for r in rows if r.key == "ddp_bf16").step_s
+    out = []
+    for r in rows:
+        warm = run.warmup(r.key)
+        seconds = warm * fp32_step[r.form] + (run.steps - warm) * r.step_s if warm else run.steps * r.step_s
+        out.append(replace(r, warmup_steps=warm, run_s=seconds, speedup=base / seconds))
+    return out
