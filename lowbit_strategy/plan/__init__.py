@@ -4,13 +4,15 @@ DDP fp32/bf16 and PowerSGD, and recommends one in a sentence (which may be "use 
 communication"). ``--measure`` measures the link under a launcher first.
 
 Modules: :mod:`.inputs` (model shapes, rates, compute time), :mod:`.predict` (the rows),
-:mod:`.cli` (table, JSON, command line), :mod:`.measure` (the link, intra-node exchange,
-compute step and codecs measured on the machines at hand).
+:mod:`.warmup` (a whole run's time, full-precision warm-ups included: ``--steps``),
+:mod:`.recommend` (the sentence), :mod:`.cli` (table, JSON, command line), :mod:`.measure`
+(the link, intra-node exchange, compute step and codecs measured on the machines at hand).
 """
 
 from lowbit_strategy.plan.cli import main
 from lowbit_strategy.plan.inputs import Model, PlanError
 from lowbit_strategy.plan.predict import Row, Setup
+from lowbit_strategy.plan.warmup import Run
 
 # (the functions stay in their modules: `plan.predict` names the module, not its function)
-__all__ = ["Model", "PlanError", "Row", "Setup", "main"]
+__all__ = ["Model", "PlanError", "Row", "Run", "Setup", "main"]
