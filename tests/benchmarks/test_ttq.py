@@ -252,6 +252,10 @@ def test_code_fingerprint_follows_the_code_runs_execute(tmp_path, monkeypatch):
     assert second != first
     (tmp_path / "pkg" / "notes.txt").write_text("not code")
     assert ttq.code_fingerprint() == second
+    monkeypatch.setattr(ttq, "NOT_RUN", ["pkg/planner"])
+    (tmp_path / "pkg" / "planner").mkdir()
+    (tmp_path / "pkg" / "planner" / "cli.py").write_text("z = 1\n")
+    assert ttq.code_fingerprint() == second  # code no run executes
     timing = {"config": "ddp_adamw", "plan": [], "code": first}
     assert ttq.reusable("timing", timing, second, retime=False)
     assert not ttq.reusable("timing", timing, second, retime=True)
@@ -354,3 +358,18 @@ def test_the_timing_run_that_chose_a_plan_is_kept_when_its_plan_is_pinned():
     assert not ttq.Study.chose_its_pin(rec, {**pinned, "steps": 49})  # other settings still count
     assert not ttq.Study.chose_its_pin(rec, auto)  # (equal settings are matched as such)
     assert not ttq.Study.chose_its_pin({"settings": auto, "plan": ["forms: fp32 x1, tq x2"]}, pinned)
+
+
+def test_what_the_fingerprint_leaves_out_is_never_imported_by_a_run():
+    """ttq.NOT_RUN holds because training never imports it: the package, the callbacks and the
+    workers a run executes load none of its modules (a fresh interpreter: tests import them)."""
+    import subprocess
+    import sys
+
+    names = [n.replace("/", ".") for n in ttq.NOT_RUN]
+    code = (
+        "import sys, lowbit_strategy, callbacks, benchmarks.ttq_worker, benchmarks.e2e_worker\n"
+        f"hit = [m for m in sys.modules if m.startswith(tuple({names!r}))]\n"
+        "assert not hit, hit\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ttq.ROOT, check=True, timeout=120)
