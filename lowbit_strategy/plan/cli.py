@@ -72,19 +72,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--powersgd-start",
         type=int,
-        default=warmup.POWERSGD_START,
-        help="with --steps: PowerSGD's fp32 steps (start_powerSGD_iter; torch's default)",
+        help=f"with --steps: PowerSGD's fp32 steps (start_powerSGD_iter; default torch's {warmup.POWERSGD_START})",
     )
     ap.add_argument(
         "--freeze-step",
         type=int,
-        help=f"with --steps: 1-bit Adam/LAMB's warm-up (default {warmup.ONEBIT_FREEZE_SHARE:.0%} of --steps)",
+        help=f"with --steps: 1-bit Adam/LAMB's freeze_step "
+        f"(default {warmup.ONEBIT_FREEZE_SHARE * 100:.0f}%% of --steps)",
     )
     ap.add_argument(
         "--turboquant-warmup",
         type=int,
-        default=warmup.TURBOQUANT_WARMUP,
-        help="with --steps: TurboQuant-Adam's warmup_steps",
+        help=f"with --steps: TurboQuant-Adam's warmup_steps (default {warmup.TURBOQUANT_WARMUP})",
     )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
@@ -117,6 +116,21 @@ def _codecs(args) -> tuple[dict[str, float] | None, str]:
     return None, "codec time not counted (no GPU codec report; --measure-codecs times them on this machine)"
 
 
+def _run(args) -> warmup.Run | None:
+    """The run ``--steps`` prices, or None; a warm-up option without ``--steps`` is an error (it
+    would change nothing)."""
+    warms = {"--powersgd-start": args.powersgd_start, "--freeze-step": args.freeze_step}
+    warms["--turboquant-warmup"] = args.turboquant_warmup
+    if args.steps is None:
+        given = next(((k, v) for k, v in warms.items() if v is not None), None)
+        if given:
+            raise inputs.PlanError(given[0], given[1], "pass --steps too: warm-ups are priced over a whole run")
+        return None
+    powersgd = warmup.POWERSGD_START if args.powersgd_start is None else args.powersgd_start
+    turboquant = warmup.TURBOQUANT_WARMUP if args.turboquant_warmup is None else args.turboquant_warmup
+    return warmup.Run(args.steps, powersgd, args.freeze_step, turboquant)
+
+
 def setup_from(args, link: tuple[float, float] | None = None, compute_s: float | None = None) -> predict.Setup:
     """The :class:`~.predict.Setup` of parsed arguments; ``link`` (Gbit/s, µs) and
     ``compute_s`` override them with measured figures."""
@@ -146,11 +160,9 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
     compute = inputs.compute_time(model, cluster.world_size, given, args.gpu, args.tokens_per_step, args.mfu)
     if compute_s is not None:
         compute = dataclasses.replace(compute, note=f"compute {compute_s:.3g} s per step (measured)")
+    run = _run(args)  # checked before --measure-codecs spends its seconds
     ns, note = _codecs(args)
     memory = inputs.GPU_MEMORY.get((args.gpu or "").lower())
-    run = None
-    if args.steps is not None:
-        run = warmup.Run(args.steps, args.powersgd_start, args.freeze_step, args.turboquant_warmup)
     return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note, memory, run=run)
 
 

@@ -2,7 +2,8 @@
 (which may be "use DDP with bf16 communication"), ranked by the whole run's time when
 ``--steps`` priced it (:mod:`.warmup`), else by the steady-state step. Where the fastest row
 is one whose effect on the loss the plan cannot price and a measurement found a cost
-(:data:`QUALITY_CAVEATS`), the sentence says so and names the fastest row without one."""
+(:data:`QUALITY_CAVEATS`), the choice is made without it (which may be DDP bf16) and the
+sentence names it after, with its caveat."""
 
 from __future__ import annotations
 
@@ -32,61 +33,60 @@ def _caveat(row: Row) -> str | None:
 
 def recommend(rows: list[Row]) -> str:
     """One sentence: the fastest row (naming the rows within :data:`NEAR_TIE` of it), or DDP
-    with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN`. A fastest
-    row with a :data:`QUALITY_CAVEATS` entry is named with its caveat after the fastest row
-    without one that still beats DDP bf16 by the margin (itself, if there is none). Ties in
-    time keep the rows' order (:func:`min` takes the first)."""
-    base = next(r for r in rows if r.key == "ddp_bf16")
-    share = base.exposed_s / base.step_s
+    with bf16 communication when no low-bit row beats it by :data:`RECOMMEND_MARGIN` (HSDP when
+    DDP does not fit the GPU). Rows with a :data:`QUALITY_CAVEATS` entry are left out of that
+    choice and of the ties; when one of them is the fastest of all, it is named after the choice,
+    with its caveat. Ties in time keep the rows' order (:func:`min` takes the first)."""
     fitting = [r for r in rows if r.fits is not False]
     if not fitting:
         return "No row fits the GPU's memory with fp32 weights and gradients: shard across more GPUs (--sharded)."
-    best = min(fitting, key=lambda r: r.time_s)
-    if (
-        base.fits is False
-        and best.form == "sharded"
-        and (best.key == "hsdp_bf16" or best.time_s > 0.95 * min(r.time_s for r in fitting if r.key == "hsdp_bf16"))
-    ):
+    fastest = min(fitting, key=lambda r: r.time_s)
+    caveat = _caveat(fastest)
+    sentence, chosen = _choice(rows, [r for r in fitting if not _caveat(r)] or fitting)
+    if caveat and chosen is not fastest:
+        sentence += f" {fastest.method} ({fastest.form}) is predicted faster ({fastest.speedup:.2f}x), but {caveat}."
+    elif caveat:
+        sentence += f" {caveat[0].upper()}{caveat[1:]}."
+    return sentence
+
+
+def _choice(rows: list[Row], candidates: list[Row]) -> tuple[str, Row | None]:
+    """The sentence for the fastest of ``candidates`` (rows that fit, without a caveat where any),
+    and the row it recommends (None: DDP bf16 or HSDP)."""
+    base = next(r for r in rows if r.key == "ddp_bf16")
+    share = base.exposed_s / base.step_s
+    best = min(candidates, key=lambda r: r.time_s)
+    hsdp = next((r for r in candidates if r.key == "hsdp_bf16"), None)
+    if base.fits is False and hsdp is not None and (best is hsdp or best.time_s * RECOMMEND_MARGIN > hsdp.time_s):
         return (
             f"Use HSDP (FSDP2 inside each node, bf16 reduce across): DDP does not fit the GPU's memory, and no "
-            f"sharded low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
-        )
-    if best.form == "world" and not any(r.form != "world" for r in fitting):
+            f"low-bit method is predicted to beat HSDP by {RECOMMEND_MARGIN - 1:.0%} or more."
+        ), None
+    if best.form == "world" and not any(r.form != "world" for r in candidates):
         return (
             f"Use {best.method} ({best.config}): only one FSDP group over every rank fits the GPU's memory "
             f"(predicted {best.step_s:.3g} s per step)."
-        )
+        ), best
     if base.fits is not False and (best.key.startswith("ddp") or best.speedup < RECOMMEND_MARGIN):
         return (
             f"Use DDP with bf16 communication: its exposed communication is {share:.0%} of the step, so no "
             f"low-bit method is predicted to beat it by {RECOMMEND_MARGIN - 1:.0%} or more "
             f"(best: {best.method} {best.form}, {best.speedup:.2f}x)."
-        )
-    caveat = _caveat(best)
-    safe = [r for r in fitting if not _caveat(r) and not r.key.startswith("ddp") and r.speedup >= RECOMMEND_MARGIN]
-    pick = min(safe, key=lambda r: r.time_s, default=best) if caveat else best
-    near = [
-        f"{r.method} {r.form}"
-        for r in fitting
-        if r is not pick and not (caveat and _caveat(r)) and r.time_s <= pick.time_s * (1 + NEAR_TIE)
-    ]
+        ), None
+    near = [f"{r.method} {r.form}" for r in candidates if r is not best and r.time_s <= best.time_s * (1 + NEAR_TIE)]
     ties = f"; within {NEAR_TIE:.0%} of it: {', '.join(near)}" if near else ""
-    if pick.run_s is None:
+    if best.run_s is None:
         what = "step"
     else:
-        what = "time for the run" + (f", its {pick.warmup_steps:,} warm-up steps included" if pick.warmup_steps else "")
+        what = "time for the run" + (f", its {best.warmup_steps:,} warm-up steps included" if best.warmup_steps else "")
     sentence = (
-        f"Use {pick.method} ({pick.form}; {pick.config}): predicted {pick.speedup:.2f}x DDP bf16's {what} "
-        f"({_seconds(pick.time_s)} against {_seconds(base.time_s)}, where DDP bf16 waits {share:.0%} of its step "
+        f"Use {best.method} ({best.form}; {best.config}): predicted {best.speedup:.2f}x DDP bf16's {what} "
+        f"({_seconds(best.time_s)} against {_seconds(base.time_s)}, where DDP bf16 waits {share:.0%} of its step "
         f"on the network){ties}."
     )
-    if pick.run_s is None and pick.key.startswith(_WARMS):
+    if best.run_s is None and best.key.startswith(_WARMS):
         sentence += " Its full-precision warm-up is not priced: --steps prices a whole run."
-    if caveat and pick is not best:
-        sentence += f" {best.method} ({best.form}) is predicted faster ({best.speedup:.2f}x), but {caveat}."
-    elif caveat:
-        sentence += f" {caveat[0].upper()}{caveat[1:]}."
-    return sentence
+    return sentence, best
 
 
 def _seconds(s: float) -> str:

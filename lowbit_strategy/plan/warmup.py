@@ -13,7 +13,9 @@ A steady-state step flatters the methods that first send full precision:
 Over a run of S steps a row with W warm-up steps takes ``W · t_fp32 + (S − W) · t_step``, with
 ``t_fp32`` the step of the fp32 exchange in the row's own form: DDP fp32's for the flat rows and
 PowerSGD, the exact mean inside each node and fp32 across for the hierarchical rows, the
-shards' fp32 exchange across nodes for the sharded rows. In this package's time-to-quality
+shards' fp32 exchange across nodes for the sharded rows. The warm-up's update is priced as
+AdamW's (1-bit LAMB's warm-up runs LAMB, whose layerwise ratios cost about 1 % more of the run
+on a 1B model; not added). In this package's time-to-quality
 benchmark (4M parameters, 1,500 steps, 2 × 2 CPU ranks) the steady state alone made PowerSGD
 the plan's pick, while its 1,000 fp32 steps made it the slowest to the target loss on both
 links; priced over the run, it is not.
@@ -49,20 +51,23 @@ class Run:
     def __post_init__(self):
         if self.steps < 1:
             raise PlanError("--steps", self.steps, "pass the run's optimizer steps, >= 1")
-        for option, value in (
-            ("--powersgd-start", self.powersgd_start),
-            ("--freeze-step", self.freeze_step),
-            ("--turboquant-warmup", self.turboquant_warmup),
+        # the optimizers' own bounds: torch's PowerSGDState wants start_powerSGD_iter > 1 with its
+        # error feedback and warm start; OneBitAdam/OneBitLamb a freeze_step >= 1
+        for option, value, least in (
+            ("--powersgd-start", self.powersgd_start, 2),
+            ("--freeze-step", self.freeze_step, 1),
+            ("--turboquant-warmup", self.turboquant_warmup, 0),
         ):
-            if value is not None and value < 0:
-                raise PlanError(option, value, "pass a number of warm-up steps >= 0")
+            if value is not None and value < least:
+                raise PlanError(option, value, f"pass a number of warm-up steps >= {least}")
 
     def warmup(self, key: str) -> int:
         """The full-precision steps of the row ``key`` (a :class:`Row` key), at most the run."""
         if key == "powersgd":
             steps = self.powersgd_start
         elif key.startswith("onebit"):
-            steps = self.freeze_step if self.freeze_step is not None else round(ONEBIT_FREEZE_SHARE * self.steps)
+            share = max(1, round(ONEBIT_FREEZE_SHARE * self.steps))
+            steps = self.freeze_step if self.freeze_step is not None else share
         elif key.startswith("turboquant"):
             steps = self.turboquant_warmup
         else:

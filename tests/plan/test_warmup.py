@@ -103,3 +103,42 @@ def test_cli_table_and_json_carry_the_run(capsys):
     rows = {r["key"]: r for r in plan["rows"]}
     assert rows["onebit_flat"]["warmup_steps"] == 150 and rows["ddp_bf16"]["run_s"] > 0
     assert "1-bit Adam/LAMB 150 (freeze_step)" in plan["assumptions"][-1]
+
+
+def test_help_renders_and_warmups_need_steps(capsys):
+    assert "--steps" in cli.parser().format_help()  # a bare % in a help string broke --help
+    code = cli.main([*TTQ, "--link", "1gbit", "--freeze-step", "100"])
+    assert code == 2 and "--freeze-step: got 100; pass --steps too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"steps": 10, "freeze_step": 0}, "--freeze-step: got 0"), ({"steps": 10, "powersgd_start": 1}, "got 1")],
+)
+def test_warmups_the_optimizers_refuse_are_refused(kwargs, named):
+    """OneBitAdam/OneBitLamb want freeze_step >= 1; torch's PowerSGD start_powerSGD_iter > 1."""
+    with pytest.raises(inputs.PlanError, match=named):
+        Run(**kwargs)
+    assert Run(2).warmup("onebit_flat") == 1  # 20 % of 2 steps rounds to 0: at least one
+
+
+def _sentence(*argv: str) -> str:
+    args = cli.parser().parse_args(list(argv))
+    return recommend.recommend(predict.predict(cli.setup_from(args)))
+
+
+def test_a_caveated_fastest_row_never_takes_the_choice():
+    # DDP does not fit an H100: the choice is against HSDP, not DDP bf16, caveat or not
+    big = ["--params", "6.5e9", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5", "--sharded"]
+    sentence = _sentence(*big, "--gpu", "h100", "--link", "400gbit")
+    assert sentence.startswith("Use HSDP") and "Lion Cub 1-bit (flat) is predicted faster" in sentence
+    # no row without a caveat beats DDP bf16 by the margin: DDP bf16, with the faster row named
+    small = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "1", "--compute-s", "0.5"]
+    sentence = _sentence(*small, "--link", "150gbit")
+    assert (
+        sentence.startswith("Use DDP with bf16") and "PowerSGD rank 4 (+ AdamW) (flat) is predicted faster" in sentence
+    )
+    # caveated rows are not offered as ties either
+    sentence = _sentence(*TTQ, "--link", "100mbit")
+    ties = sentence.split("within 2% of it: ")[1].split(".")[0]
+    assert "1-bit LAMB hierarchical" in ties and "Lion Cub 1-bit" not in ties and "PowerSGD" not in ties
