@@ -119,16 +119,18 @@ def _codecs(args) -> tuple[dict[str, float] | None, str]:
 def _run(args) -> warmup.Run | None:
     """The run ``--steps`` prices, or None; a warm-up option without ``--steps`` is an error (it
     would change nothing)."""
-    warms = {"--powersgd-start": args.powersgd_start, "--freeze-step": args.freeze_step}
-    warms["--turboquant-warmup"] = args.turboquant_warmup
+    given = {
+        field: value
+        for field in ("powersgd_start", "freeze_step", "turboquant_warmup")
+        if (value := getattr(args, field)) is not None
+    }
     if args.steps is None:
-        given = next(((k, v) for k, v in warms.items() if v is not None), None)
         if given:
-            raise inputs.PlanError(given[0], given[1], "pass --steps too: warm-ups are priced over a whole run")
+            field, value = next(iter(given.items()))
+            option = "--" + field.replace("_", "-")
+            raise inputs.PlanError(option, value, "pass --steps too: warm-ups are priced over a whole run")
         return None
-    powersgd = warmup.POWERSGD_START if args.powersgd_start is None else args.powersgd_start
-    turboquant = warmup.TURBOQUANT_WARMUP if args.turboquant_warmup is None else args.turboquant_warmup
-    return warmup.Run(args.steps, powersgd, args.freeze_step, turboquant)
+    return warmup.Run(args.steps, **given)  # Run's defaults for the rest
 
 
 def setup_from(args, link: tuple[float, float] | None = None, compute_s: float | None = None) -> predict.Setup:

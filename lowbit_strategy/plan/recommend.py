@@ -8,6 +8,7 @@ sentence names it after, with its caveat."""
 from __future__ import annotations
 
 from lowbit_strategy.plan.predict import Row
+from lowbit_strategy.plan.warmup import WARMUP_KEYS
 
 __all__ = ["NEAR_TIE", "QUALITY_CAVEATS", "RECOMMEND_MARGIN", "recommend"]
 
@@ -23,8 +24,6 @@ QUALITY_CAVEATS = {
     "lion_1bit": "Lion Cub 1-bit's effect on the loss is not priced (it never reached DDP + Lion's loss at 80% "
     "of the run in this package's time-to-quality benchmark, where the 8-bit lanes did)",
 }
-#: rows whose full-precision warm-up the steady state leaves out
-_WARMS = ("powersgd", "onebit", "turboquant")
 
 
 def _caveat(row: Row) -> str | None:
@@ -84,7 +83,7 @@ def _choice(rows: list[Row], candidates: list[Row]) -> tuple[str, Row | None]:
         f"({_seconds(best.time_s)} against {_seconds(base.time_s)}, where DDP bf16 waits {share:.0%} of its step "
         f"on the network){ties}."
     )
-    if best.run_s is None and best.key.startswith(_WARMS):
+    if best.run_s is None and best.key.startswith(WARMUP_KEYS):
         sentence += " Its full-precision warm-up is not priced: --steps prices a whole run."
     return sentence, best
 

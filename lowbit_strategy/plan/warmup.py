@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from lowbit_strategy.plan.inputs import PlanError
 from lowbit_strategy.plan.rows import Row
 
-__all__ = ["ONEBIT_FREEZE_SHARE", "POWERSGD_START", "TURBOQUANT_WARMUP", "Run", "whole_run"]
+__all__ = ["ONEBIT_FREEZE_SHARE", "POWERSGD_START", "TURBOQUANT_WARMUP", "WARMUP_KEYS", "Run", "whole_run"]
 
 #: torch's ``powerSGD_hook`` default ``start_powerSGD_iter``
 POWERSGD_START = 1000
@@ -36,6 +36,8 @@ POWERSGD_START = 1000
 TURBOQUANT_WARMUP = 200
 #: 1-bit Adam/LAMB's ``freeze_step`` as a share of the run when it is not given
 ONEBIT_FREEZE_SHARE = 0.2
+#: the row key prefixes of the methods with a full-precision warm-up (:meth:`Run.warmup`)
+WARMUP_KEYS = ("powersgd", "onebit", "turboquant")
 
 
 @dataclass(frozen=True)
