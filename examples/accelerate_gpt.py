@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -189,10 +188,3 @@ if __name__ == "__main__":
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # every rank done first
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    # Leave without interpreter finalization: a gloo process that ran collectives sometimes
-    # aborts there after everything has finished ("terminate called without an active
-    # exception", SIGABRT, about 1 run in 7 here on torch 2.13 CPU; pytorch/pytorch#190489),
-    # which the launcher would report as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

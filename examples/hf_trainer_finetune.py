@@ -264,10 +264,3 @@ if __name__ == "__main__":
     if dist.is_available() and dist.is_initialized():  # every rank done before any leaves
         dist.barrier()
         dist.destroy_process_group()
-    # Leave without interpreter finalization: a gloo process that ran collectives sometimes
-    # aborts there after everything has finished ("terminate called without an active
-    # exception", SIGABRT, about 1 run in 7 here on torch 2.13 CPU; pytorch/pytorch#190489),
-    # which the launcher would report as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

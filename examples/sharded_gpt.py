@@ -246,10 +246,3 @@ def report(s: dict) -> None:
 
 if __name__ == "__main__":
     main()  # (barrier and destroy_process_group at its end: every rank is done)
-    # Leave without interpreter finalization: a gloo process that ran collectives sometimes
-    # aborts there after everything has finished ("terminate called without an active
-    # exception", SIGABRT, about 1 run in 7 on torch 2.13 CPU), which torchrun would report as
-    # a failed run (as examples/accelerate_gpt.py does).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from lowbit_strategy.collectives import chain
+
 #: whether the emulation is on in this process (``LOWBIT_EMULATE_NCCL=1`` at import)
 ACTIVE = os.environ.get("LOWBIT_EMULATE_NCCL", "") == "1"
 
@@ -107,7 +109,7 @@ class NcclFuture(torch.futures.Future):
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the child
                 child.set_exception(e)
 
-        self._landing.work.add_done_callback(run)
+        self._landing.work.add_done_callback(chain.counted(run))
         return child
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:

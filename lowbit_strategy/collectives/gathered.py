@@ -46,6 +46,7 @@ from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many, follows
 from lowbit_strategy.codecs.reduce import divide, rank_sum
 from lowbit_strategy.codecs.signs import fused_kernels
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.validation import is_int
 
@@ -360,4 +361,4 @@ def gathered_mean_async(
         result = decode_reduce(every.view(p, -1), scl, layout, reduction=reduction, chunk_rows=chunk_rows, out=out)
         return (result, raised) if flagged else result
 
-    return f_scales.then(finish)
+    return chain.then(f_scales, finish)

@@ -63,6 +63,7 @@ from torch.autograd.profiler import record_function
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import channel_encode_many
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
@@ -278,7 +279,7 @@ class GatheredTwoStage:
                     return result
                 return result, every_scales.view(p, -1)[:, plan.max_rows].sum() > 0
 
-        return f_scales.then(finish)
+        return chain.then(f_scales, finish)
 
 
 def gathered_two_stage_start(

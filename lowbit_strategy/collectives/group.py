@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from lowbit_strategy.collectives import emulation, wire
+from lowbit_strategy.collectives import chain, emulation, wire
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -264,7 +264,7 @@ def _launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, op: str, tra
         record()
         return out
 
-    return fut.then(done)
+    return chain.then(fut, done)
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:

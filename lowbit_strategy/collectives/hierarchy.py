@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.validation import ConfigError
 
@@ -132,7 +133,7 @@ class Topology:
             result = rows[:, :size].reshape(-1)[:n]
             return result, (rows[:, size] != 0).any() if flagged else None
 
-        return fut.then(assemble)
+        return chain.then(fut, assemble)
 
 
 def launcher_layout(environ: Mapping[str, str] | None = None) -> tuple[int | None, int | None]:

@@ -12,6 +12,7 @@ import math
 import torch
 
 from lowbit_strategy.codecs.reduce import rank_sum
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,7 +65,7 @@ def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> tor
     to ``buf`` and is chained (``then``) from the allreduce's own future, as DDP's own hooks
     do: a communication hook returns it, and DDP's wait on it is ordered after the data."""
     buf.mul_(1.0 / g.world_size(group))
-    return g.all_reduce_sum_async(buf, group, op, traffic).then(lambda _: buf)
+    return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
 
 
 class ExactMean:

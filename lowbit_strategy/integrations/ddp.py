@@ -186,10 +186,9 @@ def _destroy_process_group() -> None:
 
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits, before finalization
-    (once, however often it is called). A gloo group left to interpreter finalization
-    sometimes aborts a process after training ends: gloo's worker threads still hold work
-    whose tensors need the GIL while Python is being torn down ("terminate called without
-    an active exception", SIGABRT, ~1 run in 10 here), which launchers report as a failed
-    run. Lightning and Accelerate destroy the group at exit only for NCCL."""
+    (once, however often it is called): Lightning and Accelerate destroy it at exit only
+    for NCCL. (What kept gloo processes from exiting cleanly was a Python callback still
+    held by one of gloo's worker threads when the interpreter finalizes; every process that
+    imports the package waits for those at exit: :func:`.collectives.chain.settle`.)"""
     atexit.unregister(_destroy_process_group)
     atexit.register(_destroy_process_group)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp.hook import _Plan
 from lowbit_strategy.codecs.channel import channel_encode_many
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.gathered import Layout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
@@ -159,7 +160,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
             _scatter(full_views, lo_i, gathered[i, at : at + hi_i - lo_i])
         return buf
 
-    return fut.then(assemble)
+    return chain.then(fut, assemble)
 
 
 def _scatter(views: list[torch.Tensor], lo: int, values: torch.Tensor) -> None:

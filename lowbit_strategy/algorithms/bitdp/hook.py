@@ -76,6 +76,7 @@ import torch.distributed as dist
 from lowbit_strategy.algorithms.bitdp import local_state
 from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_encode_many
+from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.cost_model import BITDP_FORMS, bitdp_form
 from lowbit_strategy.collectives.gathered import (
@@ -370,7 +371,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     if two_stage:  # waits for stage 1, runs this rank's server step, launches stage 2 (last)
         f_q = handle.gather()
     last = f_q if two_stage or full is None else full[2]  # the future of the last launch
-    return last.then(lambda _: _assemble(state, buf, rows, layout, residuals, f_q, full))
+    return chain.then(last, lambda _: _assemble(state, buf, rows, layout, residuals, f_q, full))
 
 
 def _assemble(state: BitDPState, buf: torch.Tensor, rows, layout: Layout, residuals: dict, f_q, full) -> torch.Tensor:

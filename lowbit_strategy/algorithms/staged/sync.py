@@ -13,7 +13,7 @@ import torch
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
-from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives import chain, wire
 from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.collectives.shards import Whole, take
 from lowbit_strategy.layout import dtensor_state_, parameter_names
@@ -78,7 +78,7 @@ class StagedSync(Sync):
         # in hook order on every rank, never from a future's callback
         mean_allreduce_async(part, spec.group, "staged.warmup.allreduce", self._hook_traffic).wait()
         restored = spec.restore_async(part, buf.numel(), self._hook_traffic)
-        return restored.then(lambda f: buf.copy_(f.value()[0]))
+        return chain.then(restored, lambda f: buf.copy_(f.value()[0]))
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:

@@ -1,0 +1,103 @@
+"""Python callbacks chained on collective futures, and an orderly exit for them.
+
+Every ``Future.then(fn)`` of the library goes through :func:`then`. The reason is the exit
+of a process. gloo completes a collective on one of its worker threads, which runs the
+chained Python callbacks and then, *after* the waiting thread has been woken, releases
+them, taking the GIL once more to do so. When the main thread finishes the script within
+those few milliseconds (the last step's exchange completes, the script prints and returns)
+and the interpreter starts to finalize, that worker thread can no longer take the GIL:
+CPython ends it with ``pthread_exit``, whose forced unwinding through a ``noexcept`` C++
+frame calls ``std::terminate``. The job trained, then aborts with SIGABRT ("terminate
+called without an active exception") and its launcher reports a failed run. Measured on a
+2-core machine: 4 aborts in 25 runs of the Accelerate quick start under load.
+
+:func:`then` counts each callback until the worker thread has released it; :func:`settle`,
+registered with :mod:`atexit` when this module is imported (exit handlers run while the
+interpreter is still whole), waits with the GIL released until that count is zero, so no
+worker thread needs the interpreter once it finalizes. A callback that never runs (its
+collective hangs) cannot be waited for: :func:`settle` gives up after ``timeout_s`` and
+says so in the log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_live = 0
+_ever = False
+
+
+class _Counted:
+    """``fn``, counted from creation until torch drops its last reference (on whichever
+    thread ran it)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[torch.futures.Future], Any]) -> None:
+        global _live, _ever
+        self.fn = fn
+        with _lock:
+            _live += 1
+            _ever = True
+
+    def __call__(self, fut: torch.futures.Future) -> Any:
+        return self.fn(fut)
+
+    def __del__(self) -> None:
+        global _live
+        with _lock:
+            _live -= 1
+
+
+def counted(fn: Callable[[torch.futures.Future], Any]) -> Callable[[torch.futures.Future], Any]:
+    """``fn`` counted until torch releases it: for ``add_done_callback``."""
+    return _Counted(fn)
+
+
+def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+    """``fut.then(fn)``, with ``fn`` counted until released, so :func:`settle` can wait for it."""
+    return fut.then(_Counted(fn))
+
+
+def pending() -> int:
+    """Callbacks chained by :func:`then` that torch has not released yet."""
+    return _live
+
+
+#: after the count reaches zero: the worker thread still drops its collective's objects
+#: (no GIL needed for those this package holds, which outlive it in Python); a few
+#: milliseconds more cover that tail
+_TAIL_S = 0.02
+
+
+def settle(timeout_s: float = 10.0) -> bool:
+    """Wait, with the GIL released, until every callback chained by :func:`then` has been
+    released by the thread that ran it (at most ``timeout_s``); whether that happened.
+
+    Registered at exit; also safe to call at any time (e.g. before a fork)."""
+    deadline = time.monotonic() + timeout_s
+    while _live > 0:
+        if time.monotonic() > deadline:
+            logger.warning(
+                "lowbit: %d collective callbacks still held by torch's worker threads after %.0f s at exit "
+                "(a collective that never completed?); the process may abort while the interpreter finalizes",
+                _live,
+                timeout_s,
+            )
+            return False
+        time.sleep(0.001)
+    if _ever:
+        time.sleep(_TAIL_S)
+    return True
+
+
+atexit.register(settle)
