@@ -1,9 +1,9 @@
 """A tiny language model and a `Trainer.fit` driver for the strategy tests.
 
-Run as ``python -m tests.lightning_app --strategy NAME [...] --out result.json``; the
-global-zero process writes a JSON summary. Each strategy test runs it in a fresh
-interpreter, because the ``popen`` launchers re-execute the command line and forking
-from inside pytest is not safe.
+Run as ``python -m tests.lightning_app --strategy NAME [...] --out result.json``, or with
+``--plan PLAN.json`` for several runs in one interpreter (:func:`main`); the global-zero
+process writes a JSON summary. The strategy tests run it in a fresh interpreter, because the
+``popen`` launchers re-execute the command line and forking from inside pytest is not safe.
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def save_after_fit_check(strategy: str, devices: int, workdir: str, optimizer: s
             "is_global_zero": tr.is_global_zero, **_rank_states(ckpt, optimizer)}
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -205,21 +205,45 @@ def main(argv=None) -> None:
     parser.add_argument("--save-after-fit-check", default="")
     parser.add_argument("--lowbit", action="append", default=[], metavar="KEY=VALUE",
                         help="LowBitConfig override for --resume-check (repeatable)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(argv: list[str]) -> dict:
+    """One run (a fit, or a resume / save-after-fit check) from its command-line arguments;
+    an exception becomes ``{"error": ...}``, which the tests assert on."""
+    args = _parser().parse_args(argv)
     try:
         overrides = dict(kv.split("=", 1) for kv in args.lowbit)
         if args.resume_check:
-            result = resume_check(args.strategy, args.devices, args.resume_check, args.optimizer, overrides)
-        elif args.save_after_fit_check:
-            result = save_after_fit_check(args.strategy, args.devices, args.save_after_fit_check, args.optimizer,
-                                          overrides)
-        else:
-            result = fit_once(args)
+            return resume_check(args.strategy, args.devices, args.resume_check, args.optimizer, overrides)
+        if args.save_after_fit_check:
+            return save_after_fit_check(args.strategy, args.devices, args.save_after_fit_check, args.optimizer,
+                                        overrides)
+        return fit_once(args)
     except Exception as exc:  # reported to the test, which asserts on the message
-        result = {"error": f"{type(exc).__name__}: {exc}", "is_global_zero": int(os.environ.get("LOCAL_RANK", 0)) == 0}
-    if result.get("is_global_zero", True):
-        with open(args.out, "w") as fh:
+        return {"error": f"{type(exc).__name__}: {exc}", "is_global_zero": int(os.environ.get("LOCAL_RANK", 0)) == 0}
+
+
+def main(argv=None) -> None:
+    """``--out FILE`` and either one run's arguments, or ``--plan PLAN.json``: a list of
+    ``[id, [arguments]]`` run one after the other in this interpreter (``{id: result}`` is
+    written). A plan shares one interpreter's imports among its runs; with a ``popen``
+    strategy it also shares the launched processes and their process group: the first fit
+    launches the other ranks, which run the same plan, and every later fit finds them (so a
+    plan's ``popen`` runs all use the same ``--devices``)."""
+    top = argparse.ArgumentParser()
+    top.add_argument("--out", required=True)
+    top.add_argument("--plan", default="")
+    known, rest = top.parse_known_args(argv)
+    if known.plan:
+        with open(known.plan) as fh:
+            result = {str(key): run(list(args)) for key, args in json.load(fh)}
+        zero = int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+    else:
+        result = run(rest)
+        zero = result.get("is_global_zero", True)
+    if zero:
+        with open(known.out, "w") as fh:
             json.dump(result, fh)
     sys.exit(0)
 

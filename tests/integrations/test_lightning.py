@@ -1,4 +1,11 @@
-"""Trainer runs with every registered strategy name, each in a fresh interpreter."""
+"""Trainer runs with every registered strategy name.
+
+Each run is ``tests.lightning_app`` in a fresh interpreter; runs that share a launcher share
+one interpreter (a plan, :func:`tests.lightning_app.main`): the ``popen`` names one launched
+process group for all their fits (as a user's script that calls ``fit`` more than once), the
+``spawn`` and ``notebook`` names one parent that starts each fit's processes. Multi-fit checks
+(resume, other world size) run under the fork-based ``notebook`` launcher, whose processes
+start without importing anything again; the ``spawn`` launcher has its own run per name."""
 import json
 import subprocess
 import sys
@@ -13,8 +20,7 @@ from lowbit_strategy.integrations.lightning import VARIANTS, strategy_names
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _fit(tmp_path, *args, timeout=240) -> dict:
-    out = tmp_path / "result.json"
+def _launch(out: Path, args: list[str], timeout: int) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.lightning_app", "--out", str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -24,7 +30,79 @@ def _fit(tmp_path, *args, timeout=240) -> dict:
     return json.loads(out.read_text())
 
 
+def _plan(tmp: Path, runs: dict[str, list[str]], timeout: int = 600) -> dict[str, dict]:
+    """``{id: result}`` of ``runs`` (``{id: arguments}``), run one after another in one interpreter."""
+    plan = tmp / "plan.json"
+    plan.write_text(json.dumps([[key, args] for key, args in runs.items()]))
+    return _launch(tmp / "results.json", ["--plan", str(plan)], timeout)
+
+
 ALL_NAMES = [base + suffix for base in strategy_names() for suffix in VARIANTS]
+
+
+def _optimizer_of(name: str) -> str:
+    if name.startswith("lowbit_bitdp"):
+        return "adamw"
+    return next((o for prefix, o in (("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
+                                     ("lowbit_turboquant", "turboquant")) if name.startswith(prefix)), "lion")
+
+
+def _run_args(name: str) -> list[str]:
+    devices = 3 if name.endswith("_notebook") else 2
+    return ["--strategy", name, "--devices", str(devices), "--optimizer", _optimizer_of(name)]
+
+
+BF16 = [("lowbit_lion_8bit", "lion"), ("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
+        ("lowbit_turboquant", "turboquant")]
+SAVED_AFTER_FIT = [("lowbit_lion_1bit", "lion", []), ("lowbit_bitdp", "adamw", ["--lowbit", "bitdp_error_feedback=true"])]
+RESUMED = [("lowbit_adam_notebook", "onebit_adam"), ("lowbit_lamb_notebook", "onebit_lamb"),
+           ("lowbit_turboquant_notebook", "turboquant")]
+
+
+@pytest.fixture(scope="module")
+def popen_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every ``popen`` run of this module, in one launched group of 2 processes."""
+    tmp = tmp_path_factory.mktemp("popen")
+    runs = {name: _run_args(name) for name in ALL_NAMES if VARIANTS[_suffix(name)] == "popen"}
+    for name, optimizer in BF16:
+        runs[f"bf16:{name}"] = ["--strategy", name, "--optimizer", optimizer, "--precision", "bf16-mixed",
+                                "--accumulate", "2", "--clip", "0.5", "--epochs", "3"]
+    for name, optimizer, extra in SAVED_AFTER_FIT:
+        work = tmp / f"saved-{name}"
+        work.mkdir()
+        runs[f"saved:{name}"] = ["--strategy", name, "--optimizer", optimizer, "--save-after-fit-check", str(work),
+                                 *extra]
+    return _plan(tmp, runs)
+
+
+@pytest.fixture(scope="module")
+def spawn_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every ``spawn`` run of this module, from one parent interpreter."""
+    runs = {name: _run_args(name) for name in ALL_NAMES if name.endswith("_spawn")}
+    runs["wrong:lion"] = ["--strategy", "lowbit_lion_spawn", "--optimizer", "adamw"]
+    runs["wrong:adam"] = ["--strategy", "lowbit_adam_spawn", "--optimizer", "adamw"]
+    runs["unused"] = ["--strategy", "lowbit_lion_spawn", "--unused"]
+    return _plan(tmp_path_factory.mktemp("spawn"), runs)
+
+
+@pytest.fixture(scope="module")
+def fork_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every ``notebook`` (fork) run of this module, from one parent interpreter: a fit per
+    name, and the resume checks (4 fits each: straight, 1 epoch + checkpoint, resumed, and on
+    3 ranks)."""
+    tmp = tmp_path_factory.mktemp("fork")
+    runs = {name: _run_args(name) for name in ALL_NAMES if name.endswith("_notebook")}
+    checks = [("lowbit_lion_1bit_notebook", "lion", []), *((n, o, []) for n, o in RESUMED),
+              ("lowbit_bitdp_notebook", "adamw", ["--lowbit", "bitdp_error_feedback=true"])]
+    for name, optimizer, extra in checks:
+        work = tmp / f"resume-{name}"
+        work.mkdir()
+        runs[f"resume:{name}"] = ["--strategy", name, "--optimizer", optimizer, "--resume-check", str(work), *extra]
+    return _plan(tmp, runs)
+
+
+def _suffix(name: str) -> str:
+    return next((s for s in ("_spawn", "_notebook") if name.endswith(s)), "")
 
 
 def test_every_name_is_registered_on_import():
@@ -42,19 +120,18 @@ def test_every_name_is_registered_on_import():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_NAMES)
-def test_trainer_runs_with_each_registered_name(tmp_path, name):
-    devices = 3 if name.endswith("_notebook") else 2
-    bitdp = name.startswith("lowbit_bitdp")
-    onebit = next((o for prefix, o in (("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
-                                       ("lowbit_turboquant", "turboquant")) if name.startswith(prefix)), None)
-    optimizer = "adamw" if bitdp else onebit or "lion"
-    r = _fit(tmp_path, "--strategy", name, "--devices", str(devices), "--optimizer", optimizer)
+def test_trainer_runs_with_each_registered_name(request, name):
+    suffix = _suffix(name)
+    runs = request.getfixturevalue({"popen": "popen_runs", "spawn": "spawn_runs", "fork": "fork_runs"}[VARIANTS[suffix]])
+    r = runs[name]
+    optimizer = _optimizer_of(name)
+    bitdp = optimizer == "adamw"
+    onebit = None if optimizer in ("adamw", "lion") else optimizer
     assert "error" not in r, r.get("error")
     m = r["metrics"]
     assert m["train_loss"] < r["first_loss"], "loss must fall"
     assert m["comm/bytes_per_step"] > 0
     # popen launch: this process was rank 0, so its strategy still holds the run's traffic
-    suffix = next((s for s in ("_spawn", "_notebook") if name.endswith(s)), "")
     assert (r["bytes_after_fit"] > 0) == (VARIANTS[suffix] == "popen"), r["bytes_after_fit"]
     if bitdp:  # only the MLP's linear weights are quantized in this tiny model (tied head stays fp32)
         assert m["comm/ratio_vs_fp32"] > 1.2, m
@@ -82,36 +159,34 @@ def test_trainer_runs_with_each_registered_name(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, optimizer", [("lowbit_lion", "lion"), ("lowbit_bitdp", "adamw")])
-def test_one_device_trains_and_sends_nothing(tmp_path, name, optimizer):
-    r = _fit(tmp_path, "--strategy", name, "--devices", "1", "--optimizer", optimizer)
-    assert "error" not in r, r.get("error")
-    m = r["metrics"]
-    assert r["world_size"] == 1 and m["train_loss"] < r["first_loss"]
-    assert m["comm/bytes_per_step"] == 0 and m["comm/ratio_vs_fp32"] == 1.0
+def test_one_device_trains_and_sends_nothing(tmp_path):
+    runs = _plan(tmp_path, {name: ["--strategy", name, "--devices", "1", "--optimizer", optimizer]
+                            for name, optimizer in (("lowbit_lion", "lion"), ("lowbit_bitdp", "adamw"))})
+    for name, r in runs.items():
+        assert "error" not in r, (name, r.get("error"))
+        m = r["metrics"]
+        assert r["world_size"] == 1 and m["train_loss"] < r["first_loss"], name
+        assert m["comm/bytes_per_step"] == 0 and m["comm/ratio_vs_fp32"] == 1.0, name
 
 
 @pytest.mark.slow
-def test_wrong_optimizer_is_a_clear_error(tmp_path):
-    r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--optimizer", "adamw")
+def test_wrong_optimizer_is_a_clear_error(spawn_runs):
+    r = spawn_runs["wrong:lion"]
     assert "drives lowbit_strategy.Lion" in r["error"] and "torch.optim.adamw.AdamW" in r["error"]
     assert "'lowbit_lion_spawn'" in r["error"]
 
 
 @pytest.mark.slow
-def test_wrong_optimizer_under_1bit_adam_names_the_fix(tmp_path):
-    r = _fit(tmp_path, "--strategy", "lowbit_adam_spawn", "--optimizer", "adamw")
+def test_wrong_optimizer_under_1bit_adam_names_the_fix(spawn_runs):
+    r = spawn_runs["wrong:adam"]
     assert "drives lowbit_strategy.OneBitAdam" in r["error"] and "'lowbit_adam_spawn'" in r["error"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, optimizer", [("lowbit_adam_spawn", "onebit_adam"), ("lowbit_lamb_spawn", "onebit_lamb"),
-                                             ("lowbit_turboquant_spawn", "turboquant")])
-def test_1bit_resume_is_bit_exact_and_keeps_every_ranks_errors(tmp_path, name, optimizer):
+@pytest.mark.parametrize("name, optimizer", RESUMED)
+def test_1bit_resume_is_bit_exact_and_keeps_every_ranks_errors(fork_runs, name, optimizer):
     # 4 steps an epoch, freeze_step=3: the checkpoint after epoch 1 is one step into compression
-    work = tmp_path / "ckpt"
-    work.mkdir()
-    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--resume-check", str(work), timeout=400)
+    r = fork_runs[f"resume:{name}"]
     assert "error" not in r, r.get("error")
     assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": optimizer, "error_buckets": 1,
                  "rank_states_differ": True, "other_world_finite": True, "is_global_zero": True}
@@ -132,11 +207,9 @@ def test_16_mixed_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, optimizer", [("lowbit_lion_8bit", "lion"), ("lowbit_adam", "onebit_adam"),
-                                             ("lowbit_lamb", "onebit_lamb"), ("lowbit_turboquant", "turboquant")])
-def test_bf16_mixed_with_accumulation_and_clipping(tmp_path, name, optimizer):
-    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--precision", "bf16-mixed",
-             "--accumulate", "2", "--clip", "0.5", "--epochs", "3")
+@pytest.mark.parametrize("name, optimizer", BF16)
+def test_bf16_mixed_with_accumulation_and_clipping(popen_runs, name, optimizer):
+    r = popen_runs[f"bf16:{name}"]
     assert "error" not in r, r.get("error")
     assert r["metrics"]["train_loss"] < r["first_loss"]
     assert r["overlap"] is False, "clipping changes gradients after backward: the sync must wait for step()"
@@ -147,17 +220,15 @@ def test_bf16_mixed_with_accumulation_and_clipping(tmp_path, name, optimizer):
 
 
 @pytest.mark.slow
-def test_unused_parameters_on_some_ranks(tmp_path):
-    r = _fit(tmp_path, "--strategy", "lowbit_lion_spawn", "--unused")
+def test_unused_parameters_on_some_ranks(spawn_runs):
+    r = spawn_runs["unused"]
     assert "error" not in r, r.get("error")
     assert r["metrics"]["comm/bytes_per_step"] > 0
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_and_keeps_every_ranks_momentum(tmp_path):
-    work = tmp_path / "ckpt"
-    work.mkdir()
-    r = _fit(tmp_path, "--strategy", "lowbit_lion_1bit_spawn", "--resume-check", str(work), timeout=400)
+def test_resume_is_bit_exact_and_keeps_every_ranks_momentum(fork_runs):
+    r = fork_runs["resume:lowbit_lion_1bit_notebook"]
     assert "error" not in r, r.get("error")
     assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "lion", "rank_states_differ": True,
                  "other_world_finite": True, "is_global_zero": True}
@@ -187,30 +258,21 @@ def test_a_users_ddp_comm_hook_is_refused_up_front():
 
 
 @pytest.mark.slow
-def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(tmp_path):
+def test_bitdp_resume_is_bit_exact_and_keeps_every_ranks_residuals(fork_runs):
     # 64 samples / (8 per batch x 2 ranks) = 4 steps an epoch: the checkpoint is past the warm-up
-    work = tmp_path / "ckpt"
-    work.mkdir()
-    r = _fit(tmp_path, "--strategy", "lowbit_bitdp_spawn", "--optimizer", "adamw", "--resume-check", str(work),
-             "--lowbit", "bitdp_error_feedback=true", timeout=400)
+    r = fork_runs["resume:lowbit_bitdp_notebook"]
     assert "error" not in r, r.get("error")
     assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "bitdp", "saved_iters": [4, 4],
                  "residual_names": ["mlp.0.weight", "mlp.2.weight"], "rank_states_differ": True,
                  "other_world_finite": True, "is_global_zero": True}
 
 
-@pytest.mark.parametrize("name, optimizer, extra", [
-    ("lowbit_lion_1bit", "lion", []),
-    ("lowbit_bitdp", "adamw", ["--lowbit", "bitdp_error_feedback=true"]),
-])
+@pytest.mark.parametrize("name", [n for n, _, _ in SAVED_AFTER_FIT])
 @pytest.mark.slow
-def test_checkpoint_saved_after_fit_keeps_every_ranks_state(tmp_path, name, optimizer, extra):
+def test_checkpoint_saved_after_fit_keeps_every_ranks_state(popen_runs, name):
     # popen launch: every rank runs the script, so every rank calls trainer.save_checkpoint after
     # fit, as in a user's script. Teardown has detached the optimizers by then.
-    work = tmp_path / "ckpt"
-    work.mkdir()
-    r = _fit(tmp_path, "--strategy", name, "--optimizer", optimizer, "--save-after-fit-check", str(work), *extra,
-             timeout=400)
+    r = popen_runs[f"saved:{name}"]
     assert "error" not in r, r.get("error")
     assert r["bit_exact"] is True and r["saved_world_size"] == 2 and r["rank_states_differ"] is True, r
 
