@@ -35,8 +35,12 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
+# The whole suite, then the fast tier again on torch's scalar CPU kernels (ATEN_CPU_CAPABILITY=
+# default instead of this CPU's AVX2/AVX-512 ones): every float a test compares is computed on
+# the machine running it, under whichever kernels it runs, and this shows it on a second path.
 test: lint docs
 	$(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m "not slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

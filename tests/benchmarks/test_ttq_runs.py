@@ -23,9 +23,9 @@ pytestmark = [
 
 
 def test_baseline_hooks_bytes_and_every_stage(tmp_path):
-    argv = ["--configs", "ddp_adamw,ddp_bf16_adamw,ddp_powersgd_adamw,lowbit_lion", "--links", "1gbit", "--steps", "24",
+    argv = ["--configs", "ddp_adamw,ddp_bf16_adamw,ddp_powersgd_adamw,lowbit_lion", "--links", "1gbit", "--steps", "12",
             "--seeds", "0", "--lr-factors", "1", "--sweep", "", "--validate", "ddp_bf16_adamw@1gbit",
-            "--powersgd-start", "12", "--model", "d_model=64,layers=1,data_mb=0.5", "--output", str(tmp_path),
+            "--powersgd-start", "6", "--model", "d_model=64,layers=1,data_mb=0.5", "--output", str(tmp_path),
             "--quiet", "--max-minutes", "8"]
     assert ttq.main(argv) == 0
     result = json.loads((tmp_path / "ttq.json").read_text())["result"]
