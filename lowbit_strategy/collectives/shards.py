@@ -84,6 +84,11 @@ class ShardSpec(Protocol):
         the identity and costs nothing."""
         ...
 
+    def agree_level(self, level: int) -> int:
+        """:meth:`agree` for a small integer verdict (several verdicts by priority): the
+        largest over the same ranks, as cheaply."""
+        ...
+
 
 class Whole:
     """The flat form: every rank sends the whole bucket over ``group``; nothing comes back."""
@@ -106,6 +111,9 @@ class Whole:
 
     def agree(self, bad: bool) -> bool:
         return bad  # every rank holds the same buckets and sees every rank's verdict
+
+    def agree_level(self, level: int) -> int:
+        return level
 
 
 class NodeShard:
@@ -134,6 +142,9 @@ class NodeShard:
 
     def agree(self, bad: bool) -> bool:
         return bad  # the node's gather ORed its shards' verdicts: every rank already agrees
+
+    def agree_level(self, level: int) -> int:
+        return level  # (verdicts of whole buckets, which every rank holds after the gather)
 
 
 class LocalShard:
@@ -182,9 +193,12 @@ class LocalShard:
         return t
 
     def agree(self, bad: bool) -> bool:
-        flag = torch.tensor([int(bad)], dtype=torch.int32)
+        return bool(self.agree_level(int(bad)))
+
+    def agree_level(self, level: int) -> int:
+        flag = torch.tensor([level], dtype=torch.int32)
         g.all_reduce_max(flag, g.cpu_group(self.everyone), "shard.agree")  # a host value: a CPU group
-        return bool(flag.item())
+        return int(flag.item())
 
 
 def spec_for(group, topology: Topology | None) -> Whole | NodeShard:

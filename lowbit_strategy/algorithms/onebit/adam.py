@@ -19,7 +19,12 @@ class OneBitAdam(_OneBitOptimizer):
 
     Args (DeepSpeed ``OnebitAdam``'s names): params, lr, betas, eps, weight_decay
     (decoupled, as AdamW), freeze_step (warm-up steps; DeepSpeed's default 100000 —
-    set it to ~15-25 % of training).
+    set it to ~15-25 % of training). Not in DeepSpeed: ``update_clip`` (``"auto"``: every
+    coordinate's compressed-stage step at most Adam's own bound, 3.16·lr at the default
+    betas; a number: that bound; ``None``: the paper's unbounded update) and ``guard`` (a
+    compressed step whose direction exceeds this many times the last warm-up step's raises
+    :class:`~lowbit_strategy.algorithms.onebit.optimizer.DivergenceError`; ``None``: off).
+    Why both: :mod:`lowbit_strategy.algorithms.onebit.optimizer`.
     """
 
     def __init__(
@@ -30,8 +35,12 @@ class OneBitAdam(_OneBitOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         freeze_step: int = 100000,
+        update_clip: float | str | None = "auto",
+        guard: float | None = 1000.0,
     ):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), freeze_step)
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), freeze_step, update_clip, guard
+        )
         #: keep a fresh variance from the reconstructed gradient in the compression stage (one
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
@@ -48,7 +57,7 @@ class OneBitAdam(_OneBitOptimizer):
             self._track(state, new, beta1, beta2, group["eps"], step)
         m.copy_(new)
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        adam.adam_apply_(
+        used, denom = adam.adam_apply_(
             p,
             m,
             state["exp_avg_sq"],
@@ -58,7 +67,9 @@ class OneBitAdam(_OneBitOptimizer):
             eps=group["eps"],
             step=step,
             v_step=self.freeze_step,
+            clip=self.update_clip,
         )
+        self._note_directions([used], [denom], 1 - beta1**step)
 
     def _compressed_all(self, items, step):
         """Every compression-stage update of a step. On CUDA parameters (or with
@@ -89,7 +100,10 @@ class OneBitAdam(_OneBitOptimizer):
             denom = torch._foreach_sqrt(vs)  # adam_apply_ with v_step = freeze_step
             torch._foreach_div_(denom, (1 - beta2**self.freeze_step) ** 0.5)
             torch._foreach_add_(denom, group["eps"])
-            torch._foreach_addcdiv_(ps, ms, denom, value=-(group["lr"] / (1 - beta1**step)))
+            bias1 = 1 - beta1**step
+            used = ms if self.update_clip is None else adam.clip_momentum_foreach(ms, denom, self.update_clip * bias1)
+            torch._foreach_addcdiv_(ps, used, denom, value=-(group["lr"] / bias1))
+            self._note_directions(used, denom, bias1)
 
     def _zeros(self, ps: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``v == 0`` of each parameter's frozen variance ``vs[i]``: a constant of the

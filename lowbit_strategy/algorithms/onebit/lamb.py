@@ -25,11 +25,15 @@ def lamb_update(
     weight_decay: float,
     step: int,
     v_step: int,
+    clip: float | None = None,
 ) -> torch.Tensor:
     """LAMB's update direction u = m̂ / (sqrt(v̂) + eps) + λ·p (1-bit LAMB Eq. 2, with Adam's
-    bias correction as in You et al.'s LAMB)."""
+    bias correction as in You et al.'s LAMB); ``clip``: the Adam part of every coordinate
+    clamped to ``[-clip, clip]`` first (the compression stage's ``update_clip``)."""
     denom = (v.sqrt() / (1 - beta2**v_step) ** 0.5).add_(eps)
     u = (m / (1 - beta1**step)).div_(denom)
+    if clip is not None:
+        u.clamp_(-clip, clip)
     if weight_decay:
         u.add_(p, alpha=weight_decay)
     return u
@@ -100,7 +104,10 @@ class OneBitLamb(_OneBitOptimizer):
     Args (DeepSpeed ``OnebitLamb``'s names): params, lr, betas, eps, weight_decay (inside
     LAMB's update, scaled by the trust ratio), freeze_step, max_coeff / min_coeff (bounds of
     the warm-up trust ratio), coeff_beta (β3 of its EMA), factor_max / factor_min /
-    factor_threshold (bounds and largest relative change per step of r).
+    factor_threshold (bounds and largest relative change per step of r). Not in DeepSpeed:
+    ``update_clip`` and ``guard``, as :class:`~lowbit_strategy.OneBitAdam`'s (the Adam part
+    ``m̂ / (sqrt(v̂_frozen) + eps)`` of the compressed update is bounded, then scaled by the
+    frozen trust ratio as before).
     """
 
     def __init__(
@@ -117,6 +124,8 @@ class OneBitLamb(_OneBitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        update_clip: float | str | None = "auto",
+        guard: float | None = 1000.0,
     ):
         name = type(self).__name__
         check_number(name, "min_coeff", min_coeff, 0.0, low_open=True)
@@ -131,6 +140,8 @@ class OneBitLamb(_OneBitOptimizer):
             params,
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff),
             freeze_step,
+            update_clip,
+            guard,
         )
         self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
         self.factor_threshold = factor_threshold
@@ -223,7 +234,9 @@ class OneBitLamb(_OneBitOptimizer):
             states = [self._state(p) for p in ps]
             frozen, zeros = zip(*(self._frozen(p, s["exp_avg_sq"], beta2, eps) for p, s in zip(ps, states)))
             chain = lamb_foreach.compressed if self._multi_tensor_on(ps) else self._compressed_chain
-            us, rs = chain(ps, means, states, list(frozen), list(zeros), group, step)
+            us, rs = chain(
+                ps, means, states, list(frozen), list(zeros), group, step, self.update_clip, self._note_updates
+            )
             r = self._whole_max(torch.stack(rs).float())
             for state, ri in zip(states, r.unbind()):
                 state["variance_ratio"] = ri
@@ -239,9 +252,11 @@ class OneBitLamb(_OneBitOptimizer):
             _scaled_step_(ps, us, r * torch.stack([s["lamb_coeff_freeze"] for s in states]), group["lr"])
 
     @staticmethod
-    def _compressed_chain(ps, means, states, frozen, zeros, group, step):
+    def _compressed_chain(ps, means, states, frozen, zeros, group, step, clip=None, note=None):
         """Lines 14-17 and 20, one parameter at a time, the temporaries reusing each other's
-        buffers: the updates ``u`` and the unclipped ratios r (``-inf`` for an empty shard)."""
+        buffers: the updates ``u`` and the unclipped ratios r (``-inf`` for an empty shard);
+        ``clip``: the Adam part of ``u`` clamped to ``[-clip, clip]``; ``note(us)`` is given
+        that part (the guard)."""
         beta1, beta2 = group["betas"]
         us, rs = [], []
         for p, mean, state, denom, zero in zip(ps, means, states, frozen, zeros):
@@ -260,6 +275,10 @@ class OneBitLamb(_OneBitOptimizer):
             m.copy_(new)
             # line 20: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in new's buffer
             u = torch.div(m, 1 - beta1**step, out=new).div_(denom)
+            if clip is not None:
+                u.clamp_(-clip, clip)
+            if note is not None:
+                note([u])
             if group["weight_decay"]:
                 u.add_(p, alpha=group["weight_decay"])
             us.append(u)
@@ -352,10 +371,14 @@ class OneBitLamb(_OneBitOptimizer):
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            weight_decay=0.0,
             step=step,
             v_step=self.freeze_step,
+            clip=self.update_clip,
         )
+        self._note_updates([u])
+        if group["weight_decay"]:  # (lamb_update's own last operation)
+            u.add_(p, alpha=group["weight_decay"])
         p.sub_(u.mul_((r * state["lamb_coeff_freeze"]).to(u.dtype) * group["lr"]))  # lines 20-21
 
 

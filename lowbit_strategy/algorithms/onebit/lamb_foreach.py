@@ -71,12 +71,15 @@ def compressed(
     zeros: list[torch.Tensor],
     group: dict,
     step: int,
+    clip: float | None = None,
+    note=None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Algorithm 1 lines 14-17 and 20: the momentum set to the (unscaled, masked) mean, the
     fresh variance updated from the gradient the momenta imply, and per parameter the update
     ``u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p`` and the unclipped ratio r (0-d, before the
     node's maximum). ``frozen``/``zeros``: each parameter's ``sqrt(v̂_frozen) + eps`` and
-    ``v == 0`` (:meth:`~.lamb.OneBitLamb._frozen`)."""
+    ``v == 0`` (:meth:`~.lamb.OneBitLamb._frozen`); ``clip``, ``note``: as
+    :meth:`~.lamb.OneBitLamb._compressed_chain`'s."""
     beta1, beta2 = group["betas"]
     ms = [s["exp_avg"] for s in states]
     # the mean momentum, unscaled (Sec. 4.3) and masked: a per-parameter 0-d divisor and mask
@@ -108,6 +111,11 @@ def compressed(
     # line 20: u = m̂ / (sqrt(v̂_frozen) + eps) + λ·p, in the buffers of the new momenta
     torch._foreach_div_(news, 1 - beta1**step)
     torch._foreach_div_(news, frozen)
+    if clip is not None:
+        torch._foreach_clamp_min_(news, -clip)
+        torch._foreach_clamp_max_(news, clip)
+    if note is not None:
+        note(news)
     if group["weight_decay"]:
         torch._foreach_add_(news, ps, alpha=group["weight_decay"])
     return news, rs

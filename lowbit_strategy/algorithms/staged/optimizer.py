@@ -38,6 +38,22 @@ def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     return not bool(torch.isfinite(extremes).all())
 
 
+#: verdict levels of a compressed step, the larger winning across ranks: skip it (a non-finite
+#: momentum somewhere), or raise the alarm a subclass set at the last update
+SKIP, ALARM = 2, 1
+
+
+def _level(verdicts: list[torch.Tensor], alarm: torch.Tensor | None) -> int:
+    """The step's verdict level from this rank's device-side flags: one host read (none
+    without flags)."""
+    parts = []
+    if verdicts:
+        parts.append(torch.stack(verdicts).any().to(torch.int32) * SKIP)
+    if alarm is not None:
+        parts.append(alarm.to(torch.int32).reshape(()) * ALARM)
+    return int(torch.stack(parts).max()) if parts else 0
+
+
 class StagedOptimizer(Optimizer):
     """Warm-up, then compressed momenta: the stage switch, the communicator wiring and the
     safety rules. Subclasses supply :meth:`_warmup` and :meth:`_compressed` (per-parameter
@@ -65,6 +81,9 @@ class StagedOptimizer(Optimizer):
         self._warmup_steps = warmup
         self._step_key = step_key
         self.skipped_steps = 0
+        #: a device-side flag the last compressed update raised (a subclass's guard): read with
+        #: the next step's verdict, in the step's one host read (:meth:`_raise_alarm`)
+        self._alarm: torch.Tensor | None = None
         #: inside a step on DTensor parameters (:func:`~lowbit_strategy.layout.local_step`): local tensor -> parameter
         self._global_of: dict[int, torch.Tensor] = {}
         self.attach_communicator(None)
@@ -249,6 +268,7 @@ class StagedOptimizer(Optimizer):
             means = {
                 i: self._local_momentum(group_of[id(p)], p, p.grad) for i, p in enumerate(params) if p.grad is not None
             }
+            self._alarm, compressing = None, False  # the exact mean: nothing compressed to guard against
         else:
             comm = self._attached()
             layout = self.layout()
@@ -258,14 +278,41 @@ class StagedOptimizer(Optimizer):
             by_key.update(zip(rest, results))
             self._ready, self._launched = set(), set()
             verdicts = [v for v in (bad, bad_rest) if v is not None]
-            # the step's one host read (and, for ranks holding different shards, one small OR)
-            if self._agreed(bool(torch.stack(verdicts).any()) if verdicts else False):
+            alarm, self._alarm = self._alarm, None
+            # the step's one host read (and, for ranks holding different shards, one small MAX)
+            level = self._agreed_level(_level(verdicts, alarm))
+            if level == SKIP:
+                self._alarm = alarm  # read again with the next step's verdict
                 comm.discard()
                 return self._skip()
+            if level == ALARM:
+                comm.discard()
+                self._raise_alarm()
             comm.commit()
             means = {i: m for key, ms in by_key.items() for i, m in zip(key, ms)}
+            compressing = True
+        self._before_compressed_update(compressing)
         self._compressed_all([(group_of[id(params[i])], params[i], mean) for i, mean in means.items()], step)
+        self._after_compressed_update(step)
         return bool(means)
+
+    # ---- hooks of a compressed update (the 1-bit optimizers' guard) ----------------------------
+    def _before_compressed_update(self, compressing: bool) -> None:
+        """Before a compression-stage update; ``compressing``: its momenta came through a
+        compressed collective (not the exact mean)."""
+
+    def _after_compressed_update(self, step: int) -> None:
+        """After a compression-stage update: a subclass may set :attr:`_alarm`."""
+
+    def _raise_alarm(self) -> None:
+        """Every rank agreed that the last update raised the alarm: raise (subclass)."""
+        raise RuntimeError(f"{type(self).__name__}: the last compressed update raised an alarm")
+
+    def _agreed_level(self, level: int) -> int:
+        """:meth:`_agreed` for a verdict level (:data:`SKIP` over :data:`ALARM` over 0): the
+        largest over the ranks that must act alike."""
+        spec = self._spec
+        return spec.agree_level(level) if spec is not None else level
 
     # ---- per-parameter arithmetic (subclasses) ---------------------------------------------
     def _state(self, p: torch.Tensor) -> dict:

@@ -66,8 +66,9 @@ def test_warmup_runs_multi_tensor_unless_a_subclass_brings_its_own(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
-def _reference_adam(steps, freeze):
-    """Algorithm 1 of 1-bit Adam in one process, written out: AdamW, then frozen variance."""
+def _reference_adam(steps, freeze, clip=None):
+    """Algorithm 1 of 1-bit Adam in one process, written out: AdamW, then frozen variance;
+    ``clip``: the compression stage's m̂ / (sqrt(v̂) + eps) clamped to [-clip, clip]."""
     params = [p.detach().clone() for p in _model().parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
@@ -81,14 +82,21 @@ def _reference_adam(steps, freeze):
             vt = freeze if t > freeze else t
             m_hat = m[i] / (1 - b1 ** t)
             v_hat = v[i] / (1 - b2 ** vt)
-            params[i] = params[i] - LR * m_hat / (v_hat.sqrt() + EPS)
+            direction = m_hat / (v_hat.sqrt() + EPS)
+            if clip is not None and t > freeze:
+                direction = direction.clamp(-clip, clip)
+            params[i] = params[i] - LR * direction
     return params
 
 
-def test_onebit_adam_single_process_compression_stage():
-    ours, opt = _run(OneBitAdam, 9, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=4)
-    for a, b in zip(ours, _reference_adam(9, 4)):
+@pytest.mark.parametrize("clip", [None, 0.5])  # None: the paper's form; 0.5 binds on these gradients
+def test_onebit_adam_single_process_compression_stage(clip):
+    ours, opt = _run(OneBitAdam, 9, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=4, update_clip=clip)
+    reference = _reference_adam(9, 4, clip)
+    for a, b in zip(ours, reference):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+    if clip is not None:  # the bound changed something here
+        assert any(not torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(reference, _reference_adam(9, 4)))
     # the variance stopped moving at the switch
     frozen = [opt.state[p]["exp_avg_sq"].clone() for p in ours]
     for p, g in zip(ours, _grads(50, ours)):
@@ -97,9 +105,10 @@ def test_onebit_adam_single_process_compression_stage():
     assert all(torch.equal(opt.state[p]["exp_avg_sq"], f) for p, f in zip(ours, frozen))
 
 
-def _reference_lamb(steps, freeze, min_coeff=0.01, max_coeff=10.0, beta3=0.9, fmin=0.5, fmax=4.0, thr=0.1):
+def _reference_lamb(steps, freeze, min_coeff=0.01, max_coeff=10.0, beta3=0.9, fmin=0.5, fmax=4.0, thr=0.1, clip=None):
     """LAMB (bias-corrected, whole-ratio clip) then 1-bit LAMB's compression stage in one
-    process (exact momentum), written out per parameter with Python scalars."""
+    process (exact momentum), written out per parameter with Python scalars; ``clip``: the
+    compression stage's m̂ / (sqrt(v̂_frozen) + eps) clamped to [-clip, clip]."""
     params = [p.detach().clone().double() for p in _model().parameters()]
     n = len(params)
     m = [torch.zeros_like(p) for p in params]
@@ -131,7 +140,8 @@ def _reference_lamb(steps, freeze, min_coeff=0.01, max_coeff=10.0, beta3=0.9, fm
                 r = min(max(r, last[i] * (1 - thr)), last[i] * (1 + thr))
                 r = min(max(r, fmin), fmax)
                 last[i] = r
-                u = (m[i] / (1 - b1 ** t)) / den_frozen + WD * params[i]
+                adam_part = (m[i] / (1 - b1 ** t)) / den_frozen
+                u = (adam_part if clip is None else adam_part.clamp(-clip, clip)) + WD * params[i]
                 params[i] = params[i] - LR * r * c_frozen[i] * u
         if t == freeze:
             rms = [mi.norm().item() / math.sqrt(mi.numel()) for mi in m]
@@ -143,10 +153,14 @@ def _reference_lamb(steps, freeze, min_coeff=0.01, max_coeff=10.0, beta3=0.9, fm
     return params
 
 
-def test_onebit_lamb_against_reference_lamb_both_stages():
-    ours, opt = _run(OneBitLamb, 10, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=5)
-    for a, b in zip(ours, _reference_lamb(10, 5)):
+@pytest.mark.parametrize("clip", [None, 0.5])  # None: the paper's form; 0.5 binds on these gradients
+def test_onebit_lamb_against_reference_lamb_both_stages(clip):
+    ours, opt = _run(OneBitLamb, 10, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=5, update_clip=clip)
+    reference = _reference_lamb(10, 5, clip=clip)
+    for a, b in zip(ours, reference):
         torch.testing.assert_close(a.detach().double(), b, rtol=1e-5, atol=1e-6)
+    if clip is not None:
+        assert any(not torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(reference, _reference_lamb(10, 5)))
     state = opt.state[ours[0]]
     assert {"exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff"} <= set(state)
     assert 0.5 <= float(state["last_factor"]) <= 4.0
@@ -197,6 +211,11 @@ def test_nan_step_is_skipped(cls):
     (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
     (dict(eps=0.0), "eps must be"),
     (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(update_clip="fast"), "update_clip must be 'auto'"),
+    (dict(update_clip=0.0), "update_clip must be a number"),
+    (dict(update_clip=True), "update_clip must be a number"),
+    (dict(guard=1.0), "guard must be a number"),
+    (dict(guard="auto"), "guard must be a number"),
 ])
 def test_bad_arguments_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -309,9 +328,10 @@ def _lamb_zoo_grads(step: int, params) -> None:
         p.grad = None if (i == 3 and step % 3 == 0) else (torch.zeros_like(p) if i == 6 else g)
 
 
+@pytest.mark.parametrize("update_clip", ["auto", 0.5])  # 0.5 binds on these gradients
 @pytest.mark.parametrize("multi", [False, True], ids=["chains", "multi_tensor"])
 @pytest.mark.parametrize("weight_decay", [0.0, WD])
-def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay, multi):
+def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay, multi, update_clip):
     """The batched 1-bit LAMB step (the trust ratios as one vector), with its tensor chains per
     parameter (CPU's default) or as multi-tensor ops (``multi_tensor``, CUDA's default, forced
     here on CPU, where each ``_foreach_`` op runs the single-tensor kernel per tensor), equals
@@ -324,7 +344,7 @@ def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay, m
         params = _lamb_zoo()
         groups = [dict(params=params[:5]), dict(params=params[5:], lr=LR / 3, weight_decay=weight_decay / 2,
                                                 min_coeff=0.5, max_coeff=2.0)]
-        opt = cls(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4)
+        opt = cls(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4, update_clip=update_clip)
         opt.multi_tensor = multi if cls is OneBitLamb else None
         chains = []
         for name in ("_warmup_chain", "_compressed_chain"):
@@ -352,8 +372,9 @@ def test_batched_lamb_step_is_the_per_parameter_step_bit_for_bit(weight_decay, m
     assert ours[8].grad is None and torch.equal(ours[8], _lamb_zoo()[8])  # the frozen one: untouched
 
 
+@pytest.mark.parametrize("update_clip", ["auto", 0.5])  # 0.5 binds on these gradients
 @pytest.mark.parametrize("weight_decay", [0.0, WD])
-def test_multi_tensor_adam_step_is_the_per_parameter_step_bit_for_bit(weight_decay):
+def test_multi_tensor_adam_step_is_the_per_parameter_step_bit_for_bit(weight_decay, update_clip):
     """1-bit Adam's multi-tensor compression stage (CUDA's default, forced here on CPU, where
     each ``_foreach_`` op runs the single-tensor kernel per tensor) equals the per-parameter
     step bit for bit: two parameter groups, bf16, a 0-d, an empty, a frozen, an all-zero
@@ -363,7 +384,8 @@ def test_multi_tensor_adam_step_is_the_per_parameter_step_bit_for_bit(weight_dec
     for multi in (False, True):
         params = _lamb_zoo()
         groups = [dict(params=params[:5]), dict(params=params[5:], lr=LR / 3, weight_decay=weight_decay / 2)]
-        opt = OneBitAdam(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4)
+        opt = OneBitAdam(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, freeze_step=4,
+                         update_clip=update_clip)
         opt.multi_tensor = multi
         calls = []
         real = opt._compressed
