@@ -52,9 +52,12 @@ def test_two_nodes_of_two_train_sharded_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_one_bit_adam_with_accumulation_and_bf16(tmp_path):
+    """6 steps, freeze at 1 (the example's 20 %): the youngest frozen variance there is. Before
+    the compression stage's steps were bounded (OneBitAdam's update_clip) this run ended at a
+    training loss of NaN, 7e3 or 6e5 depending on the CPU's float path; it must learn on all."""
     r = _launch(tmp_path, "--algorithm", "onebit_adam", "--steps", "6", "--accumulate", "2", "--bf16")
     assert r["replicas_identical"] is True and 0 < r["bytes_per_step"] < r["hsdp_fp32_bytes_per_step"]
-    assert r["train_loss"] == r["train_loss"]
+    assert r["train_loss"] < r["first_loss"] - 0.3 and r["val_loss"] < r["first_loss"] - 0.3, r
 
 
 @pytest.mark.slow

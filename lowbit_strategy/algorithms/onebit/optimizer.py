@@ -147,12 +147,13 @@ class _OneBitOptimizer(StagedOptimizer):
         self.multi_tensor: bool | None = None
         betas = self.defaults["betas"]
         weight = 1 - betas[1] ** freeze_step  # how much of its averaging weight the frozen variance holds
-        if weight < YOUNG_VARIANCE:
+        if weight < YOUNG_VARIANCE and self.update_clip is None:
             logger.warning(
                 "%s: freeze_step=%d freezes a variance holding %.1f%% of its averaging weight "
-                "(1 - beta2**freeze_step). "
+                "(1 - beta2**freeze_step), and update_clip=None leaves the compressed steps unbounded. "
                 "The 1-bit Adam/LAMB papers freeze after 15-25%% of training; frozen this young, 1-bit momenta "
-                "can diverge (seen at freeze_step=10 with beta2=0.999 on a small GPT).",
+                "can diverge (seen at freeze_step=10 with beta2=0.999 on a small GPT); update_clip='auto' "
+                "bounds every step by Adam's own.",
                 name,
                 freeze_step,
                 100 * weight,

@@ -277,15 +277,17 @@ def test_another_world_size_keeps_rank0_state_and_restarts_errors(caplog):
     assert torch.equal(own["state"][0]["exp_avg"], torch.zeros(2)) and own["errors"] == {}
 
 
-def test_a_young_frozen_variance_is_logged(caplog):
+def test_a_young_frozen_variance_is_logged_where_the_steps_are_unbounded(caplog):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="lowbit_strategy.algorithms.onebit.optimizer"):
-        OneBitAdam(_model().parameters(), freeze_step=10)
+        OneBitAdam(_model().parameters(), freeze_step=10, update_clip=None)
     assert "freeze_step=10 freezes a variance holding 1.0% of its averaging weight" in caplog.text
+    assert "update_clip='auto'" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lowbit_strategy.algorithms.onebit.optimizer"):
-        OneBitLamb(_model().parameters(), freeze_step=60)
+        OneBitLamb(_model().parameters(), freeze_step=60, update_clip=None)
+        OneBitAdam(_model().parameters(), freeze_step=10)  # bounded steps: nothing to warn of
     assert caplog.text == ""
 
 
