@@ -44,6 +44,11 @@ OPTIMIZER_FOR = {"lion": "lion", "bitdp": "adamw", "onebit_adam": "onebit_adam",
                  "turboquant": "turboquant"}
 
 
+def _clip_or_none(value: str):
+    """``none`` -> None, ``auto`` -> "auto", else a number (the optimizer validates it)."""
+    return None if value == "none" else value if value == "auto" else float(value)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -51,6 +56,10 @@ def parse(argv=None):
                    choices=["auto", "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
                    help="auto: the one the configured algorithm drives")
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
+    p.add_argument("--update-clip", default="auto", type=_clip_or_none,
+                   help="1-bit Adam/LAMB: bound on each compressed step (auto: Adam's; none: the papers' form)")
+    p.add_argument("--guard", default=1000.0, type=_clip_or_none,
+                   help="1-bit Adam/LAMB: stop when a step is this many times the warm-up's (none: never)")
     p.add_argument("--batch-size", type=int, default=16, help="per rank and micro-batch")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
@@ -83,7 +92,8 @@ def main(argv=None) -> dict:
     optimizer = OPTIMIZER_FOR.get(cfg.algorithm, "adamw") if args.optimizer == "auto" else args.optimizer
     lr = args.lr or (1e-3 if optimizer == "lion" else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=optimizer,
-                total_steps=args.steps, warmup=max(1, min(50, args.steps // 10)))
+                total_steps=args.steps, warmup=max(1, min(50, args.steps // 10)), update_clip=args.update_clip,
+                guard=args.guard)
     # the optimizer and its warm-up + cosine schedule of gpt_lion.py, stepped once per optimizer step
     built = model.configure_optimizers()
     opt, schedule = built["optimizer"], built["lr_scheduler"]["scheduler"]

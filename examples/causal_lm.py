@@ -27,7 +27,7 @@ import lowbit_strategy
 OPTIMIZERS = ("lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant")
 #: the hyperparameters a fine-tuning run may change (the rest describe the model's shape)
 TRAINING_HPARAMS = ("optimizer", "lr", "weight_decay", "warmup", "total_steps", "freeze_step", "variance",
-                    "scale_decay")
+                    "scale_decay", "update_clip", "guard")
 
 
 # ---- text -----------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def make_optimizer(params, hp) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
     if hp.optimizer in ("onebit_adam", "onebit_lamb"):  # full-precision warm-up, then 1-bit momenta
         cls = lowbit_strategy.OneBitAdam if hp.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
-        return cls(params, lr=hp.lr, weight_decay=hp.weight_decay, freeze_step=freeze)
+        return cls(params, lr=hp.lr, weight_decay=hp.weight_decay, freeze_step=freeze,
+                   update_clip=getattr(hp, "update_clip", "auto"), guard=getattr(hp, "guard", 1000.0))
     if hp.optimizer == "turboquant":  # full-precision warm-up, then 4-bit momenta
         return lowbit_strategy.TurboQuantAdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, warmup_steps=freeze,
                                                variance=getattr(hp, "variance", "synchronized"),
