@@ -69,7 +69,7 @@ HF_MODEL = os.environ.get("LOWBIT_HF_MODEL", "")
 WEIGHTS = Path(os.environ.get("LOWBIT_DEMO_WEIGHTS", ROOT / "checkpoints" / "gpt_demo.pt"))
 LOGS = Path(os.environ.get("LOWBIT_NOTEBOOK_LOGS", ROOT / "lightning_logs" / "finetune"))
 FINETUNE_STEPS = 20 if QUICK else 100
-PRETRAIN_STEPS = 40 if QUICK else 200
+PRETRAIN_STEPS = 20 if QUICK else 200
 BATCH = 16  # windows per rank and step
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a Hugging Face tokenizer is used before the forks
 for name in ("lightning.pytorch", "lightning.fabric"):  # keep warnings, drop the start-up banners

@@ -76,7 +76,7 @@ def _check_common(cells, tmp_path, bitdp_at_least: float) -> dict[str, list[str]
 @pytest.mark.slow
 def test_notebook_runs_offline_pretraining_its_own_gpt(tmp_path):
     cells = _run(tmp_path, LOWBIT_DEMO_WEIGHTS=str(tmp_path / "no-weights.pt"), LOWBIT_HF_MODEL="")
-    assert "GPT pretrained here for 40 steps" in _text(cells[1]) and "pretrained 1.85M parameters" in _text(cells[2])
+    assert "GPT pretrained here for 20 steps" in _text(cells[1]) and "pretrained 1.85M parameters" in _text(cells[2])
     table = _check_common(cells, tmp_path, bitdp_at_least=4)  # 2-bit linear weights, fp32 embeddings
     n = sum(p.numel() for p in GPT().parameters())  # the tied head counted once, as DDP sends it
     assert table["DDP + AdamW"][0] == f"{2 * (2 - 1) / 2 * 4 * n / 1024:,.1f}"  # the ring allreduce's bytes, P = 2

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZE = ["--steps", "60", "--d-model", "128", "--layers", "2", "--seq", "64", "--batch-size", "8", "--data-mb", "1",
+SIZE = ["--steps", "60", "--d-model", "64", "--layers", "2", "--seq", "64", "--batch-size", "8", "--data-mb", "1",
         "--val-batches", "4"]
 LAYOUTS = {
     "flat": ("examples/accelerate.yaml", {"LOWBIT_TOPOLOGY": "flat"}),

@@ -38,6 +38,12 @@ def _plan(tmp: Path, runs: dict[str, list[str]], timeout: int = 600) -> dict[str
 
 
 ALL_NAMES = [base + suffix for base in strategy_names() for suffix in VARIANTS]
+#: the spawn launcher trains once per algorithm (each spawned fit starts two interpreters, ~5 s):
+#: the other spawn names differ from these only in the config their popen and fork twins train
+#: with, which test_spawn_names_are_their_twins_config_under_spawn checks
+SPAWN_TRAINED = {"lowbit_lion_1bit_spawn", "lowbit_bitdp_spawn", "lowbit_adam_spawn", "lowbit_lamb_spawn",
+                 "lowbit_turboquant_spawn"}
+TRAINED = [n for n in ALL_NAMES if not n.endswith("_spawn") or n in SPAWN_TRAINED]
 
 
 def _optimizer_of(name: str) -> str:
@@ -78,7 +84,7 @@ def popen_runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def spawn_runs(tmp_path_factory) -> dict[str, dict]:
     """Every ``spawn`` run of this module, from one parent interpreter."""
-    runs = {name: _run_args(name) for name in ALL_NAMES if name.endswith("_spawn")}
+    runs = {name: _run_args(name) for name in SPAWN_TRAINED}
     runs["wrong:lion"] = ["--strategy", "lowbit_lion_spawn", "--optimizer", "adamw"]
     runs["wrong:adam"] = ["--strategy", "lowbit_adam_spawn", "--optimizer", "adamw"]
     runs["unused"] = ["--strategy", "lowbit_lion_spawn", "--unused"]
@@ -118,8 +124,19 @@ def test_every_name_is_registered_on_import():
     assert StrategyRegistry.get("lowbit_bitdp_1bit_spawn").lowbit_config.bitdp.bits == 1
 
 
+def test_spawn_names_are_their_twins_config_under_spawn():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert SPAWN_TRAINED <= set(ALL_NAMES) and {_optimizer_of(n) for n in SPAWN_TRAINED} == {
+        "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"}
+    for name in ALL_NAMES:
+        if name.endswith("_spawn"):
+            spawn, popen = StrategyRegistry.get(name), StrategyRegistry.get(name.removesuffix("_spawn"))
+            assert spawn._start_method == "spawn" and spawn.lowbit_config == popen.lowbit_config, name
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ALL_NAMES)
+@pytest.mark.parametrize("name", TRAINED)
 def test_trainer_runs_with_each_registered_name(request, name):
     suffix = _suffix(name)
     runs = request.getfixturevalue({"popen": "popen_runs", "spawn": "spawn_runs", "fork": "fork_runs"}[VARIANTS[suffix]])
