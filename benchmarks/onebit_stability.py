@@ -9,8 +9,14 @@ and in the papers' form (``update_clip=none``), with the guard and without it. P
 validation losses as a table, with each one's ratio to the flat run of the same form and float
 path, and writes ``benchmarks/results/onebit_stability/{results.json,README.md}``.
 
-    python -m benchmarks.onebit_stability            # ~80 s a run; the full table ~45 min here
+    python -m benchmarks.onebit_stability            # ~2 min a run on 2 cores; 45 runs
     python -m benchmarks.onebit_stability --quick    # 1-bit Adam, default and papers' form, native only
+    python -m benchmarks.onebit_stability --forms bounded --capabilities native,default
+    python -m benchmarks.onebit_stability --algorithms lion,bitdp,turboquant --forms bounded  # the others' defaults
+
+Each run's record is kept in ``runs/``; a later invocation reuses the records it finds (delete
+``runs/`` to measure again) and the README's table holds every record there, so a long table
+can be measured in parts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,6 +46,8 @@ FORMS = {
     "papers' form + guard": ["--update-clip", "none"],
     "papers' form, no guard": ["--update-clip", "none", "--guard", "none"],
 }
+#: --forms names -> FORMS keys
+FORM_NAMES = {"bounded": "default (bounded)", "paper-guard": "papers' form + guard", "paper": "papers' form, no guard"}
 
 
 def capabilities() -> list[str]:
@@ -72,9 +81,24 @@ def run(algorithm: str, layout: str, form: str, capability: str, steps: int, scr
            "seconds": round(time.monotonic() - start, 1)}
     if proc.returncode == 0 and out.exists():
         s = json.loads(out.read_text())
-        return {**rec, "val_loss": s["val_loss"], "first_loss": s["first_loss"], "identical": s["replicas_identical"]}
-    said = next((line for line in (proc.stdout + proc.stderr).splitlines() if "DivergenceError" in line), "")
-    return {**rec, "val_loss": None, "stopped": said.split("DivergenceError: ", 1)[-1][:160] or proc.stderr[-300:]}
+        rec.update(val_loss=s["val_loss"], first_loss=s["first_loss"], identical=s["replicas_identical"])
+    else:
+        said = next((line for line in (proc.stdout + proc.stderr).splitlines() if "DivergenceError: " in line), "")
+        rec.update(val_loss=None, stopped=said.split("DivergenceError: ", 1)[-1][:400] or proc.stderr[-300:])
+    _record_path(scratch, algorithm, layout, form, capability).write_text(json.dumps(rec) + "\n")
+    return rec
+
+
+def _record_path(scratch: Path, algorithm: str, layout: str, form: str, capability: str) -> Path:
+    name = f"{algorithm}-{layout}-{form}-{capability}.record.json"
+    return scratch / name.replace(" ", "_").replace("'", "")
+
+
+def _order(r: dict) -> tuple:
+    """The table's order: algorithm, form, float path, layout (as FORMS and LAYOUTS list them)."""
+    caps = ["native", "default", "avx2"]
+    return (r["algorithm"], list(FORMS).index(r["form"]), caps.index(r["capability"]) if r["capability"] in caps else 9,
+            list(LAYOUTS).index(r["layout"]))
 
 
 def table(records: list[dict]) -> str:
@@ -83,11 +107,14 @@ def table(records: list[dict]) -> str:
     for r in records:
         ref = flat.get((r["algorithm"], r["form"], r["capability"]))
         if r["val_loss"] is None:
-            loss, ratio = "stopped: " + ("guard" if "guard" in r.get("stopped", "") else "error"), "–"
+            found = re.search(r"compressed step (\d+) .*?‖ (\S+) times", r.get("stopped", ""))
+            loss = f"stopped by the guard at step {found[1]} ({found[2]}× the warm-up's step)" if found else "failed"
+            ratio = "–"
         else:
             loss = f"{r['val_loss']:,.4g}" if r["val_loss"] < 1e3 else f"{r['val_loss']:,.0f}"
             ratio = f"{r['val_loss'] / ref:.3f}" if ref and r["val_loss"] == r["val_loss"] else "–"
-        lines.append(f"| {r['algorithm']} | {r['form']} | {r['capability']} | {r['layout']} | {loss} | {ratio} |")
+        form = r["form"] if r["algorithm"].startswith("onebit") else "default"  # the bound is 1-bit Adam/LAMB's
+        lines.append(f"| {r['algorithm']} | {form} | {r['capability']} | {r['layout']} | {loss} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -96,33 +123,52 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1-bit Adam, default and papers' form, native kernels")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--algorithms", default="onebit_adam,onebit_lamb")
+    p.add_argument("--forms", default=",".join(FORM_NAMES),
+                   help="comma-separated, of: " + ", ".join(f"{k} ({v})" for k, v in FORM_NAMES.items()))
+    p.add_argument("--capabilities", default=None, help="comma-separated float paths (default: native, default, "
+                   "and avx2 where the CPU has AVX-512)")
     p.add_argument("--output", default=str(OUT))
     args = p.parse_args(argv)
     algorithms = ["onebit_adam"] if args.quick else args.algorithms.split(",")
-    caps = ["native"] if args.quick else capabilities()
-    forms = ["default (bounded)", "papers' form, no guard"] if args.quick else list(FORMS)
+    caps = ["native"] if args.quick else (args.capabilities.split(",") if args.capabilities else capabilities())
+    for f in args.forms.split(","):
+        if f not in FORM_NAMES:
+            p.error(f"--forms: {f!r} is not one of {', '.join(FORM_NAMES)}")
+    forms = ["default (bounded)", "papers' form, no guard"] if args.quick else [FORM_NAMES[f] for f in args.forms.split(",")]
     out = Path(args.output)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     plan = [(a, f, c, lay) for a in algorithms for f in forms for c in caps for lay in LAYOUTS
             if not (f == "papers' form + guard" and a == "onebit_lamb")]
     print(f"1-bit stability: {len(plan)} runs of {args.steps} steps -> {out}", flush=True)
-    records, t0 = [], time.monotonic()
+    t0 = time.monotonic()
     for i, (algorithm, form, cap, layout) in enumerate(plan, 1):
-        rec = run(algorithm, layout, form, cap, args.steps, out / "runs")
-        records.append(rec)
+        kept = _record_path(out / "runs", algorithm, layout, form, cap)
+        reused = kept.exists()
+        rec = json.loads(kept.read_text()) if reused else run(algorithm, layout, form, cap, args.steps, out / "runs")
         got = "stopped by the guard" if rec["val_loss"] is None else f"val {rec['val_loss']:.4g}"
         print(f"[{time.monotonic() - t0:6.0f}s] ({i}/{len(plan)}) {algorithm} {form} {cap} {layout}: {got} "
-              f"({rec['seconds']:.0f} s)", flush=True)
-    md = table(records)
-    print(md)
-    (out / "results.json").write_text(json.dumps({"steps": args.steps, "cpu": torch.backends.cpu.get_cpu_capability(),
-                                                  "records": records}, indent=1) + "\n")
-    (out / "README.md").write_text(
-        "# 1-bit Adam / LAMB on a short fine-tune\n\n"
-        f"`python -m benchmarks.onebit_stability` on a CPU with {torch.backends.cpu.get_cpu_capability()}; "
-        f"the Accelerate example, full size, {args.steps} steps, default lr and freeze, 4 processes. "
-        "`x flat`: the validation loss over the flat run's of the same form and float path.\n\n" + md + "\n")
+              f"({rec['seconds']:.0f} s{', kept from an earlier run' if reused else ''})", flush=True)
+        _write(out, args.steps)
+    print(table(_records(out)))
     return 0
+
+
+def _records(out: Path) -> list[dict]:
+    return sorted((json.loads(f.read_text()) for f in (out / "runs").glob("*.record.json")), key=_order)
+
+
+def _write(out: Path, steps: int) -> None:
+    """results.json and README.md from every record in ``runs/`` (rewritten after each run)."""
+    records = _records(out)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    (out / "results.json").write_text(json.dumps({"steps": steps, "cpu": cpu, "records": records}, indent=1) + "\n")
+    (out / "README.md").write_text(
+        "# A short fine-tune on every layout and CPU float path\n\n"
+        "1-bit Adam and 1-bit LAMB in their default (bounded) form and the papers' form; the other "
+        "algorithms in their default form (`--algorithms lion,bitdp,turboquant --forms bounded`).\n\n"
+        f"`python -m benchmarks.onebit_stability` on a CPU with {cpu}; the Accelerate example, full size, "
+        f"{steps} steps, default lr and freeze, 4 processes. `x flat`: the validation loss over the flat run's "
+        "of the same form and float path.\n\n" + table(records) + "\n")
 
 
 if __name__ == "__main__":
