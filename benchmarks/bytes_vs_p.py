@@ -14,7 +14,7 @@ exact formula for that layout, ``cost_model.bitdp_bytes``; TurboQuant one float3
 
 Across nodes (``--clusters``): bytes per step on each node's link between nodes and the
 projected step time, flat against hierarchical (every algorithm) and DDP, for N nodes of L GPUs
-(:mod:`lowbit_strategy.collectives.cost_model_nodes`: its per-bucket formulas are the bytes
+(:mod:`lowbit_strategy.pricing.nodes`: its per-bucket formulas are the bytes
 the collectives record, checked at P up to 16 by ``tests/collectives/test_scaling.py``)::
 
     python -m benchmarks.bytes_vs_p --clusters [--out benchmarks/results]
@@ -35,8 +35,8 @@ import argparse
 import os
 
 from lowbit_strategy import buckets
-from lowbit_strategy.collectives import cost_model
-from lowbit_strategy.collectives import cost_model_nodes as nodes_model
+from lowbit_strategy.pricing import flat as cost_model
+from lowbit_strategy.pricing import nodes as nodes_model
 from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.collectives.summed import lane_for
 
@@ -299,7 +299,7 @@ def clusters(out_dir: str) -> str:
         "# Bytes per node across nodes, and projected step time",
         "",
         "`python -m benchmarks.bytes_vs_p --clusters` (cost model: "
-        "`lowbit_strategy/collectives/cost_model_nodes.py`; assumptions in the module docstring of "
+        "`lowbit_strategy/pricing/nodes.py`; assumptions in the module docstring of "
         "`benchmarks/bytes_vs_p.py`).",
     ]
     parts += [

@@ -12,7 +12,7 @@ p-bit summed allreduce of sign votes and of L1-quantized codes) in the same run.
 * wire bytes / rank: max over ranks and directions of the shaping qdiscs' byte counts
   (Ethernet frames incl. TCP/IP headers and ACKs); the veths' own counters are kept too;
 * recorded bytes / rank: what the code recorded (``lowbit_strategy.collectives.recording``);
-* model: ``lowbit_strategy.collectives.estimate`` with the link rate and α measured as a
+* model: ``lowbit_strategy.pricing.estimate`` with the link rate and α measured as a
   4-byte allreduce's time / (2·ceil(log2 P));
 * bound: wire bytes / link rate, the fastest the shaped link could carry those bytes.
 

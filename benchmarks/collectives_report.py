@@ -22,7 +22,7 @@ How to read this (see `benchmarks/collectives.py` and `benchmarks/collectives_wo
   frame (100mbit here) and tbf splits it into MTU frames before the veth counts them.
 - **recorded**: bytes this rank sent as recorded by `lowbit_strategy.collectives.recording()`
   (the α–β payload of the algorithm, no headers).
-- **model**: `lowbit_strategy.collectives.estimate(name, P, N, α, rate)`; α is measured as a
+- **model**: `lowbit_strategy.pricing.estimate(name, P, N, α, rate)`; α is measured as a
   4-byte allreduce's time / (2·⌈log2 P⌉). fp16_hook is priced as `bf16` (16 bits); PowerSGD,
   absent from the model, as the fp32 model applied to each of its three allreduces.
 - **bound**: wire bytes / link rate: the least time the link needs for those bytes. The

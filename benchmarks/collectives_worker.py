@@ -37,8 +37,9 @@ from benchmarks.powersgd import PowerSGD, transformer_shapes
 from lowbit_strategy.codecs.lp import lp_quantize_levels
 from lowbit_strategy.codecs.signs import sign_bits
 from lowbit_strategy.collectives import (
-    TrafficLog, estimate, full_allreduce, majority_vote, max_levels, recording, summed_allreduce,
+    TrafficLog, full_allreduce, majority_vote, max_levels, recording, summed_allreduce,
 )
+from lowbit_strategy.pricing import estimate
 
 #: name -> cost-model name (None: not in the model; PowerSGD is priced as its fp32 allreduces)
 MODEL_NAMES = {"fp32": "fp32", "fp16_hook": "bf16", "lioncub_1bit": "1bit", "summed_sign": "sign",

@@ -17,7 +17,7 @@ Reported per row: steady-state **step ms** (rank 0's clock); **cross-node bytes 
 step** on the shaped link (qdisc counters: frames with headers, max of the two directions,
 as :mod:`benchmarks.nodes` reads them), as the ranks' traffic logs recorded them (network
 scope, summed over the node's ranks) and as the cost model predicts both
-(:mod:`lowbit_strategy.collectives.cost_model_sharded`, ``cost_model_world`` for one FSDP
+(:mod:`lowbit_strategy.pricing.sharded`, ``cost_model_world`` for one FSDP
 group over every rank, where a flat ring or all-to-all logs bytes that stay in the node);
 **state bytes per rank** (optimizer state and communicator error buffers, local tensors); the
 ratios of bytes and step time against the HSDP fp32 and bf16 rows of the same link; the
@@ -140,7 +140,7 @@ def markdown(data: dict) -> str:
         "are all of it. **logged**: what the ranks' traffic logs recorded as network traffic in the window, summed "
         "over a node's ranks (FSDP world rows: the quantized reduce-scatter logs itself, a recorder logs FSDP's own "
         "all-gathers and exact reduce-scatter; a flat ring or all-to-all logs bytes to same-node peers too, so "
-        "logged exceeds the link there); **cost model**: `lowbit_strategy.collectives.cost_model_sharded` and "
+        "logged exceeds the link there); **cost model**: `lowbit_strategy.pricing.sharded` and "
         "`cost_model_world` (gloo's reduce-scatter is an allreduce) for this model and plan, on the link and as "
         "logged (the payload, no headers; the harness's 4-byte budget broadcast and the staged optimizers' 4-byte "
         "step agreement are in neither).\n"

@@ -1,5 +1,5 @@
 """Projected cross-node time per step of the sharded layout on published cluster shapes, from
-the cost model (:mod:`lowbit_strategy.collectives.cost_model_sharded`, checked byte for byte
+the cost model (:mod:`lowbit_strategy.pricing.sharded`, checked byte for byte
 against the traffic logs at 2 x 2 by ``tests/integrations/test_sharded_bytes.py``)::
 
     python -m benchmarks.nodes --sharded --project    # -> results/nodes_sharded_projection.{md,png}
@@ -8,7 +8,7 @@ against the traffic logs at 2 x 2 by ``tests/integrations/test_sharded_bytes.py`
 XL shape) and an 8B Llama-3 shape, FSDP2 over each node's 8 GPUs (every block a unit, then the
 root), HSDP fp32 and bf16 against each sharded algorithm in its default form, resolved by the
 package's own planners for the cluster (:data:`ASSUME`); and one FSDP group over all 64 GPUs
-(``fsdp_shard="world"``, :mod:`lowbit_strategy.collectives.cost_model_world`, NCCL's ring),
+(``fsdp_shard="world"``, :mod:`lowbit_strategy.pricing.world`, NCCL's ring),
 exact (fp32; bf16 with bf16 parameters) or with the quantized reduce-scatter (bf16 parameters:
 int8/int4 one hop, int4 two hops), its parameter all-gathers counted in forward and backward.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 from benchmarks import sharded_cost
 from benchmarks.e2e import RESULTS
 from lowbit_strategy import LowBitConfig, buckets
-from lowbit_strategy.collectives import cost_model_sharded as cs
-from lowbit_strategy.collectives import cost_model_world as cw
-from lowbit_strategy.collectives.cost_model_nodes import Cluster
+from lowbit_strategy.pricing import sharded as cs
+from lowbit_strategy.pricing import world as cw
+from lowbit_strategy.pricing.nodes import Cluster
 
 #: the projection's assumptions (the module docstring of :mod:`benchmarks.bytes_vs_p` uses the same)
 ASSUME = dict(nodes=8, ranks_per_node=8, links_gbps=(25.0, 100.0), latency_us=20.0, bucket_mb=25.0,
@@ -153,7 +153,7 @@ def markdown(result: dict, plotted: str) -> str:
         "# Sharded layout: projected cross-node time per step",
         "",
         "`python -m benchmarks.nodes --sharded --project` "
-        "(`lowbit_strategy.collectives.cost_model_sharded`, via `benchmarks/sharded_cost.py`).",
+        "(`lowbit_strategy.pricing.sharded`, via `benchmarks/sharded_cost.py`).",
         "",
         f"{ASSUME['nodes']} nodes × {ASSUME['ranks_per_node']} GPUs; FSDP2 over each node's GPUs (every block a "
         "unit, then the root); across nodes HSDP's all-reduce of each unit's gradient shard, or each sharded "

@@ -74,7 +74,7 @@ def _layout(data: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from lowbit_strategy.collectives.cost_model_nodes import Cluster
+    from lowbit_strategy.pricing.nodes import Cluster
     from lowbit_strategy.plan import predict
     from lowbit_strategy.plan.inputs import Compute
     from lowbit_strategy.plan.measure import measure_codecs

@@ -1,5 +1,5 @@
 """Cross-node bytes of one step of each sharded configuration, from the cost model
-(:mod:`lowbit_strategy.collectives.cost_model_sharded`): what :mod:`benchmarks.sharded_worker`
+(:mod:`lowbit_strategy.pricing.sharded`): what :mod:`benchmarks.sharded_worker`
 reports next to what it measured, what ``tests/integrations/test_sharded_bytes.py`` checks
 the traffic logs against, and what :mod:`benchmarks.nodes_sharded` projects to clusters.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_strategy.collectives import cost_model_sharded as cs
+from lowbit_strategy.pricing import sharded as cs
 
 KINDS = ("hsdp_fp32", "hsdp_bf16", "lion", "onebit_adam", "turboquant")
 Shape = tuple[int, ...]
@@ -72,7 +72,7 @@ def step_sends(
     """One step of configuration ``kind`` (module docstring) on ``model``: ``warmup`` the
     staged optimizers' and Lion Cub's full-precision warm-up; ``collective`` Lion Cub's mode
     (:func:`lion_collective`) or TurboQuant's form per bucket (a name of
-    :data:`~lowbit_strategy.collectives.cost_model_sharded.TURBOQUANT`'s values, or a
+    :data:`~lowbit_strategy.pricing.sharded.TURBOQUANT`'s values, or a
     function of the bucket's elements); ``block``: 1-bit Adam's ``scale_block`` or
     TurboQuant's; ``momentum_shapes``: Lion Cub's synchronized momenta on a step that syncs."""
     n, per_node = nodes, ranks_per_node

@@ -73,7 +73,7 @@ def record_fsdp_calls(model: torch.nn.Module, traffic: wire.TrafficLog, reduce_s
     """Record FSDP's own collectives of every unit in ``traffic`` (network scope: the group is
     the world), as one rank sends them on gloo: the all-gather's ring ``(W-1)·input bytes``
     and, when ``reduce_scatter``, the exact reduce-scatter's, which gloo runs as an allreduce of
-    the whole input (``ar(input bytes)``; :mod:`lowbit_strategy.collectives.cost_model_world`).
+    the whole input (``ar(input bytes)``; :mod:`lowbit_strategy.pricing.world`).
     Subclasses of FSDP's default calls, so FSDP treats them as its own."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
@@ -142,11 +142,11 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
     each local rank's logs record as network traffic, the sum over a node's ranks, and what
     crosses a node's link (the same in the sharded layout, where every logged byte crosses)."""
     from lowbit_strategy import buckets
-    from lowbit_strategy.collectives.cost_model_sharded import TURBOQUANT
+    from lowbit_strategy.pricing.sharded import TURBOQUANT
 
     shape = sharded_cost.ShardedModel.of(model, [p for grp in opt.param_groups for p in grp["params"]])
     if kind == "fsdp_world" and cfg is not None:
-        from lowbit_strategy.collectives.cost_model_world import world_sends
+        from lowbit_strategy.pricing.world import world_sends
 
         world = world_sends(shape.units, nodes, per_node, reduce_scatter=cfg.fsdp_reduce_scatter,
                             two_hop=cfg.topology != "flat", impl="gloo")  # auto: hierarchical at >= 2 x 2

@@ -12,7 +12,10 @@ Importing touches no CUDA and compiles nothing (safe before a notebook's fork);
 re-importing re-registers harmlessly.
 """
 
-from lowbit_strategy import nn  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
+from lowbit_strategy import (
+    _moved,
+    nn,  # noqa: E402  lowbit_strategy.nn.TurboQuantLinear, compress_activations (torch only)
+)
 from lowbit_strategy.algorithms import REGISTRY as ALGORITHMS
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
@@ -25,6 +28,8 @@ from lowbit_strategy.integrations.ddp import attach, keep_local_gradients, load_
 from lowbit_strategy.integrations.sharded import attach_sharded, node_mesh, sharding_mesh, world_mesh
 from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
+
+_moved.install()  # old import paths of moved modules keep working, with a DeprecationWarning
 
 #: the installed distribution's version (``pyproject.toml``), read from the package metadata
 __version__ = installed_version()

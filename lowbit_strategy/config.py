@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
-from lowbit_strategy.collectives import emulation, link_probe
+from lowbit_strategy.collectives import emulation
+from lowbit_strategy.pricing import link_probe
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import (
     ConfigError,
@@ -64,7 +65,7 @@ class LowBitConfig:
         link_bandwidth_gbps, link_latency_us: the network the ``auto`` plans are made for
             (Gbit/s and µs per message), or ``"measure"`` (the default): at attach, every rank
             probes the link for well under 2 s and the slowest figure is used
-            (:mod:`lowbit_strategy.collectives.link_probe`; only when an ``auto`` reads it).
+            (:mod:`lowbit_strategy.pricing.link_probe`; only when an ``auto`` reads it).
             :attr:`link` reads them, with 1 Gbit/s and 50 µs where nothing was measured.
         debug: run extra checks (one more small collective per call verifying that every
             rank passes the same lengths).
@@ -211,7 +212,7 @@ class LowBitConfig:
     def link(self) -> tuple[float, float]:
         """``(latency in s, bandwidth in bit/s)`` for the cost models: the fields' figures,
         or for one still ``"measure"`` (one rank, or a config no attach resolved) the
-        :mod:`~lowbit_strategy.collectives.link_probe` fallbacks, 50 µs and 1 Gbit/s."""
+        :mod:`~lowbit_strategy.pricing.link_probe` fallbacks, 50 µs and 1 Gbit/s."""
         gbps, us = self.link_bandwidth_gbps, self.link_latency_us
         return (50.0 if isinstance(us, str) else us) * 1e-6, (1.0 if isinstance(gbps, str) else gbps) * 1e9
 

@@ -27,7 +27,7 @@ os.environ.setdefault("LOWBIT_EMULATE_NCCL", "1")
 # The link every `auto` plans for: the default `link_*: measure` would probe the loopback at each
 # attach and plan for what a loaded machine gives that moment; pinned here (inherited by every rank
 # the tests spawn) to the figures the fields defaulted to before, so plans are deterministic. The
-# probe's own tests unset it (lowbit_strategy.collectives.link_probe.ASSUME_ENV).
+# probe's own tests unset it (lowbit_strategy.pricing.link_probe.ASSUME_ENV).
 os.environ.setdefault("LOWBIT_LINK_ASSUME", "1.0,50")
 
 settings.register_profile("dev", deadline=None)

@@ -1,5 +1,5 @@
 """The package's import structure, read from the source: no import cycle between modules, and
-each layer imports only the layers below it (codecs → collectives → algorithms → front ends).
+each layer imports only the layers below it (codecs → collectives → pricing → algorithms → front ends).
 
 Imports under ``if TYPE_CHECKING`` never run and do not count. Imports inside functions run
 later and cannot break an import, but they are arrows all the same: the cycle check counts
@@ -22,6 +22,8 @@ LAZY_UPWARD = {
     ("lowbit_strategy", "lowbit_strategy.algorithms"),
     ("lowbit_strategy", "lowbit_strategy.integrations.lightning"),
     ("lowbit_strategy", "lowbit_strategy.integrations.lightning_sharded"),
+    # the α–β names that moved to pricing are still served at their old place, with a warning
+    ("lowbit_strategy.collectives", "lowbit_strategy.pricing.flat"),
 }
 
 
@@ -124,8 +126,12 @@ def test_layers_import_downwards():
     above = {
         "lowbit_strategy.codecs": ("lowbit_strategy.collectives", "lowbit_strategy.algorithms",
                                    "lowbit_strategy.integrations", "lowbit_strategy.config", "lowbit_strategy.nn"),
-        "lowbit_strategy.collectives": ("lowbit_strategy.algorithms", "lowbit_strategy.integrations",
-                                        "lowbit_strategy.config", "lowbit_strategy.nn"),
+        "lowbit_strategy.collectives": ("lowbit_strategy.pricing", "lowbit_strategy.algorithms",
+                                        "lowbit_strategy.integrations", "lowbit_strategy.config",
+                                        "lowbit_strategy.nn", "lowbit_strategy.plan"),
+        # pricing reads the collectives' layouts (what they send); the auto plans read pricing
+        "lowbit_strategy.pricing": ("lowbit_strategy.algorithms", "lowbit_strategy.integrations",
+                                    "lowbit_strategy.config", "lowbit_strategy.nn", "lowbit_strategy.plan"),
         "lowbit_strategy.algorithms": ("lowbit_strategy.integrations", "lowbit_strategy.config", "callbacks"),
         "lowbit_strategy.nn": ("lowbit_strategy.collectives", "lowbit_strategy.algorithms",
                                "lowbit_strategy.integrations"),

@@ -161,7 +161,7 @@ def _codec_times(bucket_list, builders, dev, part: Part) -> tuple[dict, dict]:
 
 def _project(model_desc, compute_s: float, codec_ns: dict, p: int, link: float) -> dict[str, float]:
     """The planner's step seconds by row key, P nodes of one GPU each, at ``link`` Gbit/s."""
-    from lowbit_strategy.collectives.cost_model_nodes import Cluster
+    from lowbit_strategy.pricing.nodes import Cluster
     from lowbit_strategy.config import LowBitConfig
     from lowbit_strategy.plan.inputs import Compute
     from lowbit_strategy.plan.predict import Setup, predict

@@ -2,10 +2,10 @@
 
 Each function takes a tensor and a ``group`` (default: the default process group), reads
 the world size from that group, runs its torch.distributed calls and records the bytes
-this rank sent and received (:mod:`.wire`). They know nothing of optimizers.
+this rank sent and received (:mod:`.wire`). They know nothing of optimizers. What a
+collective costs (α–β models, the link probe, codec timings) is :mod:`lowbit_strategy.pricing`.
 """
 
-from lowbit_strategy.collectives.cost_model import Estimate, cheapest, estimate
 from lowbit_strategy.collectives.majority import majority_vote
 from lowbit_strategy.collectives.reference import full_allreduce
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce
@@ -17,9 +17,6 @@ __all__ = [
     "full_allreduce",
     "lane_for",
     "max_levels",
-    "estimate",
-    "cheapest",
-    "Estimate",
     "TrafficLog",
     "TrafficRecord",
     "recording",
@@ -88,3 +85,17 @@ __all__ += [
     "turboquant_server_error",
     "turboquant_mean_reference",
 ]
+
+
+#: names that moved to :mod:`lowbit_strategy.pricing` (the α–β model), still served here
+_MOVED_NAMES = {"estimate", "cheapest", "Estimate"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED_NAMES:
+        from lowbit_strategy import _moved
+        from lowbit_strategy.pricing import flat
+
+        _moved.warn_moved(f"lowbit_strategy.collectives.{name}", f"lowbit_strategy.pricing.{name}")
+        return getattr(flat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,7 @@ equal-split collectives need.
 
 Bytes per rank (sent = received): ``2·(P-1)·(W_max + 4·(R_max + f))`` with ``f = 1`` when a
 non-finite flag travels (the hook always sends one), ``≈ 2(P-1)/P·(W + 4R)``
-(:func:`lowbit_strategy.collectives.cost_model.bitdp_bytes`, checked against the traffic in
+(:func:`lowbit_strategy.pricing.flat.bitdp_bytes`, checked against the traffic in
 the tests).
 
 **Non-finite input**: ``flag`` (a device-side bool of this rank) travels beside each chunk's

@@ -13,7 +13,7 @@ every sign taken to one bit:
 
 Bandwidth per rank: (P-1)/P·N bits in the all-to-all and (P-1)/P·N bits in the
 all-gather, versus 2(P-1)/P·32N for fp32. (Table 1 charges the all-to-all a full N bits;
-see :mod:`.cost_model`.)
+see :mod:`lowbit_strategy.pricing.flat`.)
 
 Layout: the N bits are zero-padded to P chunks of ``c`` whole bytes each,
 ``c = ceil(N / (8P))``; padding votes are discarded. With a flag (:func:`majority_vote_start`)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from lowbit_strategy import algorithms, rank_state
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, keep_local_gradients
 from lowbit_strategy.codecs import compiled
-from lowbit_strategy.collectives import hierarchy, link_probe
+from lowbit_strategy.collectives import hierarchy
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
+from lowbit_strategy.pricing import link_probe
 from lowbit_strategy.selection import unwrap
 from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
@@ -54,7 +55,7 @@ def build_sync(
     (:func:`~lowbit_strategy.collectives.hierarchy.resolve`; ``ranks_per_node``: a front end's
     hint, e.g. Lightning's devices per node) gives the sync its :class:`Topology`. A link
     field set to ``"measure"`` is then resolved, on every rank alike, by a short probe of the
-    link (:func:`~lowbit_strategy.collectives.link_probe.resolve_config`, over the cross-node
+    link (:func:`~lowbit_strategy.pricing.link_probe.resolve_config`, over the cross-node
     groups of a hierarchical topology) before the algorithm is built, so its ``auto`` plans
     and ``sync.config`` hold the measured figures."""
     module = unwrap(module)

@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit_strategy.collectives.cost_model_nodes import Cluster
 from lowbit_strategy.plan import inputs, predict, recommend, warmup
+from lowbit_strategy.pricing.nodes import Cluster
 
 #: where a GPU run leaves codec timings (ns per element by codec), read when present
 GPU_CODECS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "codecs.json"

@@ -6,7 +6,7 @@ Run under ``torchrun`` (or any launcher that exports ``RANK``, ``WORLD_SIZE``,
 1. between nodes (N > 1): allreduces, all-to-alls and all-gathers over the cross-node groups
    (local rank j of every node), all L groups at once as the hierarchical form runs them,
    at 3 sizes each (64 KiB, 1 MiB, 16 MiB; fewer if a size would overrun the 5 s budget),
-   α and β fitted by least squares (:func:`~lowbit_strategy.collectives.link_probe.
+   α and β fitted by least squares (:func:`~lowbit_strategy.pricing.link_probe.
    fit_alpha_beta`); the allreduce's fit is planned for (the link's rate: gloo's all-gather
    and all-to-all are slower on the same link, reported beside it), and a node's link is L
    times what one rank's collective got;
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.calibration import median_seconds, sample_values
-from lowbit_strategy.collectives.link_probe import LinkFit, probe
 from lowbit_strategy.plan.inputs import PlanError
+from lowbit_strategy.pricing.calibration import median_seconds, sample_values
+from lowbit_strategy.pricing.link_probe import LinkFit, probe
 
 #: bytes per peer of the measured collectives (3 sizes)
 SIZES = (64 << 10, 1 << 20, 16 << 20)

@@ -1,7 +1,7 @@
 """The planner's predictions: per method and form, bytes per step on each node's link, the
 step time, and the optimizer + compression memory per GPU, from the exact byte formulas of
-:mod:`~lowbit_strategy.collectives.cost_model_nodes` (flat and hierarchical) and
-:mod:`~lowbit_strategy.collectives.cost_model_sharded` (FSDP inside the node, the exchange
+:mod:`~lowbit_strategy.pricing.nodes` (flat and hierarchical) and
+:mod:`~lowbit_strategy.pricing.sharded` (FSDP inside the node, the exchange
 across nodes), timed by their α–β model on the given cluster.
 
 **Step time** = compute + exposed communication + codec time (steady state: warm-up steps,
@@ -41,17 +41,6 @@ from functools import lru_cache
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.cost_model import _rounds, bitdp_form
-from lowbit_strategy.collectives.cost_model_nodes import (
-    Cluster,
-    NodeSends,
-    Sends,
-    bitdp_hierarchical_sends,
-    bitdp_sends,
-    bucket_seconds,
-    bucket_sends,
-    hierarchical_sends,
-)
 from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.plan.inputs import Compute, Model
 from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
@@ -65,6 +54,17 @@ from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboq
     turboquant_codec_ns,
 )
 from lowbit_strategy.plan.warmup import Run, whole_run
+from lowbit_strategy.pricing.flat import bitdp_form, rounds
+from lowbit_strategy.pricing.nodes import (
+    Cluster,
+    NodeSends,
+    Sends,
+    bitdp_hierarchical_sends,
+    bitdp_sends,
+    bucket_seconds,
+    bucket_sends,
+    hierarchical_sends,
+)
 
 #: backward's share of the compute time (forward 1/3: 2·N·tokens of 6·N·tokens FLOPs)
 BACKWARD_SHARE = 2 / 3
@@ -197,7 +197,7 @@ class _Predictor:
                     plain += math.prod(x)
             parts = [k for k in (plain, ps, qs) if k]
             sends = Sends(allreduce=sum(wire.allreduce_bytes(4 * k, self.p) for k in parts))
-            extra = (len(parts) - 1) * 2 * _rounds(self.p) * alpha  # three allreduces, not one
+            extra = (len(parts) - 1) * 2 * rounds(self.p) * alpha  # three allreduces, not one
             per.append((bucket_seconds(sends, self.c) + extra, self._link(sends)))
         memory = 8.0 * self.n + 4.0 * sum(math.prod(x) for b in self.buckets for x in b if _matrix(x))
         codec = self.codec("powersgd", self.n)  # the low-rank products over every gradient element

@@ -1,8 +1,8 @@
 """The planner's sharded rows: FSDP inside the node with the exchange across nodes
 (``--sharded``: HSDP bf16, Lion Cub, 1-bit Adam/LAMB, TurboQuant), and one FSDP group over
 every rank (``fsdp_shard="world"``), priced on a :class:`~lowbit_strategy.plan.predict._Predictor`
-by the byte formulas of :mod:`~lowbit_strategy.collectives.cost_model_sharded` and
-:mod:`~lowbit_strategy.collectives.cost_model_world` (the step-time rules are
+by the byte formulas of :mod:`~lowbit_strategy.pricing.sharded` and
+:mod:`~lowbit_strategy.pricing.world` (the step-time rules are
 :mod:`~lowbit_strategy.plan.predict`'s)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lowbit_strategy.collectives import cost_model_sharded as sh
-from lowbit_strategy.collectives import cost_model_world as cw
-from lowbit_strategy.collectives.cost_model_nodes import bucket_seconds, bucket_sends
 from lowbit_strategy.plan.rows import ONEBIT_BLOCK, TURBOQUANT_FORMS, Row, turboquant_codec_ns
+from lowbit_strategy.pricing import sharded as sh
+from lowbit_strategy.pricing import world as cw
+from lowbit_strategy.pricing.nodes import bucket_seconds, bucket_sends
 
 if TYPE_CHECKING:
     from lowbit_strategy.plan.predict import _Predictor
@@ -89,7 +89,7 @@ def world_rows(pr: _Predictor) -> list[Row]:
     """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
     in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or
     as int4 in two hops (exact inside the node, quantized across), bytes and α–β seconds
-    from :mod:`~lowbit_strategy.collectives.cost_model_world`. FSDP2 prefetches: the
+    from :mod:`~lowbit_strategy.pricing.world`. FSDP2 prefetches: the
     forward's gathers hide behind forward compute, the backward's behind backward, except
     one unit's each (the first gather waits, the last reduce-scatter ends the step). The
     two-hop row's intra-node hop is timed on the intra link, and its codec (``blockwise``

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lowbit_strategy.codecs import channel_decode, channel_encode
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import recording
-from lowbit_strategy.collectives.cost_model import BITDP_TWO_STAGE_MARGIN, bitdp_bytes, bitdp_estimate, bitdp_form
+from lowbit_strategy.pricing.flat import BITDP_TWO_STAGE_MARGIN, bitdp_bytes, bitdp_estimate, bitdp_form
 from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.collectives.gathered_two_stage import (
     chunk_plan,

@@ -1,6 +1,6 @@
 """Byte accounting at scale: every algorithm's collective at P = 2, 4, 8, 16 real gloo ranks
 (16 processes on however many cores), flat and in the hierarchical form with L = 2, 4, 8
-ranks per node, records exactly the bytes :mod:`lowbit_strategy.collectives.cost_model_nodes`
+ranks per node, records exactly the bytes :mod:`lowbit_strategy.pricing.nodes`
 predicts: each rank's cross-node bytes (so each node's, their sum) and its intra-node bytes.
 
 One launch of 16 processes serves every P: the flat runs use the subgroup of ranks 0..P-1;
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit_strategy import LowBitConfig
-from lowbit_strategy.collectives import cost_model_nodes as cm
+from lowbit_strategy.pricing import nodes as cm
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import hierarchy, wire
 from lowbit_strategy.collectives.gathered import matrix_shape

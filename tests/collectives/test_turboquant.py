@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import (
-    estimate,
     recording,
     turboquant_allgather_mean,
     turboquant_allgather_mean_start,
@@ -23,6 +22,7 @@ from lowbit_strategy.collectives import (
     turboquant_two_stage_mean_start,
 )
 from lowbit_strategy.collectives.turboquant import encode_chunks
+from lowbit_strategy.pricing import estimate
 from tests.distributed import run_ranks
 
 #: odd, smaller than a block, not divisible by P·block, several blocks per chunk

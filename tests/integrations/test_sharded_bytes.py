@@ -3,13 +3,13 @@
 modes or forms, and HSDP's fp32 and bf16 all-reduce hooks (``benchmarks.sharded_worker``),
 a few steps each (warm-up and compressed stages). What each rank's ``sync.traffic_logs()``
 records as network traffic during a step equals, exactly, what
-:mod:`lowbit_strategy.collectives.cost_model_sharded` (through :mod:`benchmarks.sharded_cost`)
+:mod:`lowbit_strategy.pricing.sharded` (through :mod:`benchmarks.sharded_cost`)
 predicts for its local rank; summed over a node's ranks, its link's bytes.
 
 One FSDP group over all four ranks (``fsdp_shard="world"``, BitDP + AdamW, the benchmark's
 ``fsdp_*`` rows): FSDP's own all-gathers and exact reduce-scatter (logged by the benchmark's
 recorder) and the quantized reduce-scatter, one hop and two, equal
-:mod:`lowbit_strategy.collectives.cost_model_world`'s bytes as gloo sends them, step by step.
+:mod:`lowbit_strategy.pricing.world`'s bytes as gloo sends them, step by step.
 
 The model has a parameter of one row (the last linear), so the second local rank holds an
 empty shard of it (left out of its buckets, padded in FSDP's reduce-scatter output), and a
@@ -148,7 +148,7 @@ def _check_world(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
     from benchmarks.sharded_worker import record_fsdp_calls
-    from lowbit_strategy.collectives.cost_model_world import world_sends
+    from lowbit_strategy.pricing.world import world_sends
 
     mesh = lowbit_strategy.world_mesh("cpu")
     for name, (rs, topology) in WORLD_CASES.items():

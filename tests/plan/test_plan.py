@@ -198,7 +198,7 @@ def test_contended_codecs_run_in_that_many_processes():
 def test_world_rows_for_a_model_that_does_not_fit_a_node():
     """--sharded on several nodes adds FSDP over every rank, exact bf16 and int4 in two hops,
     with cost_model_world's bytes; a 70 B model on 8 x 8 H100 fits only that way."""
-    from lowbit_strategy.collectives import cost_model_world as cw
+    from lowbit_strategy.pricing import world as cw
 
     argv = ["--params", "7e10", "--nodes", "8", "--gpus-per-node", "8", "--link", "25gbit", "--compute-s", "10"]
     setup = cli.setup_from(cli.parser().parse_args([*argv, "--gpu", "h100", "--sharded"]))

@@ -48,7 +48,7 @@ mean of the dequantized gradients, :mod:`.collectives.gathered`), ``two_stage`` 
 reduce-scattered at whole rows, each rank averages its chunk, re-encodes it with its own
 server error feedback, all-gather: bytes flat in P, :mod:`.collectives.gathered_two_stage`),
 or ``auto``: once per run, for the model's quantized matrices as one payload, by the α–β
-cost model on ``link`` (:func:`~lowbit_strategy.collectives.cost_model.bitdp_form`: the
+cost model on ``link`` (:func:`~lowbit_strategy.pricing.flat.bitdp_form`: the
 all-gather unless it is predicted at least twice as slow, so never at P <= 4). Once per run
 rather than per bucket: DDP rebuilds its buckets after its first iteration, and again after
 every restart, so a per-bucket choice could change across a resume. The two-stage form waits for its
@@ -78,7 +78,6 @@ from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.cost_model import BITDP_FORMS, bitdp_form
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -89,6 +88,7 @@ from lowbit_strategy.collectives.gathered import (
 )
 from lowbit_strategy.collectives.gathered_two_stage import chunk_plan, gathered_two_stage_start
 from lowbit_strategy.collectives.reference import mean_allreduce_async
+from lowbit_strategy.pricing.flat import BITDP_FORMS, bitdp_form
 from lowbit_strategy.selection import check_patterns
 from lowbit_strategy.validation import is_int
 

@@ -56,13 +56,13 @@ from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree, check_same
-from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.inflight import InFlight, Launched, finish
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
 from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.shards import ShardSpec, pad_empty, spec_for, take
 from lowbit_strategy.collectives.summed import summed_allreduce_start
+from lowbit_strategy.pricing.calibration import agreed_slowest
 from lowbit_strategy.validation import ConfigError
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
@@ -182,7 +182,7 @@ class LionCommunicator:
     def calibrate(self, numel: int, momentum_sync_every: int, device: torch.device | str = "cpu") -> None:
         """Before training, on every rank (a collective): measure the codec time of each
         ``auto`` candidate, every rank at once, and keep the slowest rank's figures
-        (:func:`~lowbit_strategy.collectives.calibration.agreed_slowest`: ranks sharing cores
+        (:func:`~lowbit_strategy.pricing.calibration.agreed_slowest`: ranks sharing cores
         measure as they will run, and a collective waits for its slowest rank), so every rank
         resolves the same plan; and note the optimizer's effective momentum-sync interval."""
         self.momentum_sync_every = momentum_sync_every

@@ -16,9 +16,9 @@ import torch
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
-from lowbit_strategy.collectives import cost_model
-from lowbit_strategy.collectives.calibration import median_seconds, sample_values
 from lowbit_strategy.collectives.summed import lane_for, max_levels
+from lowbit_strategy.pricing import flat as cost_model
+from lowbit_strategy.pricing.calibration import median_seconds, sample_values
 
 if TYPE_CHECKING:  # the config reads the registry, which imports this module: annotations only
     from lowbit_strategy.config import LowBitConfig

@@ -39,7 +39,6 @@ from lowbit_strategy.algorithms.turboquant.config import FORMS
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.agreement import check_same
-from lowbit_strategy.collectives.calibration import agreed_slowest
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.reference import ExactMean
 from lowbit_strategy.collectives.shards import ShardSpec
@@ -51,6 +50,7 @@ from lowbit_strategy.collectives.turboquant import (
     turboquant_server_error,
     turboquant_two_stage_mean_start,
 )
+from lowbit_strategy.pricing.calibration import agreed_slowest
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class TurboQuantCommunicator(BucketCommunicator):
         per element (:func:`~.plan.measure_codec_seconds`) and agree on it, so each rank (and
         each local rank's shard across nodes) plans with the same figures and picks the same
         forms: every rank measures at once and the slowest rank's figures are kept
-        (:func:`~lowbit_strategy.collectives.calibration.agreed_slowest`; 4 ranks on 2 CPU
+        (:func:`~lowbit_strategy.pricing.calibration.agreed_slowest`; 4 ranks on 2 CPU
         cores measured ~2x a lone rank, and planning with a lone rank's figure chose a codec
         0.71x as fast as DDP + AdamW at 1 Gbit/s). Only for ``form="auto"``."""
         if self.form != "auto" or self.world_size == 1:

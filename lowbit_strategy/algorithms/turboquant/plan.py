@@ -22,8 +22,8 @@ import torch
 
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
-from lowbit_strategy.collectives import cost_model
-from lowbit_strategy.collectives.calibration import median_seconds, sample_values
+from lowbit_strategy.pricing import flat as cost_model
+from lowbit_strategy.pricing.calibration import median_seconds, sample_values
 
 #: every form ``auto`` chooses from, in tie-break order (the first of equal predictions wins)
 AUTO_FORMS = ("allgather", "two_stage", "fp32")

@@ -21,7 +21,7 @@ from lowbit_strategy import BitDPState, ConfigError, LowBitConfig
 from lowbit_strategy.algorithms.bitdp.algorithm import merge_states
 from lowbit_strategy.collectives import TrafficLog
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.cost_model import bitdp_bytes
+from lowbit_strategy.pricing.flat import bitdp_bytes
 from lowbit_strategy.collectives.gathered import Layout
 from tests.algorithms.bitdp.test_hook import CONV1D_TINY, QUANTIZED_TINY, TinyLM, _check_ddp, _ddp, _local_grads, _loss
 from tests.collectives.test_gathered_two_stage import _oracle

@@ -18,16 +18,16 @@ turboquant_two_stage     (P-1+log2(P))·α             2(P-1)/P·N·(4+32/1024)�
 =======================  ==========================  ==================================
 
 b is the word (32 bits). Table 1 charges the 1-bit all-to-all a full N·β; a pairwise
-all-to-all moves only (P-1)/P·N bits per rank, which is what :mod:`.majority` sends (and
+all-to-all moves only (P-1)/P·N bits per rank, which is what :mod:`~lowbit_strategy.collectives.majority` sends (and
 the benchmarks measure), so ``1bit`` uses that and ``onebit_table1`` keeps the paper's
 figure. "direct" is Table 1's idealized bit count; ours is the
-lane-packed variant actually implemented by :mod:`.summed`, where ``w`` is the real lane
+lane-packed variant actually implemented by :mod:`~lowbit_strategy.collectives.summed`, where ``w`` is the real lane
 width (1, 2, 4, 8, 16 or 32 bits) that holds the sum over P ranks: for ``sign`` (0/1 votes)
 the lane holding P, for ``lp`` the fixed lane ``bits`` (usually 8) at whatever code levels
 fit it. log2(P) is rounded up to whole rounds. Computation (packing) is ignored, as in
 the paper; the benchmarks measure it.
 
-The TurboQuant rows (:mod:`.turboquant`) are its 4-bit codes plus one float32 scale per
+The TurboQuant rows (:mod:`~lowbit_strategy.collectives.turboquant`) are its 4-bit codes plus one float32 scale per
 block of the codec's default 1024 elements: the all-gather form sends every rank's whole
 vector to every peer, ``(P-1)·N/2`` bytes, so it beats the float32 ring (``2(P-1)/P·4N``)
 8x at P = 2, 4x at P = 4 and loses 2x at P = 32; the two-stage form (all-to-all of chunks,
@@ -36,14 +36,14 @@ all-to-all's latency more.
 
 BitDP (:func:`bitdp_bytes`, :func:`bitdp_estimate`, :func:`bitdp_form`) is costed from its
 payload's layout, not from N alone: its scales are one per row and the two-stage form pads
-every chunk to the largest (:mod:`.gathered_two_stage`). Bytes per rank, ``W`` code bytes,
+every chunk to the largest (:mod:`~lowbit_strategy.collectives.gathered_two_stage`). Bytes per rank, ``W`` code bytes,
 ``R`` scales, ``f`` = 1 with the non-finite flag: all-gather ``(P-1)·(W + 4(R+f))`` (Eq. 10's
 "paper" reduction allreduces the scales instead: ``(P-1)·W`` + a ring of ``4(R+f)``),
 latency ``log2(P)·α``; two-stage ``2(P-1)·(W_max + 4(R_max+f))`` ≈ ``2(P-1)/P·(W + 4R)``,
 latency ``(P-1+log2(P))·α``.
 
 Across nodes (the hierarchical form, what crosses each node's link, a bucket's time on a cluster
-of nodes), with exact per-bucket bytes for every algorithm: :mod:`.cost_model_nodes`.
+of nodes), with exact per-bucket bytes for every algorithm: :mod:`.nodes`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Estimate:
         return self.latency_s + self.bandwidth_s
 
 
-def _rounds(p: int) -> int:
+def rounds(p: int) -> int:
+    """Latency rounds of a tree/ring step over ``p`` ranks: ``ceil(log2 p)``, 0 for one rank
+    (Lion Cub Table 1's log2(P), rounded up to whole rounds). Every cost model counts with it."""
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
@@ -170,7 +172,7 @@ def estimate(name: str, world_size: int, numel: int, latency_s: float, bandwidth
             f"unknown algorithm {name!r}; use 1bit, sign, lpB (B a lane width: 2, 4, 8, 16, 32), fp32, bf16, "
             f"turboquant_allgather, turboquant_two_stage, or one of {PAPER_ALGORITHMS}"
         )
-    bits, alphas, bits_per_element = rule(p, _rounds(p), 2 * (p - 1) / p, lane_bits)
+    bits, alphas, bits_per_element = rule(p, rounds(p), 2 * (p - 1) / p, lane_bits)
     if p == 1:
         return Estimate(name, bits, 0.0, 0.0)
     return Estimate(name, bits, alphas * float(latency_s), bits_per_element * n / float(bandwidth_bps))
@@ -216,7 +218,7 @@ BITDP_TWO_STAGE_MARGIN = 2.0
 def bitdp_bytes(form: str, layout: Layout, world_size: int, *, flagged: bool = True, reduction: str = "mean") -> int:
     """Bytes one rank sends (= receives) to synchronize one BitDP payload laid out as
     ``layout`` in ``form`` (``allgather`` or ``two_stage``) at ``world_size`` ranks; the
-    figures the collectives record in their :class:`~.wire.TrafficLog`."""
+    figures the collectives record in their :class:`~lowbit_strategy.collectives.wire.TrafficLog`."""
     p = int(world_size)
     if p <= 1:
         return 0
@@ -232,7 +234,7 @@ def bitdp_bytes(form: str, layout: Layout, world_size: int, *, flagged: bool = T
 
 def bitdp_estimate(form: str, layout: Layout, world_size: int, latency_s: float, bandwidth_bps: float) -> Estimate:
     """Predicted seconds of one BitDP payload in ``form`` (non-finite flag included)."""
-    p, r = int(world_size), _rounds(int(world_size))
+    p, r = int(world_size), rounds(int(world_size))
     if p <= 1:
         return Estimate(f"bitdp_{form}", layout.bits, 0.0, 0.0)
     alphas = r if form == "allgather" else p - 1 + r

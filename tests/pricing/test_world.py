@@ -6,10 +6,10 @@ import pytest
 
 from benchmarks.nodes_sharded_projection import gpt_model
 from lowbit_strategy.codecs import blockwise
-from lowbit_strategy.collectives import cost_model_world as cw
+from lowbit_strategy.pricing import world as cw
 from lowbit_strategy.collectives import fsdp_reduce_scatter as qrs
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.cost_model_nodes import Cluster
+from lowbit_strategy.pricing.nodes import Cluster
 
 
 def test_exact_reduce_scatter_is_one_ring_edge_per_node_and_twice_that_on_gloo():

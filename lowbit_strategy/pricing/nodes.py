@@ -1,8 +1,10 @@
 """Bytes across nodes: exact per-bucket bytes of every algorithm's collective, flat and in the
-hierarchical form (:mod:`.hierarchy`), and the α–β time of a bucket on a cluster of nodes.
+hierarchical form (:mod:`~lowbit_strategy.collectives.hierarchy`), and the α–β time of a bucket
+on a cluster of nodes.
 
-**Recorded bytes** (what a rank's :class:`~.wire.TrafficLog` holds, :mod:`.wire`'s formulas;
-the tests check them at P up to 16). One bucket of ``n`` float32 elements, P ranks, ``f`` = 1
+**Recorded bytes** (what a rank's :class:`~lowbit_strategy.collectives.wire.TrafficLog` holds,
+:mod:`~lowbit_strategy.collectives.wire`'s formulas; the tests check them at P up to 16).
+One bucket of ``n`` float32 elements, P ranks, ``f`` = 1
 when a non-finite flag travels with it, ``c = ceil(n/(8P))`` (whole bytes of sign bits per
 chunk), ``ar(B) = 2(P-1)·ceil(B/P)`` the ring allreduce of B bytes, ``k(m)`` packed code bytes
 of m codes, ``nb(m) = ceil(m/block)``:
@@ -19,7 +21,7 @@ Adam/LAMB)                 without ``block``)
 ``turboquant_allgather``   ``(P-1)(k(n) + 4·nb(n))``                —
 ``turboquant_two_stage``   ``2(P-1)(k(c') + 4·nb(c'))``, c' the     —
                            server chunk
-BitDP (:func:`bitdp_sends`)  :func:`.cost_model.bitdp_bytes`        ``ar(4·full)``
+BitDP (:func:`bitdp_sends`)  :func:`.flat.bitdp_bytes`        ``ar(4·full)``
 =========================  =======================================  ==========================
 
 **Hierarchical form**, N nodes of L ranks: local rank j sends shard j of the payload,
@@ -43,7 +45,7 @@ L (``L(P-L)/P`` against ``(N-1)/N`` of the payload), for a ring all-gather ``(P-
 The 2-nodes × 2-ranks benchmark (README) measured these ratios on emulated links.
 
 **Time** (:func:`bucket_seconds`): α–β per bucket, the bottleneck being the node's link:
-``rounds·α + 8·link bytes / bandwidth``, rounds as in :mod:`.cost_model` (allreduce
+``rounds·α + 8·link bytes / bandwidth``, rounds as in :mod:`.flat` (allreduce
 ``2⌈log2 P⌉``, all-gather ``⌈log2 P⌉``, all-to-all ``P-1``); the hierarchical form adds its
 node stages on the intra-node link (NVLink) and runs its cross-node rounds at N. Codec time is
 not counted.
@@ -56,10 +58,10 @@ from dataclasses import dataclass
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.cost_model import _rounds, bitdp_bytes
 from lowbit_strategy.collectives.gathered import Layout
 from lowbit_strategy.collectives.summed import lane_for
 from lowbit_strategy.collectives.turboquant.common import turboquant_server_chunk_length
+from lowbit_strategy.pricing.flat import bitdp_bytes, rounds
 
 #: the collectives of :func:`bucket_sends`, as the module docstring's table names them
 NAMES = ("1bit", "sign", "lpB", "fp32", "bf16", "ddp", "compensated", "turboquant_allgather", "turboquant_two_stage")
@@ -94,8 +96,8 @@ class Sends:
         return self.allreduce + self.all_gather + self.all_to_all * per_node * (p - per_node) / (p - 1)
 
     def rounds(self, world_size: int) -> int:
-        """Latency terms (α) of the primitives used, as :mod:`.cost_model` counts them."""
-        r = _rounds(world_size)
+        """Latency terms (α) of the primitives used, as :mod:`.flat` counts them."""
+        r = rounds(world_size)
         return 2 * r * bool(self.allreduce) + r * bool(self.all_gather) + (world_size - 1) * bool(self.all_to_all)
 
 
@@ -160,14 +162,15 @@ def bucket_sends(
 
 
 def shard_size(n: int, ranks_per_node: int, align: int = 64) -> int:
-    """``ceil(n/L)`` rounded up to a multiple of ``align`` (:meth:`~.hierarchy.Topology.shard_length`)."""
+    """``ceil(n/L)`` rounded up to a multiple of ``align``
+    (:meth:`~lowbit_strategy.collectives.hierarchy.Topology.shard_length`)."""
     per_rank = -(-n // ranks_per_node)
     return -(-per_rank // align) * align
 
 
 def shard_lengths(n: int, ranks_per_node: int, align: int = 64) -> list[int]:
     """Elements local rank j of a node sends across nodes, j = 0 … L-1
-    (:meth:`~.hierarchy.Topology.shard`)."""
+    (:meth:`~lowbit_strategy.collectives.hierarchy.Topology.shard`)."""
     size = shard_size(n, ranks_per_node, align)
     return [max(0, min(n, j * size + size) - min(n, j * size)) for j in range(ranks_per_node)]
 
@@ -295,7 +298,7 @@ def bucket_seconds(sends: Sends | NodeSends, cluster: Cluster) -> float:
         if p <= per_node:  # one node: the ring runs on NVLink
             return sends.rounds(p) * cluster.intra_latency_us * 1e-6 + 8 * sends.total / (cluster.intra_gbps * 1e9)
         return sends.rounds(p) * alpha + 8 * sends.link_bytes(p, per_node) / inter_bps
-    r = _rounds(per_node)
+    r = rounds(per_node)
     intra = 3 * r * cluster.intra_latency_us * 1e-6 + 8 * sends.node / (cluster.intra_gbps * 1e9)
-    rounds = max(s.rounds(cluster.nodes) for s in sends.network)
-    return intra + rounds * alpha + 8 * sends.network_per_node / inter_bps
+    network_rounds = max(s.rounds(cluster.nodes) for s in sends.network)
+    return intra + network_rounds * alpha + 8 * sends.network_per_node / inter_bps

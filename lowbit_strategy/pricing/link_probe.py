@@ -17,7 +17,7 @@ measure`` (the default) resolves the link here, at attach (:func:`resolve_config
   about 0.3 s on a 100 Mbit/s link, 0.1 s on loopback): the number of transfers is bounded
   (at most 4 sizes × (repeat + 1) collectives plus 4 small allreduces);
 * :func:`fit_alpha_beta` fits ``t = rounds·α + 8·x/bandwidth`` to the agreed points, x the
-  bytes one rank sends (2(P-1)/P·size), ``rounds`` = 2⌈log2 P⌉ as :mod:`.cost_model` counts
+  bytes one rank sends (2(P-1)/P·size), ``rounds`` = 2⌈log2 P⌉ as :mod:`.flat` counts
   an allreduce's latency.
 
 Why allreduces: on an emulated 100 Mbit/s link (``benchmarks/netem.py``) gloo's ring allreduce

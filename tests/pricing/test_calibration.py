@@ -1,4 +1,4 @@
-"""The codec timings ``auto`` plans agree on (lowbit_strategy.collectives.calibration):
+"""The codec timings ``auto`` plans agree on (lowbit_strategy.pricing.calibration):
 every rank measures after a barrier, and every rank keeps the slowest rank's figures."""
 
 import time
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lowbit_strategy.collectives import calibration, wire
-from lowbit_strategy.collectives.calibration import agreed_slowest, median_seconds
+from lowbit_strategy.collectives import wire
+from lowbit_strategy.pricing import calibration
+from lowbit_strategy.pricing.calibration import agreed_slowest, median_seconds
 from tests.distributed import run_ranks
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lowbit_strategy.collectives import cheapest, estimate
+from lowbit_strategy.pricing import cheapest, estimate
 
 
 def test_table1_formulas():

@@ -1,10 +1,10 @@
 """Bytes across nodes when one FSDP group spans every rank (``LowBitConfig.fsdp_shard="world"``):
 FSDP's parameter all-gathers and its gradient reduce-scatter, exact or quantized
-(:mod:`.fsdp_reduce_scatter`), for a model that does not fit in one node. The sharded layout
-with FSDP inside each node is :mod:`.cost_model_sharded`'s.
+(:mod:`~lowbit_strategy.collectives.fsdp_reduce_scatter`), for a model that does not fit in one
+node. The sharded layout with FSDP inside each node is :mod:`.sharded`'s.
 
 N nodes of L ranks, W = N·L, ranks numbered node by node. A unit of parameters ``shapes`` has
-``c = Σ ceil(d0/W)·numel/d0`` elements per rank (:func:`~.cost_model_sharded.padded_shard_numel`
+``c = Σ ceil(d0/W)·numel/d0`` elements per rank (:func:`~.sharded.padded_shard_numel`
 at W): its all-gather input and reduce-scatter output on every rank; the reduce-scatter input
 is ``W·c``. Per call, with ``s`` the element size, ``row(c)`` one blockwise-coded row
 (:func:`~lowbit_strategy.codecs.blockwise.row_bytes`: codes + one fp32 scale per 256):
@@ -37,7 +37,7 @@ reduce-scatter logs itself; FSDP's own calls need a recorder (the benchmark's). 
 parameters of their own run neither.
 
 **Time** (:func:`world_seconds`): ``rounds·α + 8·link bytes / bandwidth`` over the forward's
-calls and the backward's, rounds as :mod:`.cost_model` counts them (allreduce ``2⌈log2 W⌉``,
+calls and the backward's, rounds as :mod:`.flat` counts them (allreduce ``2⌈log2 W⌉``,
 ring ``⌈log2 W⌉``, all-to-all ``W-1`` per exchange, two per quantized call: codes, scales; two
 hops at N). Codec time and the intra-node hop (NVLink) are not counted.
 """
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.collectives import fsdp_reduce_scatter, wire
-from lowbit_strategy.collectives.cost_model import _rounds
-from lowbit_strategy.collectives.cost_model_nodes import Cluster
-from lowbit_strategy.collectives.cost_model_sharded import padded_shard_numel
+from lowbit_strategy.pricing.flat import rounds
+from lowbit_strategy.pricing.nodes import Cluster
+from lowbit_strategy.pricing.sharded import padded_shard_numel
 
 __all__ = ["Call", "WorldSends", "all_gather_call", "reduce_scatter_call", "world_seconds", "world_sends"]
 
@@ -84,7 +84,7 @@ def all_gather_call(c: int, nodes: int, ranks_per_node: int, itemsize: int = 4) 
     """FSDP's ring all-gather of ``c`` elements per rank over all W ranks."""
     w = nodes * ranks_per_node
     sent = wire.all_gather_bytes(c * itemsize, w)
-    return Call(sent, sent if nodes > 1 else 0, rounds=_rounds(w))
+    return Call(sent, sent if nodes > 1 else 0, rounds=rounds(w))
 
 
 def reduce_scatter_call(
@@ -99,19 +99,19 @@ def reduce_scatter_call(
 ) -> Call:
     """One reduce-scatter of ``c`` output elements per rank over all W ranks (module table):
     ``form`` ``fp32``/``bf16`` (exact, ``impl`` ``ring`` or ``gloo``) or ``int8``/``int4``/``int2``
-    (:mod:`.fsdp_reduce_scatter`, one hop or ``two_hop``; ``itemsize`` the reduce dtype's, which
-    the intra-node hop sends)."""
+    (:mod:`~lowbit_strategy.collectives.fsdp_reduce_scatter`, one hop or ``two_hop``; ``itemsize``
+    the reduce dtype's, which the intra-node hop sends)."""
     n, per_node = nodes, ranks_per_node
     w = n * per_node
     if form in EXACT:
         s = EXACT[form]
         if impl == "gloo":
             sent = wire.allreduce_bytes(w * c * s, w)
-            return Call(sent, sent if n > 1 else 0, rounds=2 * _rounds(w))
+            return Call(sent, sent if n > 1 else 0, rounds=2 * rounds(w))
         if impl != "ring":
             raise ValueError(f"impl must be 'ring' or 'gloo', got {impl!r}")
         sent = (w - 1) * c * s
-        return Call(sent, sent if n > 1 else 0, rounds=_rounds(w))
+        return Call(sent, sent if n > 1 else 0, rounds=rounds(w))
     bits = fsdp_reduce_scatter.BITS[form]
     row = sum(blockwise.row_bytes(c, bits))
     if two_hop and n > 1 and per_node > 1:

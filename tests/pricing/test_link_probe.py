@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lowbit_strategy.collectives import link_probe
+from lowbit_strategy.pricing import link_probe
 from lowbit_strategy.config import ConfigError, LowBitConfig
 from tests.distributed import run_ranks
 

@@ -3,8 +3,8 @@ are checked against it on 2 x 2 ranks in tests/integrations/test_sharded_bytes.p
 
 import pytest
 
-from lowbit_strategy.collectives import cost_model_nodes as cm
-from lowbit_strategy.collectives import cost_model_sharded as cs
+from lowbit_strategy.pricing import nodes as cm
+from lowbit_strategy.pricing import sharded as cs
 from lowbit_strategy.collectives import wire
 
 

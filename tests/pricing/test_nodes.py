@@ -3,7 +3,7 @@ against it at P up to 16 in test_scaling.py)."""
 
 import pytest
 
-from lowbit_strategy.collectives import cost_model_nodes as cm
+from lowbit_strategy.pricing import nodes as cm
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.hierarchy import Topology
 

@@ -7,7 +7,7 @@ the last ranks' shards may be shorter or empty). Local rank j runs the *flat* co
 over the N ranks holding the same shard (``mesh["replicate"]``), on its local shards only;
 the L local ranks run theirs side by side, so **a node's link carries the sum over its L
 ranks** (every byte they send crosses: their peers are on other nodes). Per step and local
-rank j, with :func:`~.cost_model_nodes.bucket_sends` the flat bucket formula at P = N:
+rank j, with :func:`~.nodes.bucket_sends` the flat bucket formula at P = N:
 
 * **HSDP**, fp32 or bf16 (``itemsize`` 4 or 2; also the staged optimizers' warm-up, which
   averages gradients from FSDP's all-reduce hook, and TurboQuant's all-``fp32`` form): per
@@ -28,7 +28,7 @@ rank j, with :func:`~.cost_model_nodes.bucket_sends` the flat bucket formula at 
   steps it runs, ``ar(4·m_j)`` at N for the m_j local elements of the selected momenta
   (nothing when m_j = 0; :func:`momentum_sync_sends`);
 * the staged optimizers agree their step's verdict with a one-element MAX allreduce over
-  every rank (:class:`~.shards.LocalShard`), which is not recorded (4 bytes).
+  every rank (:class:`~lowbit_strategy.collectives.shards.LocalShard`), which is not recorded (4 bytes).
 
 These are exactly the bytes ``sync.traffic_logs()`` records as network traffic
 (``tests/integrations/test_sharded_bytes.py`` checks them on 2 nodes × 2 ranks, step by
@@ -36,7 +36,7 @@ step). FSDP's own reduce-scatter and all-gather stay inside the node and are not
 
 **Time** (:func:`sharded_seconds`): ``rounds·α + 8·bytes per node / bandwidth``; the local
 ranks' collectives run at once, so the latency is the longest rank's sum of its buckets'
-rounds at N (:meth:`~.cost_model_nodes.Sends.rounds`). Codec time and overlap are not counted.
+rounds at N (:meth:`~.nodes.Sends.rounds`). Codec time and overlap are not counted.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from dataclasses import dataclass
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.cost_model_nodes import Cluster, Sends, bucket_sends
+from lowbit_strategy.pricing.nodes import Cluster, Sends, bucket_sends
 
 Shape = tuple[int, ...]
 
-#: TurboQuant's forms -> :func:`~.cost_model_nodes.bucket_sends` names
+#: TurboQuant's forms -> :func:`~.nodes.bucket_sends` names
 TURBOQUANT = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage", "fp32": "fp32"}
 
 
@@ -148,7 +148,7 @@ def optimizer_sends(
     bits: int = 4,
 ) -> ShardedSends:
     """The optimizer's exchange at the step (module docstring): ``collective`` names each
-    bucket's :func:`~.cost_model_nodes.bucket_sends` collective, or maps a bucket's element
+    bucket's :func:`~.nodes.bucket_sends` collective, or maps a bucket's element
     count to it (TurboQuant's ``auto`` picks a form per bucket)."""
     pick = collective if callable(collective) else (lambda n: collective)
     per_rank = []
