@@ -56,3 +56,19 @@ def test_a_script_sees_the_warning_under_default_filters():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     assert "DeprecationWarning: lowbit_strategy.collectives.link_probe moved to lowbit_strategy.pricing.link_probe" in out.stderr
+
+
+@pytest.mark.parametrize("module, name, new", [
+    ("lowbit_strategy.collectives.reference", "full_allreduce", "lowbit_strategy.collectives.exact.full_allreduce"),
+    ("lowbit_strategy.collectives.reference", "ExactMean", "lowbit_strategy.collectives.exact.ExactMean"),
+    ("lowbit_strategy.collectives.fsdp_reduce_scatter", "reference",
+     "lowbit_strategy.collectives.reference.fsdp_reduce_scatter_reference"),
+])
+def test_moved_names_resolve_at_their_old_place_with_a_warning(module, name, new):
+    old = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{name} moved to {new}") as got:
+        value = getattr(old, name)
+    home, attr = new.rsplit(".", 1)
+    assert value is getattr(importlib.import_module(home), attr) and got[0].filename == __file__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        old.nope  # noqa: B018

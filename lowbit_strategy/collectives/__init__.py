@@ -6,8 +6,8 @@ this rank sent and received (:mod:`.wire`). They know nothing of optimizers. Wha
 collective costs (α–β models, the link probe, codec timings) is :mod:`lowbit_strategy.pricing`.
 """
 
+from lowbit_strategy.collectives.exact import full_allreduce
 from lowbit_strategy.collectives.majority import majority_vote
-from lowbit_strategy.collectives.reference import full_allreduce
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce
 from lowbit_strategy.collectives.wire import TrafficLog, TrafficRecord, recording
 

@@ -44,7 +44,7 @@ round to nearest, off by at most half a step, ``max|x| / (2Q)`` per block.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,24 @@ try:  # torch >= 2.8: FSDP2's comm interface (the call signature is all FSDP rel
 except ImportError:  # pragma: no cover - older torch: duck-typed, no set_custom_reduce_scatter anyway
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["BITS", "QuantizedReduceScatter", "UnitErrors", "reduce_scatter_bytes", "reference"]
+__all__ = ["BITS", "Hops", "QuantizedReduceScatter", "UnitErrors", "reduce_scatter_bytes"]
 
 #: LowBitConfig.fsdp_reduce_scatter -> code bits
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
-def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+class Hops(NamedTuple):
+    """The two-hop form's groups and shape (module docstring): ``intra``, this rank's node
+    group (exact all-to-all of partial sums); ``inter``, its cross-node group (the quantized
+    exchange); ``nodes`` N and ``ranks_per_node`` L, with ranks numbered node by node."""
+
+    intra: Any
+    inter: Any
+    nodes: int
+    ranks_per_node: int
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
     """Float32 sum of a ``(P, c)`` tensor's rows in :func:`~lowbit_strategy.codecs.reduce.rank_sum`'s
     fixed pairwise order (the same bits on every device, log2 P kernels). Callers pass rows
     they own: with one row the result is a view of it."""
@@ -111,7 +122,7 @@ def exchange_sum(
     if bits is None:
         recv = torch.empty_like(rows)
         g.all_to_all_async(recv.view(-1), rows.contiguous().view(-1), group, op, traffic).wait()
-        return _sum_rows(recv)
+        return sum_rows(recv)
     codes, scales = encode_rows(rows, me, bits, salt, error)
     codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
     fc = g.all_to_all_async(codes_in.view(-1), codes.view(-1), group, op + ".codes", traffic)
@@ -120,13 +131,13 @@ def exchange_sum(
     fs.wait()
     got = blockwise.decode(codes_in, scales_in, bits, c)
     got[me] = rows[me]
-    return _sum_rows(got)
+    return sum_rows(got)
 
 
 class QuantizedReduceScatter(_Base):
     """One FSDP unit's reduce-scatter (module docstring). ``bits``: 8, 4 or 2. ``hops``: None
-    for one hop over FSDP's group, or ``(intra, inter, nodes, ranks_per_node)`` for the two-hop
-    form (FSDP's group is then the world). ``salt``: :func:`salt`'s value for this unit and
+    for one hop over FSDP's group, or a :class:`Hops` for the two-hop form (FSDP's group is
+    then the world; a plain 4-tuple in that order is read as one). ``salt``: :func:`salt`'s value for this unit and
     rank. Bytes go to ``traffic``. ``error_feedback``: keep, per rank, what the codes of the
     rows it quantized missed and add it to the next call's rows (:attr:`error`, float32, made at
     the first call: ``(P, c)`` for one hop, ``(N, c)`` for two)."""
@@ -135,12 +146,13 @@ class QuantizedReduceScatter(_Base):
         self,
         bits: int,
         *,
-        hops: tuple[Any, Any, int, int] | None,
+        hops: Hops | tuple[Any, Any, int, int] | None,
         salt: int,
         traffic: wire.TrafficLog,
         error_feedback: bool = False,
     ) -> None:
-        self.bits, self.hops, self.salt, self.traffic = bits, hops, salt, traffic
+        self.bits, self.salt, self.traffic = bits, salt, traffic
+        self.hops = None if hops is None else Hops(*hops)
         self.error_feedback = error_feedback
         self.error: torch.Tensor | None = None
 
@@ -169,7 +181,7 @@ class QuantizedReduceScatter(_Base):
         if self.hops is None:
             total = exchange_sum(rows, group, "fsdp_rs", self.traffic, self.bits, self.salt, self._error(rows))
         else:
-            intra, inter, nodes, per_node = self.hops
+            intra, inter, nodes, per_node = self.hops.intra, self.hops.inter, self.hops.nodes, self.hops.ranks_per_node
             c = rows.shape[1]
             # local peer j gets the rows of destinations m*L + j, m = 0..N-1
             to_peers = rows.view(nodes, per_node, c).transpose(0, 1).reshape(per_node, nodes * c)
@@ -190,16 +202,27 @@ class QuantizedReduceScatter(_Base):
 
 class UnitErrors:
     """The error-feedback buffers of every unit's reduce-scatter, as one part of a sync's
-    checkpointed state (``Sync.parts``): saved per unit in module order; a checkpoint of
-    another number of units is refused, naming both."""
+    checkpointed state (``Sync.parts``): ``{"format": 1, "units": [...]}``, per unit in module
+    order; a checkpoint of another number of units, or of a format this version does not read,
+    is refused, naming both. (States written before the format key are format 1.)"""
+
+    #: the state's layout version; a change to it adds a reader for the old one
+    FORMAT = 1
 
     def __init__(self, comms: list[QuantizedReduceScatter]) -> None:
         self.comms = comms
 
     def state_dict(self) -> dict:
-        return {"units": [comm.state_dict() for comm in self.comms]}
+        return {"format": self.FORMAT, "units": [comm.state_dict() for comm in self.comms]}
 
     def load_state_dict(self, state: dict) -> None:
+        version = state.get("format", 1)
+        if version != self.FORMAT:
+            raise ValueError(
+                f"the checkpoint's fsdp_reduce_scatter error feedback has format {version!r}; this version reads "
+                f"format {self.FORMAT}: resume with the lowbit-strategy version that wrote it, or set "
+                "fsdp_error_feedback=False"
+            )
         units = state.get("units", [])
         if len(units) != len(self.comms):
             raise ValueError(
@@ -229,47 +252,14 @@ def reduce_scatter_bytes(c: int, world: int, bits: int, element_size: int, nodes
     return (per_node - 1) * nodes * c * element_size, (nodes - 1) * (code + scale)
 
 
-def reference(
-    inputs: list[torch.Tensor],
-    bits: int,
-    nodes: int,
-    average: bool,
-    unit: int = 0,
-    ranks: list[int] | None = None,
-    errors: list[torch.Tensor] | None = None,
-) -> list[torch.Tensor]:
-    """Single-process oracle: every rank's output of one call, from every rank's 1-D input
-    (the group's size = ``len(inputs)``; ``nodes`` > 1: two hops), with the same codec, salts
-    (of ``unit`` and each rank's global rank, ``ranks[r]``, default ``r``) and sums.
-    ``errors``: every rank's error-feedback buffer, updated in place."""
-    w = len(inputs)
-    ranks = list(range(w)) if ranks is None else ranks
-    rows = [x.view(w, -1) for x in inputs]
-    c = rows[0].shape[1]
-    if nodes == 1:
-        senders = rows
-        groups = [list(range(w))]
-        sent = {r: rows[r] for r in range(w)}
-    else:
-        per_node = w // nodes
-        sent = {}
-        for r in range(w):
-            node, j = divmod(r, per_node)
-            peers = [node * per_node + k for k in range(per_node)]
-            # what each peer k sent to j: its rows of destinations m*L + j
-            parts = torch.stack([rows[k].view(nodes, per_node, c)[:, j] for k in peers])  # (L, N, c)
-            sent[r] = _sum_rows(parts.reshape(per_node, nodes * c)).view(nodes, c)
-        groups = [list(range(j, w, per_node)) for j in range(per_node)]
-        senders = [sent[r] for r in range(w)]
-    out: list[torch.Tensor] = [torch.empty(0)] * w
-    for members in groups:
-        decoded = {}
-        for i, r in enumerate(members):
-            error = None if errors is None else errors[r]
-            codes, scales = encode_rows(senders[r], i, bits, salt(unit, ranks[r]), error)
-            decoded[r] = blockwise.decode(codes, scales, bits, c)
-        for i, r in enumerate(members):
-            got = torch.stack([sent[r][i] if s == r else decoded[s][i] for s in members])
-            total = _sum_rows(got)
-            out[r] = total / w if average else total
-    return out
+def __getattr__(name: str):
+    if name == "reference":  # the oracle moved to reference.py, beside the others
+        from lowbit_strategy import _moved
+        from lowbit_strategy.collectives.reference import fsdp_reduce_scatter_reference
+
+        _moved.warn_moved(
+            "lowbit_strategy.collectives.fsdp_reduce_scatter.reference",
+            "lowbit_strategy.collectives.reference.fsdp_reduce_scatter_reference",
+        )
+        return fsdp_reduce_scatter_reference
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,17 @@
-"""Full-precision allreduce: the uncompressed baseline behind the same interface.
+"""Single-process oracles: what each compressed collective must return, computed from every
+rank's input in one process with the same codecs and the ranks' summation order. Tests
+compare the collectives with them bit for bit; nothing in the training path runs them.
 
-What DDP does today (fp32), or with ``fp16_compress_hook``-style casting (bf16/fp16): the
-sum over ranks of ``x``, sent as ``wire_dtype``. It is the reference every compressed
-collective is compared with, and Lion Cub's ``fp32`` / ``bf16`` modes.
+- :func:`compensated_allreduce_reference`: the error-compensated 1-bit allreduce (1-bit LAMB
+  Algorithm 1, :mod:`.compensated`);
+- :func:`turboquant_mean_reference`: TurboQuant's all-gather and two-stage means
+  (:mod:`.turboquant`);
+- :func:`fsdp_reduce_scatter_reference`: the quantized FSDP reduce-scatter, one hop or two
+  (:mod:`.fsdp_reduce_scatter`).
+
+The exact allreduces that lived here (``full_allreduce``, ``full_allreduce_start``,
+``mean_allreduce_async``, ``ExactMean``, ``WIRE_DTYPES``) are :mod:`.exact`'s; their old path
+still resolves, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -11,89 +20,9 @@ import math
 
 import torch
 
+from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.codecs.reduce import rank_sum
-from lowbit_strategy.collectives import chain
-from lowbit_strategy.collectives import group as g
-
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def full_allreduce(
-    x: torch.Tensor,
-    group=None,
-    *,
-    wire_dtype: torch.dtype = torch.float32,
-    check: bool = False,
-    traffic=None,
-) -> torch.Tensor:
-    """Sum of ``x`` over ranks, sent as ``wire_dtype``; returned in ``x``'s dtype and shape.
-
-    ``x`` itself is not modified.
-    """
-    return full_allreduce_start(x, group, wire_dtype=wire_dtype, check=check, traffic=traffic).wait()
-
-
-def full_allreduce_start(
-    x: torch.Tensor,
-    group=None,
-    *,
-    wire_dtype: torch.dtype = torch.float32,
-    check: bool = False,
-    traffic=None,
-) -> g.Pending:
-    """:func:`full_allreduce` launched asynchronously; ``.wait()`` returns the sum."""
-
-    def validate() -> None:
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"full_allreduce needs a floating-point tensor, got dtype {x.dtype}")
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype}")
-        if x.numel() == 0:
-            raise ValueError("full_allreduce got an empty tensor")
-
-    g.validated(validate, x, group, "full_allreduce", check, traffic)  # with check, a bad rank never raises alone
-    buf = x.reshape(-1).to(wire_dtype, copy=True)
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
-    fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)
-    return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
-
-
-def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
-    """DDP's own averaging of a gradient bucket, in place and bit for bit: its reducer scales
-    each gradient by 1/P (a multiply, not a divide: they differ in the last bit when P is not
-    a power of two) before the SUM allreduce, so fp16 does not overflow. The future resolves
-    to ``buf`` and is chained (``then``) from the allreduce's own future, as DDP's own hooks
-    do: a communication hook returns it, and DDP's wait on it is ordered after the data."""
-    buf.mul_(1.0 / g.world_size(group))
-    return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
-
-
-class ExactMean:
-    """:func:`mean_allreduce_async` as a :class:`~.group.Flagging` collective: DDP's exact
-    mean of a flat buffer, in place, for a staged optimizer's ``fp32`` form (the fallback
-    when compressing would not pay). ``.gather()`` is itself (one phase); ``.wait()``
-    returns the mean after the allreduce's own wait; ``.nonfinite()`` after it: whether
-    the mean holds a NaN/Inf, the same verdict on every rank (every rank holds the same
-    sum, and a non-finite input on any rank makes it non-finite)."""
-
-    def __init__(self, buf: torch.Tensor, group, op: str, traffic=None):
-        self._buf = buf
-        self._future = mean_allreduce_async(buf, group, op, traffic)
-        self._done = False
-
-    def gather(self) -> ExactMean:
-        return self
-
-    def wait(self) -> torch.Tensor:
-        if not self._done:
-            self._future.wait()  # re-raises a failed collective; orders the reads after it
-            self._done = True
-        return self._buf
-
-    def nonfinite(self) -> torch.Tensor:
-        if not self._done:
-            raise RuntimeError("ExactMean.nonfinite() needs the collective's result: call wait() first")
-        return ~torch.isfinite(self._buf).all()
+from lowbit_strategy.collectives.fsdp_reduce_scatter import encode_rows, salt, sum_rows
 
 
 def _sign_compress(v: torch.Tensor):
@@ -309,3 +238,64 @@ def _turboquant_two_stage_reference(us, codec, c: int, server_errors, scales):
         pieces.append(decoded)
         new_server_errors.append(error)
     return pieces, new_server_errors, worker_decoded
+
+
+def fsdp_reduce_scatter_reference(
+    inputs: list[torch.Tensor],
+    bits: int,
+    nodes: int,
+    average: bool,
+    unit: int = 0,
+    ranks: list[int] | None = None,
+    errors: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Single-process oracle of :class:`~.fsdp_reduce_scatter.QuantizedReduceScatter`: every
+    rank's output of one call, from every rank's 1-D input (the group's size =
+    ``len(inputs)``; ``nodes`` > 1: two hops), with the same codec, salts (of ``unit`` and
+    each rank's global rank, ``ranks[r]``, default ``r``) and sums. ``errors``: every rank's
+    error-feedback buffer, updated in place."""
+    w = len(inputs)
+    ranks = list(range(w)) if ranks is None else ranks
+    rows = [x.view(w, -1) for x in inputs]
+    c = rows[0].shape[1]
+    if nodes == 1:
+        senders = rows
+        groups = [list(range(w))]
+        sent = {r: rows[r] for r in range(w)}
+    else:
+        per_node = w // nodes
+        sent = {}
+        for r in range(w):
+            node, j = divmod(r, per_node)
+            peers = [node * per_node + k for k in range(per_node)]
+            # what each peer k sent to j: its rows of destinations m*L + j
+            parts = torch.stack([rows[k].view(nodes, per_node, c)[:, j] for k in peers])  # (L, N, c)
+            sent[r] = sum_rows(parts.reshape(per_node, nodes * c)).view(nodes, c)
+        groups = [list(range(j, w, per_node)) for j in range(per_node)]
+        senders = [sent[r] for r in range(w)]
+    out: list[torch.Tensor] = [torch.empty(0)] * w
+    for members in groups:
+        decoded = {}
+        for i, r in enumerate(members):
+            error = None if errors is None else errors[r]
+            codes, scales = encode_rows(senders[r], i, bits, salt(unit, ranks[r]), error)
+            decoded[r] = blockwise.decode(codes, scales, bits, c)
+        for i, r in enumerate(members):
+            got = torch.stack([sent[r][i] if s == r else decoded[s][i] for s in members])
+            total = sum_rows(got)
+            out[r] = total / w if average else total
+    return out
+
+
+#: names that moved to :mod:`.exact` (the training path's exact allreduces), still served here
+_MOVED_TO_EXACT = {"WIRE_DTYPES", "full_allreduce", "full_allreduce_start", "mean_allreduce_async", "ExactMean"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_EXACT:
+        from lowbit_strategy import _moved
+        from lowbit_strategy.collectives import exact
+
+        _moved.warn_moved(f"lowbit_strategy.collectives.reference.{name}", f"lowbit_strategy.collectives.exact.{name}")
+        return getattr(exact, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -206,7 +206,7 @@ def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes:
     world, rank = dist.get_world_size(), dist.get_rank()
     hops = None
     if mesh["shard"].size() == world > 1 and nodes.hierarchical:
-        hops = (nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
+        hops = fsdp_reduce_scatter.Hops(nodes.intra, nodes.inter, nodes.nodes, nodes.ranks_per_node)
     bits = fsdp_reduce_scatter.BITS[cfg.fsdp_reduce_scatter]
     comms = []
     for i, (unit, _) in enumerate(units):
@@ -225,7 +225,7 @@ def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes:
         "lowbit: FSDP reduce-scatter %s over %d rank(s)%s",
         cfg.fsdp_reduce_scatter,
         mesh["shard"].size(),
-        f", two hops ({hops[2]} nodes x {hops[3]}: exact inside the node)" if hops else "",
+        f", two hops ({hops.nodes} nodes x {hops.ranks_per_node}: exact inside the node)" if hops else "",
     )
 
 

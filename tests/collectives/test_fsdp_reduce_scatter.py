@@ -19,6 +19,7 @@ from lowbit_strategy.codecs import blockwise as bw
 from lowbit_strategy.collectives import fsdp_reduce_scatter as qrs
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.reference import fsdp_reduce_scatter_reference
 from tests.distributed import run_ranks
 from tests.training import loss, model
 
@@ -49,7 +50,7 @@ def _check_direct(rank, world_size):
     assert emulation.ACTIVE  # NCCL's completion semantics: a result read before its wait() is poison
     intra, inter = _groups()
     node, local = divmod(rank, PER_NODE)
-    hops = (intra[node], inter[local], world_size // PER_NODE, PER_NODE)
+    hops = qrs.Hops(intra[node], inter[local], world_size // PER_NODE, PER_NODE)
     for bits in (8, 4, 2):
         for two_hop in (False, True):
             for dtype, average in ((torch.float32, True), (torch.float32, False), (torch.bfloat16, True)):
@@ -62,7 +63,7 @@ def _check_direct(rank, world_size):
                 op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
                 assert comm(output_tensor=out, input_tensor=xs[rank].clone(), group=None, op=op) is None
                 nodes = world_size // PER_NODE if two_hop else 1
-                want = qrs.reference(xs, bits, nodes, average, unit=3)[rank].to(dtype)
+                want = fsdp_reduce_scatter_reference(xs, bits, nodes, average, unit=3)[rank].to(dtype)
                 case = f"bits={bits} two_hop={two_hop} {dtype} avg={average}"
                 assert torch.equal(out, want), case
                 node_bytes, net_bytes = qrs.reduce_scatter_bytes(C, world_size, bits, xs[0].element_size(), nodes)
@@ -80,15 +81,21 @@ def _check_direct(rank, world_size):
                 xs[1][5] = float("nan")  # rank 1's row for rank 0
             out = torch.empty(C)
             comm(out, xs[rank].clone(), None, dist.ReduceOp.AVG)
-            want = qrs.reference(xs, 4, nodes, True, unit=1, errors=errors)[rank]
+            want = fsdp_reduce_scatter_reference(xs, 4, nodes, True, unit=1, errors=errors)[rank]
             assert torch.equal(out, want) or (call == 1 and torch.equal(out.isnan(), want.isnan())), (two_hop, call)
             assert torch.equal(comm.error, errors[rank]) and comm.error.isfinite().all(), (two_hop, call)
         assert comm.error.abs().sum() > 0
         # resume: a fresh reduce-scatter loaded from the state continues bit for bit
-        fresh = qrs.QuantizedReduceScatter(
-            4, hops=hops if two_hop else None, salt=qrs.salt(1, rank), traffic=wire.TrafficLog(), error_feedback=True
+        fresh = qrs.QuantizedReduceScatter(  # hops as a plain 4-tuple: read as a Hops
+            4, hops=tuple(hops) if two_hop else None, salt=qrs.salt(1, rank), traffic=wire.TrafficLog(),
+            error_feedback=True,
         )
         saved = qrs.UnitErrors([comm]).state_dict()
+        assert saved["format"] == qrs.UnitErrors.FORMAT == 1
+        with pytest.raises(ValueError, match="has format 2; this version reads format 1"):
+            qrs.UnitErrors([fresh]).load_state_dict({**saved, "format": 2})
+        qrs.UnitErrors([fresh]).load_state_dict({"units": saved["units"]})  # written before the format key
+        assert torch.equal(fresh.error, comm.error)
         qrs.UnitErrors([fresh]).load_state_dict(saved)
         a, b = torch.empty(C), torch.empty(C)
         comm(a, _inputs(seed=20)[rank].clone(), None, dist.ReduceOp.AVG)
@@ -134,7 +141,7 @@ def test_error_stays_within_the_codec_bound_of_the_exact_reduce_scatter():
     exact = torch.stack([x.view(WORLD, C) for x in xs]).double().sum(0) / WORLD  # row r: rank r's result
     for bits in (8, 4, 2):
         for nodes in (1, 2):
-            got = qrs.reference(xs, bits, nodes, True)
+            got = fsdp_reduce_scatter_reference(xs, bits, nodes, True)
             for r in range(WORLD):
                 if nodes == 1:  # every other rank's row for r crossed, quantized
                     sent = [xs[s].view(WORLD, C)[r] for s in range(WORLD) if s != r]
@@ -163,12 +170,12 @@ def test_error_feedback_cancels_the_rounding_bias_over_calls():
     xs = _inputs(seed=3)
     exact = torch.stack([x.view(WORLD, C) for x in xs]).double().sum(0) / WORLD
     for nodes in (1, 2):
-        plain = qrs.reference(xs, 4, nodes, True)
+        plain = fsdp_reduce_scatter_reference(xs, 4, nodes, True)
         errors = [torch.zeros(nodes if nodes > 1 else WORLD, C) for _ in range(WORLD)]
         calls = 50
         mean = [torch.zeros(C, dtype=torch.float64) for _ in range(WORLD)]
         for _ in range(calls):
-            for r, out in enumerate(qrs.reference(xs, 4, nodes, True, errors=errors)):
+            for r, out in enumerate(fsdp_reduce_scatter_reference(xs, 4, nodes, True, errors=errors)):
                 mean[r] += out.double() / calls
         for r in range(WORLD):
             without = (plain[r].double() - exact[r]).abs().mean()
@@ -239,7 +246,7 @@ def _check_inside_fsdp(rank, world_size):
                     rows = nodes if nodes > 1 else group
                     errors[unit] = [torch.zeros(rows, inputs[0].numel() // group) for _ in members]
                 ef = errors[unit] if feedback else None
-                want = qrs.reference(inputs, int(bits[3:]), nodes, True, unit, members, errors=ef)
+                want = fsdp_reduce_scatter_reference(inputs, int(bits[3:]), nodes, True, unit, members, errors=ef)
                 mine = want[members.index(rank)]
                 offset = 0
                 for p in params[first : first + n]:

@@ -8,6 +8,7 @@ from typing import Any, cast
 import torch
 
 from lowbit_strategy.algorithms.base import Algorithm, Sync
+from lowbit_strategy.algorithms.bitdp import local_state
 from lowbit_strategy.algorithms.bitdp.config import BitDPConfig
 from lowbit_strategy.algorithms.bitdp.hierarchical import hierarchical_hook
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook
@@ -88,6 +89,7 @@ def merge_states(states: list[dict]) -> dict:
     belonged to one rank's chunk, and the chunks change with the world size)."""
     names = set.intersection(*(set(s["residuals"]) for s in states))
     return {
+        "format": local_state.FORMAT,
         "iter": states[0]["iter"],
         "residuals": {n: torch.stack([s["residuals"][n] for s in states]).mean(0) for n in sorted(names)},
         "server_errors": {},

@@ -78,6 +78,7 @@ from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.exact import mean_allreduce_async
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -87,7 +88,6 @@ from lowbit_strategy.collectives.gathered import (
     pack_payload,
 )
 from lowbit_strategy.collectives.gathered_two_stage import chunk_plan, gathered_two_stage_start
-from lowbit_strategy.collectives.reference import mean_allreduce_async
 from lowbit_strategy.pricing.flat import BITDP_FORMS, bitdp_form
 from lowbit_strategy.selection import check_patterns
 from lowbit_strategy.validation import is_int

@@ -17,11 +17,16 @@ if TYPE_CHECKING:  # (hook.py imports this module)
     from lowbit_strategy.algorithms.bitdp.hook import BitDPState
 
 
+#: the state's layout version (states written before the key are format 1, the same layout)
+FORMAT = 1
+
+
 def state_dict(state: BitDPState) -> dict:
-    """``{"iter": int, "residuals": {param name: tensor}, "server_errors": {param name: flat
-    tensor of the rows this rank owns}}``, this rank's own (copies on CPU)."""
+    """``{"format": 1, "iter": int, "residuals": {param name: tensor}, "server_errors": {param
+    name: flat tensor of the rows this rank owns}}``, this rank's own (copies on CPU)."""
     names = {k: info.name for k, info in state.params.items()}
     return {
+        "format": FORMAT,
         "iter": state.iter,
         "residuals": {names[k]: r.detach().cpu().clone() for k, r in state.residuals.items() if k in names},
         "server_errors": {k: e.detach().cpu().clone() for k, e in state.server_errors.items()},
@@ -34,6 +39,12 @@ def load_state_dict(state: BitDPState, sd: dict) -> None:
     (written before the two-stage form existed) starts them at zero."""
     if not state.params:
         raise RuntimeError("BitDPState.load_state_dict: call attach(model) first, so parameter names resolve")
+    version = sd.get("format", 1) if isinstance(sd, dict) else FORMAT  # not a dict: the 'iter' check names it
+    if version != FORMAT:
+        raise ValueError(
+            f"BitDPState.load_state_dict: the state has format {version!r}; this version reads format {FORMAT}: "
+            "resume with the lowbit-strategy version that wrote it"
+        )
     it = check_int("BitDPState.load_state_dict", "'iter'", sd.get("iter") if isinstance(sd, dict) else None, 0)
     by_name = {name: (k, info) for k, info in state.params.items() for name in info.names}
     residuals = {}

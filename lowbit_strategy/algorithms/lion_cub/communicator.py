@@ -56,10 +56,10 @@ from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree, check_same
+from lowbit_strategy.collectives.exact import full_allreduce_start
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.inflight import InFlight, Launched, finish
 from lowbit_strategy.collectives.majority import MajorityVote, majority_vote_start
-from lowbit_strategy.collectives.reference import full_allreduce_start
 from lowbit_strategy.collectives.shards import ShardSpec, pad_empty, spec_for, take
 from lowbit_strategy.collectives.summed import summed_allreduce_start
 from lowbit_strategy.pricing.calibration import agreed_slowest

@@ -14,7 +14,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
 from lowbit_strategy.collectives import chain, wire
-from lowbit_strategy.collectives.reference import mean_allreduce_async
+from lowbit_strategy.collectives.exact import mean_allreduce_async
 from lowbit_strategy.collectives.shards import Whole, take
 from lowbit_strategy.layout import dtensor_state_, parameter_names
 from lowbit_strategy.rank_state import to_cpu

@@ -39,8 +39,8 @@ from lowbit_strategy.algorithms.turboquant.config import FORMS
 from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.agreement import check_same
+from lowbit_strategy.collectives.exact import ExactMean
 from lowbit_strategy.collectives.hierarchy import Topology
-from lowbit_strategy.collectives.reference import ExactMean
 from lowbit_strategy.collectives.shards import ShardSpec
 from lowbit_strategy.collectives.turboquant import (
     TurboQuantAllgather,

@@ -32,7 +32,7 @@ def test_bitdp_state_round_trips_by_name_into_another_model_instance():
     a, b = Net(), Net()
     res = {"fc.weight": torch.randn(6, 4), "out.weight": torch.randn(3, 6)}
     sd = _state(a, res).state_dict()
-    assert sd["iter"] == 7 and set(sd["residuals"]) == set(res)
+    assert sd["format"] == 1 and sd["iter"] == 7 and set(sd["residuals"]) == set(res)
     fresh = BitDPState(bits=2, error_feedback=True, model=b)
     fresh.load_state_dict(sd)
     assert fresh.iter == 7
@@ -46,6 +46,7 @@ def test_bitdp_state_round_trips_by_name_into_another_model_instance():
     ({"iter": 3, "residuals": {"nope.weight": torch.zeros(1)}}, "unknown parameter 'nope.weight'"),
     ({"iter": 3, "residuals": {"fc.weight": torch.zeros(4, 6)}}, r"shape \(4, 6\); the model's is \(6, 4\)"),
     ({"iter": 3, "residuals": {"fc.bias": torch.zeros(6)}}, "not quantized"),
+    ({"format": 2, "iter": 3, "residuals": {}}, "the state has format 2; this version reads format 1"),
 ])
 def test_bitdp_state_rejects_a_mismatched_state(bad, match):
     s = BitDPState(bits=2, model=Net())

@@ -183,5 +183,5 @@ def test_auto_picks_allgather_at_two_ranks_and_two_stage_at_many(monkeypatch):
 def test_merge_for_another_world_size_restarts_server_errors():
     states = [{"iter": 9, "residuals": {}, "server_errors": {"fc.weight": torch.full((3,), float(r))}}
               for r in range(2)]
-    assert merge_states(states) == {"iter": 9, "residuals": {}, "server_errors": {}}
+    assert merge_states(states) == {"format": 1, "iter": 9, "residuals": {}, "server_errors": {}}
     assert "server errors restart at zero" in " ".join(merge_states.__doc__.split())

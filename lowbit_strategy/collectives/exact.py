@@ -1,0 +1,96 @@
+"""Exact (uncompressed) allreduces: the fp32 / bf16 baseline behind the same interface, and
+DDP's own mean of a gradient bucket.
+
+What DDP does today (fp32), or with ``fp16_compress_hook``-style casting (bf16/fp16): the sum
+over ranks of ``x``, sent as ``wire_dtype``. The warm-ups and fp32 fallbacks of every
+algorithm run these (Lion Cub's ``fp32`` / ``bf16`` modes, the staged optimizers' exact stage,
+BitDP's full-precision steps); the compressed collectives are compared with them. The
+single-process oracles are in :mod:`.reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_strategy.collectives import chain
+from lowbit_strategy.collectives import group as g
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def full_allreduce(
+    x: torch.Tensor,
+    group=None,
+    *,
+    wire_dtype: torch.dtype = torch.float32,
+    check: bool = False,
+    traffic=None,
+) -> torch.Tensor:
+    """Sum of ``x`` over ranks, sent as ``wire_dtype``; returned in ``x``'s dtype and shape.
+
+    ``x`` itself is not modified.
+    """
+    return full_allreduce_start(x, group, wire_dtype=wire_dtype, check=check, traffic=traffic).wait()
+
+
+def full_allreduce_start(
+    x: torch.Tensor,
+    group=None,
+    *,
+    wire_dtype: torch.dtype = torch.float32,
+    check: bool = False,
+    traffic=None,
+) -> g.Pending:
+    """:func:`full_allreduce` launched asynchronously; ``.wait()`` returns the sum."""
+
+    def validate() -> None:
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"full_allreduce needs a floating-point tensor, got dtype {x.dtype}")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype}")
+        if x.numel() == 0:
+            raise ValueError("full_allreduce got an empty tensor")
+
+    g.validated(validate, x, group, "full_allreduce", check, traffic)  # with check, a bad rank never raises alone
+    buf = x.reshape(-1).to(wire_dtype, copy=True)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
+    fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)
+    return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
+
+
+def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
+    """DDP's own averaging of a gradient bucket, in place and bit for bit: its reducer scales
+    each gradient by 1/P (a multiply, not a divide: they differ in the last bit when P is not
+    a power of two) before the SUM allreduce, so fp16 does not overflow. The future resolves
+    to ``buf`` and is chained (``then``) from the allreduce's own future, as DDP's own hooks
+    do: a communication hook returns it, and DDP's wait on it is ordered after the data."""
+    buf.mul_(1.0 / g.world_size(group))
+    return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
+
+
+class ExactMean:
+    """:func:`mean_allreduce_async` as a :class:`~.group.Flagging` collective: DDP's exact
+    mean of a flat buffer, in place, for a staged optimizer's ``fp32`` form (the fallback
+    when compressing would not pay). ``.gather()`` is itself (one phase); ``.wait()``
+    returns the mean after the allreduce's own wait; ``.nonfinite()`` after it: whether
+    the mean holds a NaN/Inf, the same verdict on every rank (every rank holds the same
+    sum, and a non-finite input on any rank makes it non-finite)."""
+
+    def __init__(self, buf: torch.Tensor, group, op: str, traffic=None):
+        self._buf = buf
+        self._future = mean_allreduce_async(buf, group, op, traffic)
+        self._done = False
+
+    def gather(self) -> ExactMean:
+        return self
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self._future.wait()  # re-raises a failed collective; orders the reads after it
+            self._done = True
+        return self._buf
+
+    def nonfinite(self) -> torch.Tensor:
+        if not self._done:
+            raise RuntimeError("ExactMean.nonfinite() needs the collective's result: call wait() first")
+        return ~torch.isfinite(self._buf).all()
