@@ -159,3 +159,35 @@ def test_codecs_are_pure_and_only_front_ends_import_frameworks():
         if module not in allowed:
             bad = sorted(n for n in names if n.split(".")[0] in frameworks)
             assert not bad, f"{module} imports {bad} at module level"
+
+
+def _private_names_used_elsewhere() -> list[str]:
+    """``module: name from owner`` for every ``_name`` (not dunder) one library module imports
+    from another, or reads as ``owner_alias._name``."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGES):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in modules:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{name}: {a.name} from {node.module}")
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{name}: {node.attr} from {aliases[node.value.id]}")
+    return sorted(set(found))
+
+
+def test_no_private_name_is_shared_between_modules():
+    """A name another module needs is public in the module that owns it (one home, one name).
+    (A private *module*, ``_moved`` or ``integrations/_factories``, is the package's own.)"""
+    shared = _private_names_used_elsewhere()
+    assert not shared, "private names used outside their module: " + "; ".join(shared)

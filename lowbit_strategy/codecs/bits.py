@@ -116,7 +116,7 @@ def _check_codes(codes: torch.Tensor, spec: Lane, *, validate: bool) -> None:
 _GROUP_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
-def _gather_multiplier(lane_bits: int) -> int:
+def gather_multiplier(lane_bits: int) -> int:
     """The constant that moves the ``k = 8 // lane_bits`` bytes of a word into its top byte.
 
     A group of ``k`` codes, one per byte, read as one little-endian ``8k``-bit integer has
@@ -143,7 +143,7 @@ def pack_bytes_into_lanes(
     """
     k = 8 // lane_bits
     groups = codes.view(_GROUP_DTYPE[k])
-    m = _gather_multiplier(lane_bits)
+    m = gather_multiplier(lane_bits)
     groups = groups.mul_(m) if owned else groups * m
     top = groups.view(torch.uint8)[k - 1 :: k]
     return top.contiguous() if out is None else out.copy_(top)

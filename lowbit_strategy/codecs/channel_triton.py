@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs.turboquant_triton import _LAUNCH, AVAILABLE, _interpret_mode, _on_device, triton
+from lowbit_strategy.codecs.triton_launch import AVAILABLE, LAUNCH, interpret_mode, on_device, triton
 
 if AVAILABLE:
     import triton.language as tl
 
 #: whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)
-INTERPRETED = _interpret_mode()
+INTERPRETED = interpret_mode()
 #: most columns a program reads at once (longer rows loop over tiles of this many)
 _TILE = 2048
 #: rows of at least this many columns fall back to the torch code (the count is an int32)
@@ -135,9 +135,9 @@ def channel_encode(
     tile = _tile(c)
     # 1 bit: the scales are the means, and no count is kept (the kernels never touch it)
     count = torch.empty(r, dtype=torch.int32, device=dev) if bits == 2 else mean_abs
-    with _on_device(rows):
+    with on_device(rows):
         _codes_kernel[(r,)](rows, mean_abs, codes, mag, count, c, *rows.stride(), *mag.stride(), factor,
-                            BITS=bits, TILE=tile, **_LAUNCH)  # fmt: skip
+                            BITS=bits, TILE=tile, **LAUNCH)  # fmt: skip
         if bits == 2:
             kept_sum = mag.sum(dim=1)  # torch's order, over the torch code's operand (module docstring)
             scales = torch.empty(r, dtype=torch.float32, device=dev)
@@ -146,5 +146,5 @@ def channel_encode(
         decoded = torch.empty(r, c, dtype=torch.float32, device=dev) if decode else None
         if bits == 2 or decode:
             _finish_kernel[(r,)](codes, kept_sum, count, scales, decoded if decode else scales, c,
-                                 BITS=bits, DECODE=decode, TILE=tile, **_LAUNCH)  # fmt: skip
+                                 BITS=bits, DECODE=decode, TILE=tile, **LAUNCH)  # fmt: skip
     return codes, scales, decoded

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from lowbit_strategy.codecs.bits import _gather_multiplier
+from lowbit_strategy.codecs.bits import gather_multiplier
 from lowbit_strategy.codecs.streaming import sliced
 
 __all__ = ["compiled_enabled", "use_compiled"]
@@ -121,7 +121,7 @@ def _applies(t: torch.Tensor, n: int | None = None) -> bool:
 
 
 #: moves the 8 bytes of an int64 (0 or 1 each) to the bits of its top byte
-_GATHER = _gather_multiplier(1)
+_GATHER = gather_multiplier(1)
 
 
 def _pack_bits(votes: torch.Tensor) -> torch.Tensor:

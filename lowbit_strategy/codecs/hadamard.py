@@ -63,7 +63,7 @@ def check_rotation_block(block) -> int:
 MAX_SEED = 2**63 - 1
 
 
-def _check_seed(seed) -> int:
+def check_seed(seed) -> int:
     if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
@@ -74,7 +74,7 @@ def _check_seed(seed) -> int:
 def hadamard_signs(n: int, seed: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The ``n`` float32 ±1 signs ``D`` for ``seed``, on ``device`` (drawn on the CPU)."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(_check_seed(seed))
+    g.manual_seed(check_seed(seed))
     bits = torch.randint(0, 2, (n,), generator=g, dtype=torch.int8)
     signs = bits.to(torch.float32).mul_(2.0).sub_(1.0)
     return signs if device is None else signs.to(device)
@@ -125,7 +125,7 @@ def _fwht_rows_whole(x: torch.Tensor) -> torch.Tensor:
     return src.mul_(1.0 / math.sqrt(size))
 
 
-def _blocked_fwht(v: torch.Tensor, block: int) -> torch.Tensor:
+def blocked_fwht(v: torch.Tensor, block: int) -> torch.Tensor:
     """The blocked transform (blocks, then the tail's pieces) of a flat float32 ``v``."""
     n = v.numel()
     q = n // block * block
@@ -142,8 +142,8 @@ def _blocked_fwht(v: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def blocked_fwht_rows(y: torch.Tensor, block: int) -> torch.Tensor:
-    """:func:`_blocked_fwht` of every row of a contiguous 2-D float32 ``y`` (``R`` rows of
-    ``m`` elements) at once: each row exactly as :func:`_blocked_fwht` transforms it alone
+    """:func:`blocked_fwht` of every row of a contiguous 2-D float32 ``y`` (``R`` rows of
+    ``m`` elements) at once: each row exactly as :func:`blocked_fwht` transforms it alone
     (the same butterflies on the same blocks), in a few kernels whatever ``R``."""
     rows, n = y.shape
     q = n // block * block
@@ -187,7 +187,7 @@ def hadamard_rotate(
     block = check_rotation_block(block)
     v = _flat_float32(x, "x", "hadamard_rotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
-    return _blocked_fwht(v * d, block)
+    return blocked_fwht(v * d, block)
 
 
 @torch.no_grad()
@@ -199,4 +199,4 @@ def hadamard_unrotate(
     block = check_rotation_block(block)
     v = _flat_float32(y, "y", "hadamard_unrotate")
     d = _signs_for(v.numel(), seed, v.device, signs)
-    return _blocked_fwht(v, block).mul_(d)
+    return blocked_fwht(v, block).mul_(d)

@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_strategy.codecs.turboquant_triton import _LAUNCH, AVAILABLE, _interpret_mode, _on_device, triton
+from lowbit_strategy.codecs.triton_launch import AVAILABLE, LAUNCH, interpret_mode, on_device, triton
 
 if AVAILABLE:
     import triton.language as tl
 
 #: whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)
-INTERPRETED = _interpret_mode()
+INTERPRETED = interpret_mode()
 #: most rows (ranks) the mean and the majority kernels take in one program's registers;
 #: more fall back to the torch code
 MAX_ROWS = 256
@@ -204,11 +204,11 @@ def decode(
         return out
     grid = (triton.cdiv(n, _DECODE_TILE),)
     nb = scales.shape[1] if block is not None else 1
-    with _on_device(rows):
+    with on_device(rows):
         _decode_kernel[grid](
             rows.contiguous(), scales.contiguous(), out.view(torch.int16) if dtype == torch.bfloat16 else out,
             n, 8 * c, nb, (block or 8) // 8,
-            TILE=_DECODE_TILE, BLOCKED=block is not None, OUT=_OUT[dtype], **_LAUNCH,
+            TILE=_DECODE_TILE, BLOCKED=block is not None, OUT=_OUT[dtype], **LAUNCH,
         )  # fmt: skip
     return out
 
@@ -229,10 +229,10 @@ def mean(rows: torch.Tensor, weights: torch.Tensor, block: int | None, out: torc
     kp = _pow2(k)
     tile = max(16, _ROW_TILE // kp)
     nb = weights.shape[1] if block is not None else 1
-    with _on_device(rows):
+    with on_device(rows):
         _mean_kernel[(triton.cdiv(8 * c, tile),)](
             rows.contiguous(), weights.contiguous(), out, k, c, nb, (block or 8) // 8, -0.0,
-            KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, BLOCKED=block is not None, **_LAUNCH,
+            KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, BLOCKED=block is not None, **LAUNCH,
         )  # fmt: skip
     return out
 
@@ -254,10 +254,10 @@ def channel_reduce(
     kp = _pow2(k)
     tile = max(16, _ROW_TILE // kp)
     w_stride = weights.stride(0) if mean else 0
-    with _on_device(words):
+    with on_device(words):
         _channel_kernel[(triton.cdiv(n, tile),)](
             words, weights, out, k, n, cols, words.stride(0), w_stride, -0.0,
-            BITS=bits, KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, MEAN=mean, **_LAUNCH,
+            BITS=bits, KP=kp, LOGK=kp.bit_length() - 1, TILE=tile, MEAN=mean, **LAUNCH,
         )  # fmt: skip
     return out
 
@@ -269,6 +269,6 @@ def majority(words: torch.Tensor, threshold: int) -> torch.Tensor:
     out = torch.empty(c, dtype=torch.uint8, device=words.device)
     pp = _pow2(p)
     tb = max(16, _ROW_TILE // pp)
-    with _on_device(words):
-        _majority_kernel[(triton.cdiv(c, tb),)](words, out, p, c, words.stride(0), threshold, PP=pp, TB=tb, **_LAUNCH)
+    with on_device(words):
+        _majority_kernel[(triton.cdiv(c, tb),)](words, out, p, c, words.stride(0), threshold, PP=pp, TB=tb, **LAUNCH)
     return out

@@ -81,7 +81,7 @@ import torch
 from lowbit_strategy.codecs import turboquant_torch
 from lowbit_strategy.codecs.bits import unpack
 from lowbit_strategy.codecs.device_cache import grown, ready, to_device
-from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, _check_seed, check_rotation_block, hadamard_signs
+from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, check_rotation_block, check_seed, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import check_bits, lloyd_max_codebook
 
 #: accepted values of ``backend``
@@ -95,7 +95,7 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_FUSED_BLOCK = 8192
 
 
-def _triton_module():
+def triton_module():
     """:mod:`.turboquant_triton`, imported on first use (it imports triton, which is optional
     and slow to import)."""
     from lowbit_strategy.codecs import turboquant_triton
@@ -114,7 +114,7 @@ def _triton_available() -> bool:
         if importlib.util.find_spec("triton") is None:
             _TRITON_OK = False
         else:
-            tt = _triton_module()
+            tt = triton_module()
             _TRITON_OK = tt.AVAILABLE and not tt.INTERPRETED
     return _TRITON_OK
 
@@ -168,7 +168,7 @@ class TurboQuantCodec:
         rotate: bool = True,
     ) -> None:
         check_bits("TurboQuantCodec", bits)
-        _check_seed(seed)  # an int in [0, 2**63 - 1]: checked here, not at the first encode
+        check_seed(seed)  # an int in [0, 2**63 - 1]: checked here, not at the first encode
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.bits = bits
@@ -185,7 +185,7 @@ class TurboQuantCodec:
         self._signs: dict[torch.device, torch.Tensor] = {}
         self._sign_bits: dict[torch.device, torch.Tensor] = {}
         if backend == "triton":
-            _triton_module()._require()  # fail at construction, naming the fix
+            triton_module()._require()  # fail at construction, naming the fix
 
     def __repr__(self) -> str:
         return (
@@ -238,7 +238,7 @@ class TurboQuantCodec:
             return False
         if self.backend == "auto":
             return device.type == "cuda" and _triton_available()
-        tt = _triton_module()
+        tt = triton_module()
         tt.check_device(device)
         return True
 
@@ -250,7 +250,7 @@ class TurboQuantCodec:
         no float signs of all ``n`` elements on the device."""
         device = torch.device(device)
         bits = grown(
-            self._sign_bits, device, n, lambda length: _triton_module().sign_bits(hadamard_signs(length, self.seed))
+            self._sign_bits, device, n, lambda length: triton_module().sign_bits(hadamard_signs(length, self.seed))
         )
         lo = m // 8
         tail = unpack(bits[lo : -(-n // 8)], 1, n - 8 * lo)[m - 8 * lo :]
@@ -298,7 +298,7 @@ class TurboQuantCodec:
         return TurboQuantPayload(codes, scales, x.shape, x.dtype, n, self.bits, self.block)
 
     def _encode_triton(self, x: torch.Tensor, given) -> tuple[torch.Tensor, torch.Tensor]:
-        tt = _triton_module()
+        tt = triton_module()
         n, b, device = x.numel(), self.block, x.device
         v = x.reshape(-1)
         if v.dtype == torch.float64:
@@ -351,7 +351,7 @@ class TurboQuantCodec:
         return y.view(payload.shape).to(payload.dtype)
 
     def _decode_triton(self, payload: TurboQuantPayload, scales: torch.Tensor) -> torch.Tensor:
-        tt = _triton_module()
+        tt = triton_module()
         n, b, device = payload.numel, self.block, payload.codes.device
         q = tt.fused_blocks(n, b, self.lane_bits)
         m, per_byte = q * b, 8 // self.lane_bits

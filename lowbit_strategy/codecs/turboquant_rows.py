@@ -38,7 +38,7 @@ def decode_rows(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tenso
         fused = m % b == 0 and m % 8 == 0 and (m * codec.lane_bits) % 8 == 0
         if not fused:  # rows that end inside a block or a byte: one decode each
             return torch.stack([codec.decode(_row_payload(codec, codes[r], scales[r], m)) for r in range(rows)])
-        tt, q = turboquant._triton_module(), m // b
+        tt, q = turboquant.triton_module(), m // b
         out = torch.empty(rows * m, dtype=torch.float32, device=device)
         bits = codec._triton_signs(m, m, device)[0][: m // 8].repeat(rows) if codec.rotate else None
         tt.decode_blocks(
@@ -76,7 +76,7 @@ def encode_rows(codec: TurboQuantCodec, x: torch.Tensor, scale=None) -> tuple[to
         return torch.stack([q.codes for q in payloads]), torch.stack([q.scales.reshape(-1) for q in payloads])
     k = m * codec.lane_bits // 8
     if codec._use_triton(device) and m % 8 == 0:
-        tt = turboquant._triton_module()
+        tt = turboquant.triton_module()
         codes = torch.empty(rows * k, dtype=torch.uint8, device=device)
         scales = torch.empty(rows * g, dtype=torch.float32, device=device)
         bits = codec._triton_signs(m, m, device)[0][: m // 8].repeat(rows) if codec.rotate else None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from lowbit_strategy.codecs.bits import pack
-from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
+from lowbit_strategy.codecs.hadamard import blocked_fwht, blocked_fwht_rows
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 
 
@@ -110,7 +110,7 @@ def encode(
     ``v`` (``None``: no rotation); ``scale``: ``None`` (RMS) or checked scales for ``v``'s
     groups (1 value: shared). ``v`` is not modified unless ``owned``."""
     if signs is not None:
-        y = _blocked_fwht(v * signs, block)
+        y = blocked_fwht(v * signs, block)
     else:
         y = v if owned else v.clone()
     scales = group_rms(y, block) if scale is None else scale
@@ -126,7 +126,7 @@ def decode(
     y = levels.index_select(0, idx.to(torch.int32))
     apply_scales(y, scales, block, torch.Tensor.mul_)
     if signs is not None:
-        y = _blocked_fwht(y, block).mul_(signs)
+        y = blocked_fwht(y, block).mul_(signs)
     return y
 
 

@@ -74,40 +74,22 @@ used. :data:`AVAILABLE` says whether triton could be imported.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-try:  # optional dependency: the codec works without it (backend="torch")
-    import triton
-    import triton.language as tl
-except ImportError as _err:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
-    IMPORT_ERROR: ImportError | None = _err
-else:
-    IMPORT_ERROR = None
-
-#: whether ``triton`` could be imported
-AVAILABLE = triton is not None
-
-
-def _interpret_mode() -> bool:
-    if not AVAILABLE:
-        return False
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # older triton: the environment variable
-        import os
-
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
+from lowbit_strategy.codecs.triton_launch import (  # noqa: F401  triton, tl, IMPORT_ERROR: this module's API too
+    AVAILABLE,
+    IMPORT_ERROR,
+    LAUNCH,
+    interpret_mode,
+    on_device,
+    tl,
+    triton,
+)
 
 #: whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)
-INTERPRETED = _interpret_mode()
+INTERPRETED = interpret_mode()
 
 #: largest rotation block the fused kernels take (a tile lives in registers)
 MAX_FUSED_BLOCK = 8192
@@ -300,15 +282,6 @@ def sign_bits(signs: torch.Tensor) -> torch.Tensor:
     return pack((signs < 0).to(torch.uint8), 1, validate=False)
 
 
-_LAUNCH = {"enable_fp_fusion": False}
-
-
-def _on_device(t: torch.Tensor):
-    """Launch on ``t``'s GPU, not the current one: a plain-DDP script that never calls
-    ``torch.cuda.set_device`` would otherwise launch on cuda:0 with pointers on cuda:rank."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def encode_blocks(
     x: torch.Tensor,
     nblocks: int,
@@ -336,7 +309,7 @@ def encode_blocks(
     mode = 0 if scales is None else 1 if scales.numel() == 1 else 2
     dummy = midpoints
     grid = (triton.cdiv(nblocks, rows),)
-    with _on_device(x):
+    with on_device(x):
         _encode_kernel[grid](
             x,
             sign_bits if sign_bits is not None else codes_out,
@@ -356,7 +329,7 @@ def encode_blocks(
             BITS=bits,
             LANE=lane_bits,
             num_warps=warps,
-            **_LAUNCH,
+            **LAUNCH,
         )
 
 
@@ -377,7 +350,7 @@ def decode_blocks(
         return
     rows, warps = _tile(block)
     grid = (triton.cdiv(nblocks, rows),)
-    with _on_device(codes):
+    with on_device(codes):
         _decode_kernel[grid](
             codes,
             sign_bits if sign_bits is not None else codes,
@@ -394,5 +367,5 @@ def decode_blocks(
             LANE=lane_bits,
             OUT_BF16=out.dtype == torch.bfloat16,
             num_warps=warps,
-            **_LAUNCH,
+            **LAUNCH,
         )

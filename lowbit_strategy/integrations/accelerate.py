@@ -92,11 +92,11 @@ _DEVICE_PROBES = (
 )
 
 
-def _flag(value: str | None) -> bool:
+def env_flag(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _launched_world_size() -> int:
+def launched_world_size() -> int:
     """How many processes the launcher started (1 when not launched distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -110,7 +110,7 @@ def _launched_world_size() -> int:
     return 1
 
 
-def _has_device_backend() -> bool:
+def has_device_backend() -> bool:
     """Whether Accelerate would find a device (and its collective backend) for several processes."""
     if torch.cuda.is_available():
         return True
@@ -191,14 +191,14 @@ class LowBitAccelerator(ShardedModels, RankStateCheckpoints, Accelerator):
             self._check_precision(str(getattr(asked, "value", asked)))
         if (
             not accelerator_kwargs.get("cpu")
-            and not _flag(os.environ.get("ACCELERATE_USE_CPU"))
-            and _launched_world_size() > 1
-            and not _has_device_backend()
+            and not env_flag(os.environ.get("ACCELERATE_USE_CPU"))
+            and launched_world_size() > 1
+            and not has_device_backend()
         ):
             logger.info(
                 "lowbit: %d processes launched on a machine without a GPU: LowBitAccelerator passes "
                 "cpu=True so that they form one gloo group (MULTI_CPU) instead of each training alone",
-                _launched_world_size(),
+                launched_world_size(),
             )
             accelerator_kwargs["cpu"] = True
         with fsdp_env_off() if self.lowbit_fsdp_plugin is not None else contextlib.nullcontext():

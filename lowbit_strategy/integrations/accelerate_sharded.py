@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowbit_strategy.algorithms.base import LowBitSetupError
-from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, sharding_mesh
+from lowbit_strategy.integrations.sharded import attach_sharded, fsdp_module_class, sharding_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def fsdp_env_off() -> Iterator[None]:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    cls = _fsdp_module_class()
+    cls = fsdp_module_class()
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 

@@ -71,7 +71,7 @@ from transformers.trainer_callback import ProgressCallback
 from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.accelerate import LowBitAccelerator, _flag, _has_device_backend, _launched_world_size
+from lowbit_strategy.integrations.accelerate import LowBitAccelerator, env_flag, has_device_backend, launched_world_size
 from lowbit_strategy.integrations.hf_sharded import ShardedTrainerCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -328,12 +328,12 @@ class LowBitTrainer(LowBitTrainerMixin, Trainer):
 def _check_processes_train_together(training_args: Any) -> None:
     """Several launched processes on a machine without a GPU form one gloo group only with
     ``TrainingArguments(use_cpu=True)``; otherwise each trains alone, silently."""
-    if training_args is None or _launched_world_size() <= 1 or _has_device_backend():
+    if training_args is None or launched_world_size() <= 1 or has_device_backend():
         return
-    if getattr(training_args, "use_cpu", False) or _flag(os.environ.get("ACCELERATE_USE_CPU")):
+    if getattr(training_args, "use_cpu", False) or env_flag(os.environ.get("ACCELERATE_USE_CPU")):
         return
     raise LowBitSetupError(
-        f"{_launched_world_size()} processes were launched on a machine without a GPU, but "
+        f"{launched_world_size()} processes were launched on a machine without a GPU, but "
         "TrainingArguments(use_cpu=False) makes each of them train alone (Accelerate's DistributedType.NO): "
         "pass TrainingArguments(..., use_cpu=True) (or export ACCELERATE_USE_CPU=1) so that they form one gloo group"
     )

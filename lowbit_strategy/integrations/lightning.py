@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LowBitStrategy", "LowBitSetupError", "VARIANTS", "register_strategies", "strategy_names"]
 
 
-def _unwrap(opt):
+def unwrap_optimizer(opt):
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
@@ -108,7 +108,7 @@ class LowBitStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.sync is not None:
             attach_optimizers(
-                self.sync, [_unwrap(o) for o in self.optimizers], who=f"strategy {self._registered_name()}"
+                self.sync, [unwrap_optimizer(o) for o in self.optimizers], who=f"strategy {self._registered_name()}"
             )
             reason = self._gradients_change_after_backward(trainer)
             if reason:
@@ -159,7 +159,7 @@ class LowBitStrategy(DDPStrategy):
         if self.sync is not None and "optimizer_states" in ckpt:
             state, group = self.sync.state_dict(), self.sync.group
             if _local(filepath):
-                entry = rank_state.save_files(state, _sidecar(filepath), group)
+                entry = rank_state.save_files(state, sidecar_dir(filepath), group)
             else:
                 entry = rank_state.gather(state, group)
             if entry is not None:
@@ -175,7 +175,7 @@ class LowBitStrategy(DDPStrategy):
         """Lightning's removal (rank 0), and this rank's file of the checkpoint's rank-local state."""
         super().remove_checkpoint(filepath)
         if _local(filepath):
-            rank_state.remove_files(_sidecar(filepath), self.sync.group if self.sync is not None else None)
+            rank_state.remove_files(sidecar_dir(filepath), self.sync.group if self.sync is not None else None)
 
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's load on every rank; a rank that cannot read the checkpoint makes every rank
@@ -206,7 +206,7 @@ class LowBitStrategy(DDPStrategy):
                     "lowbit: the checkpoint's rank-local state is in files beside it, but its path is "
                     "unknown; load it with Trainer(...).fit(ckpt_path=...)"
                 )
-            sidecar = _sidecar(path, resolve=True)
+            sidecar = sidecar_dir(path, resolve=True)
             state = rank_state.load_files(entry, sidecar, self.algorithm.merge_states, what, self.sync.group)
         else:
             state = rank_state.pick(entry, self.global_rank, self.world_size, self.algorithm.merge_states, what)
@@ -217,7 +217,7 @@ def _local(filepath) -> bool:
     return "://" not in str(filepath) or str(filepath).startswith("file://")
 
 
-def _sidecar(filepath, resolve: bool = False) -> str:
+def sidecar_dir(filepath, resolve: bool = False) -> str:
     """The directory of a checkpoint's per-rank files: ``<checkpoint>.lowbit``; with ``resolve``
     beside the file a symlinked checkpoint points to (ModelCheckpoint's ``save_last="link"``)."""
     path = str(filepath)

@@ -52,7 +52,7 @@ from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations import lightning as _lightning
 from lowbit_strategy.integrations._factories import config_from, named_factory
 from lowbit_strategy.integrations.ddp import destroy_process_group_at_exit
-from lowbit_strategy.integrations.sharded import _fsdp_module_class, attach_sharded, sharding_mesh
+from lowbit_strategy.integrations.sharded import attach_sharded, fsdp_module_class, sharding_mesh
 
 # ``_lightning``: its module, not its names, as the registration (lowbit_strategy.__init__) may
 # import this module while lightning.py itself is still loading (when it is what loaded Lightning)
@@ -200,7 +200,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self.sync = attach_sharded(
                 self._module(),
-                [_lightning._unwrap(o) for o in self.optimizers],
+                [_lightning.unwrap_optimizer(o) for o in self.optimizers],
                 self.lowbit_config,
                 mesh=self.device_mesh,
                 root=self.model,
@@ -222,7 +222,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
         root = module.__dict__.get("_lowbit_fsdp_root")
         if root is not None:
             return root
-        fsdp = _fsdp_module_class()
+        fsdp = fsdp_module_class()
         if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
             return module  # configure_model sharded it: left as it is (attach_sharded checks it)
         mesh = self.device_mesh["shard"]
@@ -245,7 +245,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Non-final micro-batches of gradient accumulation: no FSDP gradient sync (no node
         reduce-scatter, so no exchange across nodes); gradients accumulate unsharded."""
-        fsdp, model = _fsdp_module_class(), self.model
+        fsdp, model = fsdp_module_class(), self.model
         units: list[Any] = [] if fsdp is None or model is None else [m for m in model.modules() if isinstance(m, fsdp)]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -287,7 +287,7 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
 
     def _rank_dir(self, path: Path, saving: bool) -> Path:
         sharded = self._save_distributed_checkpoint if saving else _is_sharded_checkpoint(path)
-        return path / "lowbit" if sharded else Path(_lightning._sidecar(path, resolve=not saving))
+        return path / "lowbit" if sharded else Path(_lightning.sidecar_dir(path, resolve=not saving))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
         """The base's checkpoint, plus every rank's rank-local state in a file of its own
@@ -311,7 +311,9 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
         rank's file beside a single-file checkpoint."""
         super().remove_checkpoint(filepath)
         if not self._save_distributed_checkpoint:
-            rank_state.remove_files(_lightning._sidecar(filepath), self.sync.group if self.sync is not None else None)
+            rank_state.remove_files(
+                _lightning.sidecar_dir(filepath), self.sync.group if self.sync is not None else None
+            )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """The base's load (model and optimizers, by the LightningModule's names), then this

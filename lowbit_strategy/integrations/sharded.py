@@ -62,7 +62,7 @@ __all__ = ["attach_sharded", "node_mesh", "sharded_units", "sharding_mesh", "wor
 DIMS = ("replicate", "shard")
 
 
-def _fsdp_module_class() -> type | None:
+def fsdp_module_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
     except ImportError:  # pragma: no cover - older torch
@@ -106,7 +106,7 @@ def sharding_mesh(device_type: str = "cuda", config: LowBitConfig | Mapping[str,
 def sharded_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
     """Every ``fully_shard``-ed module of ``model`` with the parameters it manages itself (its
     own, not those of a nested unit), in module order."""
-    cls = _fsdp_module_class()
+    cls = fsdp_module_class()
     if cls is None:
         return []
     units = [m for m in model.modules() if isinstance(m, cls)]

@@ -103,11 +103,11 @@ def shared_codec(bits: int, block: int, seed: int) -> TurboQuantCodec:
 # -- saved-tensor accounting (see lowbit_strategy.nn.memory) ---------------------------------
 # The active SavedTensorMeters (usually none): each is told about every input compressed
 # while it runs. The meter, not the module, holds what it is told, until it stops.
-_RECORDERS: list = []
+RECORDERS: list = []
 
 
 def _record(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
-    for rec in _RECORDERS:
+    for rec in RECORDERS:
         rec.add_compressed(codes, scales, x)
 
 
@@ -143,7 +143,7 @@ class _TurboQuantLinearFn(torch.autograd.Function):
             payload = codec.encode(x)
             ctx.meta = (payload.shape, payload.dtype, payload.numel)
             saved = [payload.codes, payload.scales]
-            if _RECORDERS:
+            if RECORDERS:
                 _record(payload.codes, payload.scales, x)
         else:
             ctx.meta = None

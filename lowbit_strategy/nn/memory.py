@@ -139,7 +139,7 @@ class SavedTensorMeter:
                     self._handles.append(m.register_forward_pre_hook(self._pre_hook))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
-        _linear._RECORDERS.append(self)
+        _linear.RECORDERS.append(self)
         return self
 
     def stop(self) -> SavedTensorStats:
@@ -147,7 +147,7 @@ class SavedTensorMeter:
         thread that called :meth:`start`, after the forward pass, before backward."""
         if self._hooks_ctx is None:
             raise RuntimeError("SavedTensorMeter.stop: not started; call start() first")
-        _linear._RECORDERS.remove(self)
+        _linear.RECORDERS.remove(self)
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         for h in self._handles:

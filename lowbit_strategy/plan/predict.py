@@ -50,7 +50,7 @@ from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboq
     POWERSGD_RANK,
     TURBOQUANT_FORMS,
     Row,
-    _matrix,
+    as_matrix,
     turboquant_codec_ns,
 )
 from lowbit_strategy.plan.warmup import Run, whole_run
@@ -97,7 +97,7 @@ class Setup:
         return max(1, int(self.bucket_size_mb * 2**20 / 4))
 
 
-class _Predictor:
+class Predictor:
     def __init__(self, setup: Setup):
         self.s, c = setup, setup.cluster
         self.c, self.p, self.nodes, self.per_node = c, c.world_size, c.nodes, c.ranks_per_node
@@ -167,9 +167,9 @@ class _Predictor:
         per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
         model = self.s.model
         for ids in self.bucket_ids:
-            mats = [m for i in ids if model.bitdp_quantized(i) and (m := _matrix(model.shapes[i]))]
+            mats = [m for i in ids if model.bitdp_quantized(i) and (m := as_matrix(model.shapes[i]))]
             full = sum(
-                math.prod(model.shapes[i]) for i in ids if not (model.bitdp_quantized(i) and _matrix(model.shapes[i]))
+                math.prod(model.shapes[i]) for i in ids if not (model.bitdp_quantized(i) and as_matrix(model.shapes[i]))
             )
             ranks = self.p if form == "flat" else self.nodes
             how = bitdp_form("auto", Layout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
@@ -190,7 +190,7 @@ class _Predictor:
         for bucket in self.buckets:
             plain = ps = qs = 0
             for x in bucket:
-                m = _matrix(x)
+                m = as_matrix(x)
                 if m and (m[0] + m[1]) * POWERSGD_RANK * POWERSGD_MIN_RATE < m[0] * m[1]:
                     ps, qs = ps + m[0] * POWERSGD_RANK, qs + m[1] * POWERSGD_RANK
                 else:
@@ -199,7 +199,7 @@ class _Predictor:
             sends = Sends(allreduce=sum(wire.allreduce_bytes(4 * k, self.p) for k in parts))
             extra = (len(parts) - 1) * 2 * rounds(self.p) * alpha  # three allreduces, not one
             per.append((bucket_seconds(sends, self.c) + extra, self._link(sends)))
-        memory = 8.0 * self.n + 4.0 * sum(math.prod(x) for b in self.buckets for x in b if _matrix(x))
+        memory = 8.0 * self.n + 4.0 * sum(math.prod(x) for b in self.buckets for x in b if as_matrix(x))
         codec = self.codec("powersgd", self.n)  # the low-rank products over every gradient element
         return self.row(
             "powersgd",
@@ -217,7 +217,7 @@ def predict(setup: Setup) -> list[Row]:
     from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates
     from lowbit_strategy.config import LowBitConfig
 
-    pr, n = _Predictor(setup), setup.model.numel
+    pr, n = Predictor(setup), setup.model.numel
     lion_cfg = LowBitConfig(algorithm="lion", link_bandwidth_gbps=1, link_latency_us=0)
     forms = ["flat"] + (["hierarchical"] if setup.cluster.nodes > 1 and setup.cluster.ranks_per_node > 1 else [])
     rows = [

@@ -1,6 +1,6 @@
 """The planner's sharded rows: FSDP inside the node with the exchange across nodes
 (``--sharded``: HSDP bf16, Lion Cub, 1-bit Adam/LAMB, TurboQuant), and one FSDP group over
-every rank (``fsdp_shard="world"``), priced on a :class:`~lowbit_strategy.plan.predict._Predictor`
+every rank (``fsdp_shard="world"``), priced on a :class:`~lowbit_strategy.plan.predict.Predictor`
 by the byte formulas of :mod:`~lowbit_strategy.pricing.sharded` and
 :mod:`~lowbit_strategy.pricing.world` (the step-time rules are
 :mod:`~lowbit_strategy.plan.predict`'s)."""
@@ -17,10 +17,10 @@ from lowbit_strategy.pricing import world as cw
 from lowbit_strategy.pricing.nodes import bucket_seconds, bucket_sends
 
 if TYPE_CHECKING:
-    from lowbit_strategy.plan.predict import _Predictor
+    from lowbit_strategy.plan.predict import Predictor
 
 
-def _sharded(pr: _Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
+def _sharded(pr: Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
     """A sharded row: the exchange across nodes at the optimizer step, none of it hidden
     (``overlap``: HSDP's all-reduce hook, hidden behind backward unit by unit like DDP's)."""
     t = sh.sharded_seconds(sends, pr.c)
@@ -31,7 +31,7 @@ def _sharded(pr: _Predictor, key, method, config, sends: sh.ShardedSends, codec_
     return pr.row(key, method, "sharded", config, per, pr.codec(codec_key, local), memory / pr.per_node, overlap)
 
 
-def sharded_rows(pr: _Predictor, lion_lane: str) -> list[Row]:
+def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
     """HSDP bf16 and each low-bit exchange across nodes (Lion Cub at ``lion_lane``, 1-bit
     Adam/LAMB, TurboQuant with its per-bucket ``auto`` form) on FSDP shards of 1/L."""
     shapes, units = list(pr.s.model.shapes), pr.s.model.unit_shapes()
@@ -78,14 +78,14 @@ def sharded_rows(pr: _Predictor, lion_lane: str) -> list[Row]:
     ]
 
 
-def hsdp_fp32_step(pr: _Predictor) -> float:
+def hsdp_fp32_step(pr: Predictor) -> float:
     """The sharded low-bit rows' warm-up step: the exact fp32 mean across nodes, reduced unit by
     unit during backward as HSDP does (:mod:`lowbit_strategy.integrations.sharded`)."""
     sends = sh.hsdp_sends(pr.s.model.unit_shapes(), pr.nodes, pr.per_node, itemsize=4)
     return _sharded(pr, "hsdp_fp32", "HSDP fp32", "", sends, None, 0.0, True).step_s
 
 
-def world_rows(pr: _Predictor) -> list[Row]:
+def world_rows(pr: Predictor) -> list[Row]:
     """FSDP over all W ranks, for a model that does not fit one node: parameters gathered
     in bf16 in forward and again in backward, gradients reduce-scattered exact in bf16 or
     as int4 in two hops (exact inside the node, quantized across), bytes and α–β seconds

@@ -69,6 +69,6 @@ def turboquant_codec_ns(codec_ns: dict[str, float] | None, form: str, ranks: int
     return (1 + 1 / p) * enc + (2 + 1 / p) * dec + 4 * add
 
 
-def _matrix(shape: Shape) -> tuple[int, int] | None:
+def as_matrix(shape: Shape) -> tuple[int, int] | None:
     """A parameter as BitDP/PowerSGD see it: a matrix (rows = dim 0), or None for a vector."""
     return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None

@@ -82,7 +82,7 @@ def _assert_ranks_identical(model, what):
         assert all(torch.equal(copies[0], c) for c in copies[1:]), f"{what}: replicas differ"
 
 
-def _lion(params):
+def lion_section(params):
     return lowbit_strategy.Lion(params, lr=LR, betas=BETAS, weight_decay=WD)
 
 
@@ -95,7 +95,7 @@ def _check_exact_mode_equals_ddp_lion(rank, world_size):
                              gradient_accumulation_steps=2)
     assert acc.distributed_type == DistributedType.MULTI_CPU and acc.num_processes == world_size
     model, opt = acc.prepare(_model(), None)[0], None
-    opt = acc.prepare(_lion(model.parameters()))  # optimizer prepared after the model: attached then
+    opt = acc.prepare(lion_section(model.parameters()))  # optimizer prepared after the model: attached then
     assert isinstance(model, nn.parallel.DistributedDataParallel) and len(acc.lowbit_syncs) == 1
     _train(acc, model, opt, rank, 1, STEPS)
     for a, b in zip(model.module.parameters(), _ddp_lion_reference(rank, accumulate=2)):
@@ -106,7 +106,7 @@ def _check_exact_mode_equals_ddp_lion(rank, world_size):
 #: every registered algorithm -> its compressed config and the optimizer it drives (a new
 #: algorithm needs an entry here: the Accelerate front end must run it too)
 ALGORITHM_RUNS = {
-    "lion": (dict(mode="1bit"), lambda ps: _lion(ps)),
+    "lion": (dict(mode="1bit"), lambda ps: lion_section(ps)),
     "bitdp": (dict(bits=1, error_feedback=True), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "onebit_adam": ({}, lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=2)),
     "onebit_lamb": ({}, lambda ps: lowbit_strategy.OneBitLamb(ps, lr=1e-2, freeze_step=2)),
@@ -125,7 +125,7 @@ def _algorithm_runs():
 
 def _check_compressed_modes_keep_ranks_identical(rank, world_size):
     runs = list(_algorithm_runs().values()) + [
-        (dict(algorithm="lion", mode="lp", bits=8), _lion, dict(gradient_accumulation_steps=2)),
+        (dict(algorithm="lion", mode="lp", bits=8), lion_section, dict(gradient_accumulation_steps=2)),
     ]
     for run in runs:
         cfg, make_opt, kwargs = run if len(run) == 3 else (*run, {})
@@ -152,7 +152,7 @@ def _check_sync_each_batch_synchronizes_once_per_step(rank, world_size):
                             (GradientAccumulationPlugin(num_steps=2, sync_each_batch=True), True)):
         acc = _fresh_accelerator(rank, world_size, cfg, gradient_accumulation_plugin=plugin, overlap=overlap)
         model = acc.prepare(_model())
-        opt = acc.prepare(_lion(model.parameters()))
+        opt = acc.prepare(lion_section(model.parameters()))
         _train(acc, model, opt, rank, 1, 3)
         results.append(([p.detach().clone() for p in model.parameters()], acc.bytes_sent))
     (at_step, at_step_bytes), (each, each_bytes) = results
@@ -161,7 +161,7 @@ def _check_sync_each_batch_synchronizes_once_per_step(rank, world_size):
 
 
 def _check_bf16_accumulation_and_clipping(rank, world_size):
-    for cfg, make_opt in [(dict(algorithm="lion", mode="1bit"), _lion),
+    for cfg, make_opt in [(dict(algorithm="lion", mode="1bit"), lion_section),
                           (dict(algorithm="bitdp", bits=2), lambda ps: torch.optim.AdamW(ps, lr=1e-2))]:
         acc = _fresh_accelerator(rank, world_size, {**cfg, "bucket_size_mb": BUCKET_MB}, overlap=False,
                                  mixed_precision="bf16", gradient_accumulation_steps=2)
@@ -192,7 +192,7 @@ def _check_errors(rank, world_size):
     # clipping after an overlapped backward would be silently wrong: refused, naming the fix
     acc = _fresh_accelerator(rank, world_size, dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB))
     model = acc.prepare(_model())
-    opt = acc.prepare(_lion(model.parameters()))
+    opt = acc.prepare(lion_section(model.parameters()))
     with pytest.raises(LowBitSetupError, match=r"overlap=False"):
         _train(acc, model, opt, rank, 1, 1, clip=1.0)
 
@@ -298,7 +298,7 @@ def _check_failures_reach_every_rank(rank, world_size, tmp):
     cfg = dict(algorithm="lion", mode="1bit", bucket_size_mb=BUCKET_MB)
     acc = _fresh_accelerator(rank, world_size, cfg)
     model = acc.prepare(_model())
-    opt = acc.prepare(_lion(model.parameters()))
+    opt = acc.prepare(lion_section(model.parameters()))
     _train(acc, model, opt, rank, 1, 2)
     where = os.path.join(tmp, "failures")
     real = acc_module.save_accelerator_state
@@ -397,9 +397,9 @@ def test_one_process_trains_plainly_and_sends_nothing(fresh_state, tmp_path):
     acc = LowBitAccelerator({"algorithm": "lion", "mode": "1bit"}, cpu=True)
     assert acc.distributed_type == DistributedType.NO
     reference = _model()
-    ref_opt = _lion(reference.parameters())
+    ref_opt = lion_section(reference.parameters())
     model = acc.prepare(_model())
-    opt = acc.prepare(_lion(model.parameters()))
+    opt = acc.prepare(lion_section(model.parameters()))
     for step in range(1, 4):
         for m, o in ((model, opt), (reference, ref_opt)):
             x, y = _batch(0, step)

@@ -232,13 +232,13 @@ def test_pack_unpack(n, lane_bits):
 @pytest.mark.parametrize("block", (2, 64, 1024))
 def test_hadamard_and_level_index(threads, n, block):
     from lowbit_strategy.codecs import lloyd_max_codebook
-    from lowbit_strategy.codecs.hadamard import _blocked_fwht, blocked_fwht_rows
+    from lowbit_strategy.codecs.hadamard import blocked_fwht, blocked_fwht_rows
     from lowbit_strategy.codecs.turboquant_torch import level_index
     from tests.codecs.legacy import hadamard as old_hadamard
     from tests.codecs.legacy import turboquant_torch as old_tq
 
     x = _vector(n, "heavy")
-    _same(_blocked_fwht(x, block), old_hadamard._blocked_fwht(x, block))
+    _same(blocked_fwht(x, block), old_hadamard._blocked_fwht(x, block))
     rows = x[: n // 2 * 2].view(2, -1)
     _same(blocked_fwht_rows(rows, block), old_hadamard.blocked_fwht_rows(rows, block))
     for bits in (2, 3, 4, 5):

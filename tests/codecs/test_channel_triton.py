@@ -211,8 +211,8 @@ _PTX_CHECK = textwrap.dedent(
              "BITS": "constexpr", "TILE": "constexpr"}
     finish = {"codes_ptr": "*u8", "sum_ptr": "*fp32", "count_ptr": "*i32", "scales_ptr": "*fp32", "out_ptr": "*fp32",
               "c": "i64", "BITS": "constexpr", "DECODE": "constexpr", "TILE": "constexpr"}
-    text = "".join(compile_sm90(ct._codes_kernel, codes, dict(BITS=b, TILE=1024), sass, **ct._LAUNCH)
-                   + compile_sm90(ct._finish_kernel, finish, dict(BITS=b, DECODE=True, TILE=1024), sass, **ct._LAUNCH)
+    text = "".join(compile_sm90(ct._codes_kernel, codes, dict(BITS=b, TILE=1024), sass, **ct.LAUNCH)
+                   + compile_sm90(ct._finish_kernel, finish, dict(BITS=b, DECODE=True, TILE=1024), sass, **ct.LAUNCH)
                    for b in (1, 2))
     machine = "".join(sass)
     print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "div_rn": text.count("div.rn.f32"),

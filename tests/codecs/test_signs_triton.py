@@ -310,10 +310,10 @@ _PTX_CHECK = textwrap.dedent(
     chan = {"words_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "n": "i64", "cols": "i64",
             "word_stride": "i64", "w_stride": "i64", "neg_zero": "fp32", "BITS": "constexpr", "KP": "constexpr", "LOGK": "constexpr",
             "TILE": "constexpr", "MEAN": "constexpr"}
-    text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st._LAUNCH)
-            + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st._LAUNCH)
-            + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st._LAUNCH)
-            + "".join(ptx(st._channel_kernel, chan, dict(BITS=b, KP=8, LOGK=3, TILE=512, MEAN=m), **st._LAUNCH)
+    text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st.LAUNCH)
+            + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st.LAUNCH)
+            + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st.LAUNCH)
+            + "".join(ptx(st._channel_kernel, chan, dict(BITS=b, KP=8, LOGK=3, TILE=512, MEAN=m), **st.LAUNCH)
                       for b in (1, 2) for m in (True, False)))
     print(json.dumps({"fma": text.count("fma.rn"), "ftz": text.count(".ftz"), "neg": text.count("neg.f32"),
                       "add": text.count("add.rn.f32"), "xor": text.count("xor.b32"),

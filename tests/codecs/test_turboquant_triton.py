@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
-from lowbit_strategy.codecs.hadamard import _blocked_fwht
+from lowbit_strategy.codecs.hadamard import blocked_fwht
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 from tests.codecs.triton_checks import assert_ok_on_cuda, compiled_figures, import_interpreted, need_triton, same_bits
 
@@ -126,7 +126,7 @@ def test_rms_rule_is_the_documented_tree():
     x = sample(3 * block, torch.float32, seed=4)
     got = fused.encode(x).scales
     assert torch.equal(got, ref.encode(x).scales)
-    y = _blocked_fwht(x * fused.signs(x.numel(), x.device), block)
+    y = blocked_fwht(x * fused.signs(x.numel(), x.device), block)
     for b in range(3):
         level = [torch.tensor(v, dtype=torch.float32) ** 2 for v in y[b * block : (b + 1) * block].tolist()]
         while len(level) > 1:
@@ -242,10 +242,10 @@ _PTX_CHECK = textwrap.dedent(
            "out_ptr": "*i16", "nblocks": "i32", "inv_sqrt_b": "fp32", "R": "constexpr",
            "B": "constexpr", "LOG2B": "constexpr", "ROTATE": "constexpr",
            "SHARED_SCALE": "constexpr", "LANE": "constexpr", "OUT_BF16": "constexpr"}
-    e = ptx(tt._encode_kernel, enc, dict(R=1, B=1024, LOG2B=10, ROTATE=True, SCALE_MODE=0, BITS=4, LANE=4), **tt._LAUNCH)
-    e8 = ptx(tt._encode_kernel, enc, dict(R=16, B=64, LOG2B=6, ROTATE=True, SCALE_MODE=2, BITS=8, LANE=8), **tt._LAUNCH)
+    e = ptx(tt._encode_kernel, enc, dict(R=1, B=1024, LOG2B=10, ROTATE=True, SCALE_MODE=0, BITS=4, LANE=4), **tt.LAUNCH)
+    e8 = ptx(tt._encode_kernel, enc, dict(R=16, B=64, LOG2B=6, ROTATE=True, SCALE_MODE=2, BITS=8, LANE=8), **tt.LAUNCH)
     dconst = dict(R=1, B=1024, LOG2B=10, ROTATE=True, SHARED_SCALE=False, LANE=4, OUT_BF16=True)
-    d = ptx(tt._decode_kernel, dec, dconst, **tt._LAUNCH)
+    d = ptx(tt._decode_kernel, dec, dconst, **tt.LAUNCH)
     d_fused = ptx(tt._decode_kernel, dec, dconst, enable_fp_fusion=True) + ptx(
         tt._encode_kernel, enc, dict(R=1, B=1024, LOG2B=10, ROTATE=True, SCALE_MODE=0, BITS=4, LANE=4),
         enable_fp_fusion=True,

@@ -57,7 +57,7 @@ def _vector(n, seed):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _lion(mode, n, group, topo):
+def lion_section(mode, n, group, topo):
     from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 
     extra = LION_MODES[mode] or {"mode": mode}
@@ -160,7 +160,7 @@ def _run_case(case, n, p, per_node, group, topo, rank):
         if name == "lion":
             if topo is not None:
                 topo.node_mean_(_vector(n, rank), None)  # (the DDP hook's, on the gradients)
-            _lion(form, n, group, topo)
+            lion_section(form, n, group, topo)
         elif name == "staged":
             if topo is not None:
                 topo.node_mean_(_vector(n, rank), None)

@@ -42,7 +42,7 @@ def _loss(net, rank, step):
     return (net(x).squeeze(-1) - y.float()).pow(2).mean()
 
 
-def _lion(**kw):
+def lion_section(**kw):
     return ("lion", dict(algorithm="lion", warmup_steps=1, **kw), lambda ps: lowbit_strategy.Lion(ps, lr=1e-2))
 
 
@@ -55,12 +55,12 @@ def _turboquant(form):
 CASES = {
     "hsdp_fp32": ("hsdp_fp32", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "hsdp_bf16": ("hsdp_bf16", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
-    "lion_1bit": _lion(mode="1bit"),
-    "lion_sign": _lion(mode="sign"),
-    "lion_lp8_momentum_sync": _lion(mode="lp", bits=8, momentum_sync_every=2, momentum_sync_layers="all"),
-    "lion_fp32": _lion(mode="fp32"),
-    "lion_bf16": _lion(mode="bf16"),
-    "lion_auto": _lion(mode="auto"),
+    "lion_1bit": lion_section(mode="1bit"),
+    "lion_sign": lion_section(mode="sign"),
+    "lion_lp8_momentum_sync": lion_section(mode="lp", bits=8, momentum_sync_every=2, momentum_sync_layers="all"),
+    "lion_fp32": lion_section(mode="fp32"),
+    "lion_bf16": lion_section(mode="bf16"),
+    "lion_auto": lion_section(mode="auto"),
     "onebit_adam_blocks": ("onebit_adam", dict(algorithm="onebit_adam", scale_block=BLOCK),
                            lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, freeze_step=WARMUP)),
     "onebit_adam_one_scale": ("onebit_adam", dict(algorithm="onebit_adam", scale_block=None),

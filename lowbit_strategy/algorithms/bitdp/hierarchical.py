@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lowbit_strategy.algorithms.bitdp.hook import _Plan
+from lowbit_strategy.algorithms.bitdp.hook import BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
@@ -51,7 +51,7 @@ def _pieces(rows: list[torch.Tensor], per_node: int, j: int) -> list[tuple[int, 
     return [(k, a, b) for k, r in enumerate(rows) for a, b in [row_range(r.shape[0], per_node, j)] if b > a]
 
 
-def _encode(state, plan: _Plan, rows, pieces):
+def _encode(state, plan: BucketSplit, rows, pieces):
     """Codes, scales and new residuals (full parameter shape, this rank's rows changed) of
     this rank's rows, as the flat hook's ``_encode`` does for whole matrices."""
     ms, olds = [], []
@@ -115,7 +115,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     if mine:
         nonfinite = ~torch.isfinite(buf).all()
         sub = [rows[k][a:b] for k, a, b in mine]
-        sub_plan = _Plan(tuple(plan.quantized[k] for k, _, _ in mine), (), plan.param_ids, plan.transposed)
+        sub_plan = BucketSplit(tuple(plan.quantized[k] for k, _, _ in mine), (), plan.param_ids, plan.transposed)
         codes, scales, residuals = _encode(state, plan, rows, mine)
         layout = Layout.of([matrix_shape(m) for m in sub], state.bits)
         kw = dict(chunk_rows=state.chunk_rows, out=None, traffic=traffic, flag=nonfinite)

@@ -102,7 +102,7 @@ def _bad(field: str, value, fix: str) -> ValueError:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class BucketSplit:
     """How one bucket splits: quantized matrices ``(offset, shape, param id)`` and runs of
     consecutive full-precision gradients ``(offset, numel)``; ``transposed`` holds the ids
     of weights stored ``in x out`` (HF Conv1D), whose channels are columns."""
@@ -203,7 +203,7 @@ class BitDPState:
         # id(parameter) -> what the selection rule decided; filled by attach()
         self.params: dict[int, ParamInfo] = {}
         # (bucket index, bucket numel) -> split of that bucket; robust to DDP's bucket rebuild
-        self.plans: dict[tuple[int, int], _Plan] = {}
+        self.plans: dict[tuple[int, int], BucketSplit] = {}
         # id(parameter) -> this rank's quantization residual (error feedback only)
         self.residuals: dict[int, torch.Tensor] = {}
         # the form chosen for this run ("model" -> form); parameter name -> its server error
@@ -246,7 +246,7 @@ class BitDPState:
             if self.iter == self.start_iter:
                 logger.info("BitDP: compression starts after %d iterations of plain allreduce", self.iter)
 
-    def plan(self, bucket: dist.GradBucket) -> _Plan:
+    def plan(self, bucket: dist.GradBucket) -> BucketSplit:
         """The split of ``bucket`` into quantized matrices and full-precision runs (cached)."""
         buf, params = bucket.buffer(), bucket.parameters()
         key = (bucket.index(), buf.numel())
@@ -284,7 +284,9 @@ class BitDPState:
             offset += p.numel()
         if offset != buf.numel():
             raise RuntimeError(f"BitDP: bucket {bucket.index()} parameters cover {offset} of {buf.numel()} elements")
-        self.plans[key] = _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed))
+        self.plans[key] = BucketSplit(
+            tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed)
+        )
         return self.plans[key]
 
     def form_of(self) -> str:
@@ -300,14 +302,14 @@ class BitDPState:
             logger.info("BitDP: %s form at P=%d (form=%s)", form, p, self.form)
         return form
 
-    def server_error(self, plan: _Plan, layout: Layout, device: torch.device) -> torch.Tensor:
+    def server_error(self, plan: BucketSplit, layout: Layout, device: torch.device) -> torch.Tensor:
         """This rank's server error of a two-stage bucket (:func:`.local_state.server_error`)."""
         names = tuple(self.params[key].name for _, _, key in plan.quantized)
         group = self.process_group
         return local_state.server_error(self, names, chunk_plan(layout, g.world_size(group)), g.rank(group), device)
 
 
-def _encode(state: BitDPState, plan: _Plan, rows: list[torch.Tensor]):
+def _encode(state: BitDPState, plan: BucketSplit, rows: list[torch.Tensor]):
     """``(codes, scales, residuals)`` of the bucket's quantized matrices (channel-major
     ``rows``), each (plus its residual, with error feedback) channel-encoded at ``state.bits``,
     equal widths at once (non-finite input: flagged, never decoded); ``residuals``: this step's

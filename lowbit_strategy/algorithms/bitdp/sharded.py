@@ -9,7 +9,7 @@ exactly what the flat hook computes for a matrix of those rows (channels that ar
 an HF ``Conv1D``'s, are coded over the rows this rank holds).
 
 So the unit's shard is handed to :func:`~.hook.bitdp_hook` as one bucket (:class:`UnitBucket`)
-whose split (:class:`~.hook._Plan`) is made here from the local shapes: the quantized rows go
+whose split (:class:`~.hook.BucketSplit`) is made here from the local shapes: the quantized rows go
 through BitDP's collective (all-gather or two-stage form) over the ranks holding the same
 shard on every node (``state.process_group``), the full-precision rows through one exact
 mean, the padding nowhere. The result, written back in place before FSDP makes the sharded
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lowbit_strategy.algorithms.bitdp.hook import BitDPState, _Plan, bitdp_hook
+from lowbit_strategy.algorithms.bitdp.hook import BitDPState, BucketSplit, bitdp_hook
 from lowbit_strategy.layout import local_view
 
 __all__ = ["UnitBucket", "sharded_ready", "unit_plan"]
@@ -62,7 +62,7 @@ def _padded(p: torch.Tensor, ranks_per_node: int) -> int:
     return rows * math.prod(p.shape[1:])
 
 
-def unit_plan(state: BitDPState, params: Sequence[torch.Tensor], numel: int, ranks_per_node: int) -> _Plan:
+def unit_plan(state: BitDPState, params: Sequence[torch.Tensor], numel: int, ranks_per_node: int) -> BucketSplit:
     """The split of a unit's padded gradient shard of ``numel`` elements: each quantized
     parameter's local rows (as a matrix of the local shape) and runs of full-precision local
     elements; the padding is in neither."""
@@ -89,7 +89,7 @@ def unit_plan(state: BitDPState, params: Sequence[torch.Tensor], numel: int, ran
             f"BitDP sharded: the unit's gradient shard holds {numel} elements, its parameters' padded shards {offset}: "
             "every parameter of a unit must have a gradient at every step (FSDP2 leaves out the ones without)"
         )
-    return _Plan(tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed))
+    return BucketSplit(tuple(quantized), tuple(full), tuple(id(p) for p in params), frozenset(transposed))
 
 
 def sharded_ready(

@@ -47,8 +47,8 @@ from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.plan import (
     WARMUP_PLAN,
     Plan,
-    _lion,
     auto_candidates,
+    lion_section,
     measure_codec_seconds,
     resolve_mode,
 )
@@ -165,7 +165,7 @@ class LionCommunicator:
         # the compressed collectives: the cross-node group of this local rank, or every rank
         self.sync_group = self.spec.group
         self.world_size = self.spec.world_size  # the workers: N nodes, or P ranks
-        lion = _lion(config)
+        lion = lion_section(config)
         if lion.mode in ("sign", "lp") and lion.bits is not None:
             try:  # a lane too narrow for this world size: say so now, not at the first backward
                 resolve_mode(config, self.world_size, 1)
@@ -188,16 +188,16 @@ class LionCommunicator:
         self.momentum_sync_every = momentum_sync_every
         size = min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
         self.plan_numel = size or None  # both paths plan for this size, whatever bucket comes first
-        if _lion(self.config).mode != "auto" or self.world_size == 1 or numel == 0:
+        if lion_section(self.config).mode != "auto" or self.world_size == 1 or numel == 0:
             return
         candidates = auto_candidates(self.config, self.world_size, momentum_sync_every)
-        p = _lion(self.config).p
+        p = lion_section(self.config).p
         measure = lambda: measure_codec_seconds(candidates, self.world_size, size, p, device)  # noqa: E731
         self.codec_seconds = agreed_slowest(measure, self.group, "lion.calibrate", self.traffic, device)
 
     def plan_state(self) -> dict | None:
         """The resolved ``auto`` plan and the world size it is for (checkpoints), or None."""
-        if self.plan is None or _lion(self.config).mode != "auto":
+        if self.plan is None or lion_section(self.config).mode != "auto":
             return None
         return {"world_size": self.world_size, **dataclasses.asdict(self.plan)}
 
@@ -206,7 +206,7 @@ class LionCommunicator:
         world size: the plan comes from this machine's codec timing, a measurement, and a
         resumed run measuring anew could choose another mode, so it would not continue as it
         would have. Checked equal on every rank (a collective: every rank calls it)."""
-        if _lion(self.config).mode != "auto" or self.world_size == 1:
+        if lion_section(self.config).mode != "auto" or self.world_size == 1:
             return
         usable = saved if saved is not None and saved.get("world_size") == self.world_size else None
         check_same({"plan": usable}, self.group, "Lion Cub's saved plan")
@@ -296,7 +296,7 @@ class LionCommunicator:
         kw: dict[str, Any] = dict(check=check, traffic=traffic)
         group = self.sync_group
         if plan.mode == "lp":
-            p = _lion(self.config).p
+            p = lion_section(self.config).p
             payload = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk])
         else:
             payload = buckets.flatten(chunk)

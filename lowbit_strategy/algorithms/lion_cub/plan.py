@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the config reads the registry, which imports this module: a
 AUTO_MIN_LEVELS = 7
 
 
-def _lion(config: LowBitConfig) -> LionConfig:
+def lion_section(config: LowBitConfig) -> LionConfig:
     """The config's Lion Cub section (the registry's ``lion`` entry has a :class:`LionConfig`)."""
     return cast(LionConfig, config.lion)
 
@@ -53,7 +53,7 @@ def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: 
     * ``fp32``, the exact sum: it sends what DDP sends, so with codec costs counted
       ``auto`` never plans anything slower than plain DDP + Lion.
     """
-    every = _lion(config).momentum_sync_every if momentum_sync_every is None else momentum_sync_every
+    every = lion_section(config).momentum_sync_every if momentum_sync_every is None else momentum_sync_every
     lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
     return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + ("fp32",)
 
@@ -75,7 +75,7 @@ def resolve_mode(
     wire hides, and counting it in full keeps the choice on the safe side of DDP.
     ``momentum_sync_every`` overrides the config's (the optimizer's effective setting).
     """
-    lion = _lion(config)
+    lion = lion_section(config)
     mode, bits = lion.mode, lion.bits
     if mode == "auto":
         link = config.link

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 
 import torch
 
-from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
+from lowbit_strategy.algorithms.onebit.optimizer import OneBitOptimizer
 from lowbit_strategy.algorithms.staged import adam
 
 
-class OneBitAdam(_OneBitOptimizer):
+class OneBitAdam(OneBitOptimizer):
     """1-bit Adam: ``torch.optim.AdamW`` for ``freeze_step`` steps, then momentum SGD
     preconditioned by the frozen variance, with the momentum synchronized by the
     error-compensated 1-bit allreduce (~1/32 of fp32's bytes).

@@ -15,12 +15,12 @@ from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
 from lowbit_strategy.algorithms.onebit.communicator import OneBitCommunicator
 from lowbit_strategy.algorithms.onebit.config import OneBitAdamConfig, OneBitLambConfig
 from lowbit_strategy.algorithms.onebit.lamb import OneBitLamb
-from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
+from lowbit_strategy.algorithms.onebit.optimizer import OneBitOptimizer
 from lowbit_strategy.algorithms.staged import StagedSync, check_local_gradient_precision, rank0_state_without_errors
 
 
 class OneBitSync(StagedSync):
-    optimizer_class: type = _OneBitOptimizer
+    optimizer_class: type = OneBitOptimizer
     arguments_hint = " (same arguments as DeepSpeed's)"
 
     def make_communicator(self, optimizer) -> OneBitCommunicator:

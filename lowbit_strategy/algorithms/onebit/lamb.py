@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from lowbit_strategy.algorithms.onebit import lamb_foreach
-from lowbit_strategy.algorithms.onebit.optimizer import _OneBitOptimizer
+from lowbit_strategy.algorithms.onebit.optimizer import OneBitOptimizer
 from lowbit_strategy.validation import check_number
 
 
@@ -88,7 +88,7 @@ def clip_ratio(
     return r.clamp(factor_min, factor_max)
 
 
-class OneBitLamb(_OneBitOptimizer):
+class OneBitLamb(OneBitOptimizer):
     """1-bit LAMB (Algorithm 1): LAMB for ``freeze_step`` steps while keeping an EMA of each
     parameter's trust ratio; then the frozen variance, per-parameter momentum scaling
     coefficients (Sec. 4.3) around the fused compressed allreduce (Sec. 4.2), the gradient

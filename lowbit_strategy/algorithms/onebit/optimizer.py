@@ -87,7 +87,7 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
 
 
 class DivergenceError(RuntimeError):
-    """A compression-stage step far outside Adam's envelope (:class:`_OneBitOptimizer`'s
+    """A compression-stage step far outside Adam's envelope (:class:`OneBitOptimizer`'s
     guard); raised on every rank alike."""
 
 
@@ -109,7 +109,7 @@ def variance_ratio(
     return (frozen / fresh).max()
 
 
-class _OneBitOptimizer(StagedOptimizer):
+class OneBitOptimizer(StagedOptimizer):
     """The two stages (:class:`~lowbit_strategy.algorithms.staged.StagedOptimizer`) with a
     variance frozen at ``freeze_step``; subclasses supply the per-parameter arithmetic
     (:meth:`_warmup`, :meth:`_compressed`)."""
