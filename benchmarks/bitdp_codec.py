@@ -14,7 +14,7 @@ import torch
 from benchmarks.codecs import _time as median_seconds
 
 from lowbit_strategy.codecs import channel_encode
-from lowbit_strategy.collectives.gathered import Layout, decode_reduce, matrix_shape, pack_payload
+from lowbit_strategy.collectives.gathered import PayloadLayout, decode_reduce, matrix_shape, pack_payload
 
 
 def _median_ms(fn, repeat: int = 15) -> float:
@@ -35,7 +35,7 @@ def main() -> None:
     print("| bits | encode + pack ms | decode-reduce of P ranks ms |")
     print("|---:|---:|---:|")
     for bits in (2, 1):
-        layout = Layout.of([matrix_shape(m) for m in mats], bits)
+        layout = PayloadLayout.of([matrix_shape(m) for m in mats], bits)
 
         def encode():
             coded = [channel_encode(m, bits, validate=False) for m in mats]

@@ -37,7 +37,7 @@ import os
 from lowbit_strategy import buckets
 from lowbit_strategy.pricing import flat as cost_model
 from lowbit_strategy.pricing import nodes as nodes_model
-from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.collectives.summed import lane_for
 
 #: elements per scale of each method's payload (for the few bytes of scales)
@@ -71,10 +71,10 @@ def per_rank_bytes(method: str, p: int, n: int) -> float:
     raise ValueError(method)
 
 
-def _rows_layout(n: int, bits: int) -> Layout:
+def _rows_layout(n: int, bits: int) -> PayloadLayout:
     """``n`` elements as BitDP matrices of rows of :data:`ROW` (and one shorter row)."""
     shapes = [(n // ROW, ROW)] if n >= ROW else []
-    return Layout.of(shapes + ([(1, n % ROW)] if n % ROW else []), bits)
+    return PayloadLayout.of(shapes + ([(1, n % ROW)] if n % ROW else []), bits)
 
 
 METHODS = (
@@ -155,7 +155,7 @@ def step_cost(algo, params, cluster: nodes_model.Cluster, hierarchical: bool) ->
     order = params[::-1]
     n_nodes, per_node, p = cluster.nodes, cluster.ranks_per_node, cluster.world_size
     link = seconds = 0.0
-    for idx in buckets.plan([k for _, k in order], buckets.bucket_numel(ASSUME["bucket_mb"])):
+    for idx in buckets.partition([k for _, k in order], buckets.bucket_numel(ASSUME["bucket_mb"])):
         members = [order[i] for i in idx]
         n = sum(k for _, k in members)
         sends: nodes_model.Sends | nodes_model.NodeSends

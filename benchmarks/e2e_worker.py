@@ -127,7 +127,8 @@ def make_strategy(kind: str, overrides: dict | None = None, powersgd_start: int 
 
 def resolved_plans(optimizers) -> list[str]:
     """What each lowbit communicator's ``auto`` resolved to, one string per optimizer that has
-    one: Lion Cub's :class:`~lowbit_strategy.algorithms.lion_cub.plan.Plan` (its ``plan``), or
+    one: Lion Cub's :class:`~lowbit_strategy.algorithms.lion_cub.mode.SyncMode` (its ``plan``),
+    recorded as ``Plan(mode='lp', bits=8, levels=31)`` (the results' format since the first run), or
     TurboQuant's per-bucket forms (its ``forms``) as ``forms: fp32 x2, tq x7`` (forms sorted by
     name). Read before the strategy's teardown detaches the communicators; an algorithm without
     a plan (or a baseline) gives nothing."""
@@ -136,7 +137,7 @@ def resolved_plans(optimizers) -> list[str]:
         comm = getattr(getattr(opt, "_optimizer", opt), "communicator", None)
         plan, forms = getattr(comm, "plan", None), getattr(comm, "forms", None)
         if plan is not None:
-            found.append(str(plan))
+            found.append(f"Plan(mode={plan.mode!r}, bits={plan.bits}, levels={plan.levels})")
         elif forms:
             found.append("forms: " + ", ".join(f"{f} x{n}" for f, n in sorted(Counter(forms.values()).items())))
     return found

@@ -96,8 +96,8 @@ def world(kind: str, model: sharded_cost.ShardedModel) -> tuple[cw.WorldSends, s
 
 def sends(kind: str, model: sharded_cost.ShardedModel, gbps: float) -> tuple[cs.ShardedSends, str]:
     """One compressed-stage step of ``kind`` on the cluster, and the form it runs in."""
-    from lowbit_strategy.algorithms.lion_cub.plan import resolve_mode
-    from lowbit_strategy.algorithms.turboquant.plan import choose_form
+    from lowbit_strategy.algorithms.lion_cub.mode import resolve_mode
+    from lowbit_strategy.algorithms.turboquant.form import choose_form
 
     n, per_node = ASSUME["nodes"], ASSUME["ranks_per_node"]
     numel = buckets.bucket_numel(ASSUME["bucket_mb"])

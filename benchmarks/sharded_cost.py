@@ -51,7 +51,7 @@ class ShardedModel:
 
 
 def lion_collective(plan) -> str:
-    """Lion Cub's resolved :class:`~lowbit_strategy.algorithms.lion_cub.plan.Plan` -> the
+    """Lion Cub's resolved :class:`~lowbit_strategy.algorithms.lion_cub.mode.SyncMode` -> the
     cost model's collective name."""
     return f"lp{plan.bits}" if plan.mode == "lp" else plan.mode
 

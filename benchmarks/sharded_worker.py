@@ -161,7 +161,7 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
     elif kind == "onebit_adam" and cfg is not None:
         kw["block"] = cfg.onebit_adam.scale_block
     elif kind == "turboquant" and comm is not None:
-        from lowbit_strategy.algorithms.turboquant.plan import choose_form
+        from lowbit_strategy.algorithms.turboquant.form import choose_form
 
         def form(n: int) -> str:
             return TURBOQUANT[choose_form(comm.form, comm.world_size, n, *comm.link, comm.codec_seconds)]

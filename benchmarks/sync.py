@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, store: str, numel: int, repeat: int, out: str
                         ("1-bit Adam/LAMB momenta, one scale per buffer", None)):
         onebit = OneBitCommunicator(block=block)
         jobs = [(tuple(idx), [updates[i] for i in idx])
-                for idx in buckets.plan([t.numel() for t in updates], onebit.bucket_numel)]
+                for idx in buckets.partition([t.numel() for t in updates], onebit.bucket_numel)]
 
         def sync(onebit=onebit, jobs=jobs):
             onebit.synchronize(jobs)

@@ -38,7 +38,7 @@ from torch import nn
 
 from lowbit_strategy.nn import SavedTensorMeter, SavedTensorStats, TurboQuantLinear, compress_activations
 from lowbit_strategy.nn.linear import check_layer_settings
-from lowbit_strategy.selection import check_patterns
+from lowbit_strategy.roles import check_patterns
 
 logger = logging.getLogger(__name__)
 

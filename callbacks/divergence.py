@@ -40,7 +40,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lowbit_strategy.collectives import full_allreduce
 from lowbit_strategy.collectives.group import all_reduce_max, broadcast
-from lowbit_strategy.selection import param_names
+from lowbit_strategy.roles import param_names
 from lowbit_strategy.validation import check_int
 
 

@@ -16,7 +16,8 @@ import sys
 import warnings
 from types import FrameType
 
-#: old module path -> new module path (moved in 0.3: pricing left ``collectives/``)
+#: old module path -> new module path (0.3: pricing left ``collectives/``; modules renamed for
+#: what they hold)
 MOVED = {
     "lowbit_strategy.collectives.cost_model": "lowbit_strategy.pricing.flat",
     "lowbit_strategy.collectives.cost_model_nodes": "lowbit_strategy.pricing.nodes",
@@ -24,6 +25,11 @@ MOVED = {
     "lowbit_strategy.collectives.cost_model_world": "lowbit_strategy.pricing.world",
     "lowbit_strategy.collectives.link_probe": "lowbit_strategy.pricing.link_probe",
     "lowbit_strategy.collectives.calibration": "lowbit_strategy.pricing.calibration",
+    "lowbit_strategy.selection": "lowbit_strategy.roles",
+    "lowbit_strategy.algorithms.lion_cub.selection": "lowbit_strategy.algorithms.lion_cub.synced_momenta",
+    "lowbit_strategy.algorithms.bitdp.selection": "lowbit_strategy.algorithms.bitdp.quantized_params",
+    "lowbit_strategy.algorithms.lion_cub.plan": "lowbit_strategy.algorithms.lion_cub.mode",
+    "lowbit_strategy.algorithms.turboquant.plan": "lowbit_strategy.algorithms.turboquant.form",
 }
 
 
@@ -42,6 +48,21 @@ def warn_moved(old: str, new: str) -> None:
         DeprecationWarning,
         stacklevel=level,
     )
+
+
+def attribute_aliases(module: str, renamed: dict[str, str]):
+    """A module-level ``__getattr__`` (PEP 562) serving names that moved or were renamed:
+    ``renamed[old name] = "package.module.new_name"``, each with the deprecation. The new home
+    is imported when the old name is first read, never at import (no import cycle)."""
+
+    def __getattr__(name: str):
+        if name in renamed:
+            home, attr = renamed[name].rsplit(".", 1)
+            warn_moved(f"{module}.{name}", renamed[name])
+            return getattr(importlib.import_module(home), attr)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def _import_system(frame: FrameType) -> bool:
@@ -73,4 +94,4 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     """Put the finder on ``sys.meta_path`` once (re-importing the package does not add another)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())  # first: it answers only the old names, whatever else is installed

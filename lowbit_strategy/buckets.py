@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from lowbit_strategy import _moved
 
-def plan(numels: Sequence[int], bucket_numel: int) -> list[range]:
+
+def partition(numels: Sequence[int], bucket_numel: int) -> list[range]:
     """Greedy contiguous buckets of at most ``bucket_numel`` elements (a larger tensor
     gets a bucket of its own). Returns index ranges into ``numels``."""
     if bucket_numel < 1:
@@ -63,3 +65,7 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     """Views of ``flat`` shaped like ``like`` (inverse of :func:`flatten`)."""
     views = torch.split(flat, [t.numel() for t in like])
     return [v.view(t.shape) for v, t in zip(views, like)]
+
+
+#: ``plan`` was renamed ``partition`` (0.3: "plan" names the planner); still served, with a warning
+__getattr__ = _moved.attribute_aliases(__name__, {"plan": "lowbit_strategy.buckets.partition"})

@@ -11,7 +11,7 @@ DDP path is unchanged.
 
 Buckets: parameter indices, last parameter first (the order backward produces gradients),
 zero-element and frozen parameters left out, cut at ``bucket_numel`` elements
-(:func:`lowbit_strategy.buckets.plan`). A bucket's compressed result depends on which
+(:func:`lowbit_strategy.buckets.partition`). A bucket's compressed result depends on which
 elements share a scale, so the buckets are fixed for the optimizer's life and the same on
 every rank that holds the same local shapes.
 
@@ -172,7 +172,7 @@ class Layout:
         order = [s.index for s in reversed(self.slots) if s.param.requires_grad and s.local.numel()]
         numels = [self.slots[i].local.numel() for i in order]
         #: the buckets, in launch order: tuples of parameter indices
-        self.buckets: list[Key] = [tuple(order[j] for j in idx) for idx in buckets.plan(numels, bucket_numel)]
+        self.buckets: list[Key] = [tuple(order[j] for j in idx) for idx in buckets.partition(numels, bucket_numel)]
 
     def index_of(self, p: torch.Tensor) -> int | None:
         """``p``'s index, or None when it is not one of the layout's parameters."""

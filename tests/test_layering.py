@@ -22,11 +22,6 @@ LAZY_UPWARD = {
     ("lowbit_strategy", "lowbit_strategy.algorithms"),
     ("lowbit_strategy", "lowbit_strategy.integrations.lightning"),
     ("lowbit_strategy", "lowbit_strategy.integrations.lightning_sharded"),
-    # the α–β names that moved to pricing are still served at their old place, with a warning
-    ("lowbit_strategy.collectives", "lowbit_strategy.pricing.flat"),
-    # the reduce-scatter's oracle moved to reference.py (which imports the codec's helpers from
-    # fsdp_reduce_scatter), still served at its old name with a warning
-    ("lowbit_strategy.collectives.fsdp_reduce_scatter", "lowbit_strategy.collectives.reference"),
 }
 
 

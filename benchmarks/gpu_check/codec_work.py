@@ -8,7 +8,7 @@ Shared by :mod:`.codec_speed` (flat vectors of 2^24 and 2^26 elements, P = 4) an
 builder mirrors:
 
 * :func:`lion_lp`: Lion Cub's L1 codes in packed lanes
-  (:func:`lowbit_strategy.algorithms.lion_cub.plan.measure_codec_seconds`' ``lp`` work split
+  (:func:`lowbit_strategy.algorithms.lion_cub.mode.measure_codec_seconds`' ``lp`` work split
   in two); the lanes are summed by the allreduce itself, so there is no server;
 * :func:`lion_1bit`: the 1-bit majority vote (:mod:`lowbit_strategy.collectives.majority`):
   sign bits packed, the server's vote count on P packed rows, the signs unpacked;
@@ -120,17 +120,17 @@ def bitdp(mats: Sequence[torch.Tensor], p: int, bits: int = 2) -> Work:
     """BitDP's two-stage form on the quantized matrices ``mats`` of a bucket (the others
     travel in float32 with no codec)."""
     from lowbit_strategy.codecs import channel_encode_many
-    from lowbit_strategy.collectives.gathered import Layout, decode_reduce, pack_payload
-    from lowbit_strategy.collectives.gathered_two_stage import chunk_plan
+    from lowbit_strategy.collectives.gathered import PayloadLayout, decode_reduce, pack_payload
+    from lowbit_strategy.collectives.gathered_two_stage import chunking
 
-    layout = Layout.of([tuple(m.shape) for m in mats], bits)
+    layout = PayloadLayout.of([tuple(m.shape) for m in mats], bits)
 
     def encode():  # as the hook's _encode (without error feedback)
         enc = channel_encode_many(mats, bits, validate=False)
         return pack_payload([c for c, _, _ in enc], [s for _, s, _ in enc], layout)
 
     words, scales = encode()
-    mine = chunk_plan(layout, p).chunk_layout(0)
+    mine = chunking(layout, p).chunk_layout(0)
     server = None
     if mine is not None:
         got_words, got_scales = words[: mine.words].repeat(p, 1), scales[: mine.rows].repeat(p, 1)

@@ -5,7 +5,7 @@ each algorithm stops paying.
    tokens under bf16 autocast (halved until it fits; ``--cpu``: a 2-layer d=128 model at 8 x
    128 in float32), median of 5 steps after 2 warm-ups (CUDA events).
 2. **Codecs**: each algorithm's codec calls (:mod:`.codec_work`) on that model's real buckets:
-   the planner's bucketing (``buckets.plan`` of the parameters last-first at ``LowBitConfig``'s
+   the planner's bucketing (``buckets.partition`` of the parameters last-first at ``LowBitConfig``'s
    default ``bucket_size_mb``), each bucket filled with the step's own gradients, timed call by
    call (median of 3 after a warm-up) and summed: encode, the server's step at P = 8 (its chunk
    from 8 gathered rows), decode. 1-bit Adam/LAMB add their optimizer step beyond AdamW's
@@ -61,7 +61,7 @@ ALGOS = {
 
 def _lane(p: int) -> str:
     """Lion Cub's lane at P ranks as its default ``auto`` and the planner pick it (``lp8``...)."""
-    from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates
+    from lowbit_strategy.algorithms.lion_cub.mode import auto_candidates
     from lowbit_strategy.config import LowBitConfig
 
     return auto_candidates(LowBitConfig(algorithm="lion", link_bandwidth_gbps=1, link_latency_us=0), p, 0)[0]
@@ -96,14 +96,14 @@ def _compute(model: GPT, shape: dict, dev: torch.device, batch: int) -> tuple[fl
 
 
 def _buckets(model: GPT) -> tuple[list[list[torch.nn.Parameter]], int]:
-    """The planner's buckets (parameters last-first, ``buckets.plan`` at the default size)."""
+    """The planner's buckets (parameters last-first, ``buckets.partition`` at the default size)."""
     from lowbit_strategy import buckets
     from lowbit_strategy.config import LowBitConfig
 
     params = [p for p in model.parameters() if p.requires_grad]
     order = list(reversed(params))
     mb = LowBitConfig().bucket_size_mb
-    plan = buckets.plan([p.numel() for p in order], buckets.bucket_numel(mb))
+    plan = buckets.partition([p.numel() for p in order], buckets.bucket_numel(mb))
     return [[order[i] for i in r] for r in plan], mb
 
 
@@ -197,7 +197,7 @@ def run(args) -> Part:
 
 
 def _run(args) -> Part:
-    from lowbit_strategy.algorithms.bitdp.selection import classify
+    from lowbit_strategy.algorithms.bitdp.quantized_params import classify
     from lowbit_strategy.plan.inputs import from_module
     from lowbit_strategy.plan.measure import _optimizer_ns
 

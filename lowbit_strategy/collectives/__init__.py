@@ -6,6 +6,7 @@ this rank sent and received (:mod:`.wire`). They know nothing of optimizers. Wha
 collective costs (α–β models, the link probe, codec timings) is :mod:`lowbit_strategy.pricing`.
 """
 
+from lowbit_strategy import _moved
 from lowbit_strategy.collectives.exact import full_allreduce
 from lowbit_strategy.collectives.majority import majority_vote
 from lowbit_strategy.collectives.summed import lane_for, max_levels, summed_allreduce
@@ -24,7 +25,7 @@ __all__ = [
 
 # BitDP low-bit all-gather + scales (Sec. 3.2); appended, see gathered.py.
 from lowbit_strategy.collectives.gathered import (  # noqa: E402
-    Layout,
+    PayloadLayout,
     decode_reduce,
     gathered_mean,
     gathered_mean_async,
@@ -32,7 +33,7 @@ from lowbit_strategy.collectives.gathered import (  # noqa: E402
 from lowbit_strategy.collectives.group import all_gather_async, all_reduce_sum_async  # noqa: E402
 
 __all__ += [
-    "Layout",
+    "PayloadLayout",
     "gathered_mean",
     "gathered_mean_async",
     "decode_reduce",
@@ -87,15 +88,13 @@ __all__ += [
 ]
 
 
-#: names that moved to :mod:`lowbit_strategy.pricing` (the α–β model), still served here
-_MOVED_NAMES = {"estimate", "cheapest", "Estimate"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED_NAMES:
-        from lowbit_strategy import _moved
-        from lowbit_strategy.pricing import flat
-
-        _moved.warn_moved(f"lowbit_strategy.collectives.{name}", f"lowbit_strategy.pricing.{name}")
-        return getattr(flat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: names that moved or were renamed, still served here with a DeprecationWarning
+__getattr__ = _moved.attribute_aliases(
+    __name__,
+    {
+        "estimate": "lowbit_strategy.pricing.flat.estimate",
+        "cheapest": "lowbit_strategy.pricing.flat.cheapest",
+        "Estimate": "lowbit_strategy.pricing.flat.Estimate",
+        "Layout": "lowbit_strategy.collectives.gathered.PayloadLayout",
+    },
+)

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from lowbit_strategy import _moved
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import group as g
@@ -252,14 +253,7 @@ def reduce_scatter_bytes(c: int, world: int, bits: int, element_size: int, nodes
     return (per_node - 1) * nodes * c * element_size, (nodes - 1) * (code + scale)
 
 
-def __getattr__(name: str):
-    if name == "reference":  # the oracle moved to reference.py, beside the others
-        from lowbit_strategy import _moved
-        from lowbit_strategy.collectives.reference import fsdp_reduce_scatter_reference
-
-        _moved.warn_moved(
-            "lowbit_strategy.collectives.fsdp_reduce_scatter.reference",
-            "lowbit_strategy.collectives.reference.fsdp_reduce_scatter_reference",
-        )
-        return fsdp_reduce_scatter_reference
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: the oracle moved to reference.py, beside the others
+__getattr__ = _moved.attribute_aliases(
+    __name__, {"reference": "lowbit_strategy.collectives.reference.fsdp_reduce_scatter_reference"}
+)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.profiler import record_function
 
+from lowbit_strategy import _moved
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import TERNARY_MINUS, TERNARY_PLUS, TERNARY_ZERO, channel_encode_many, follows
 from lowbit_strategy.codecs.reduce import divide, rank_sum
@@ -85,7 +86,7 @@ def check_chunk_rows(chunk_rows: int | None) -> int | None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class PayloadLayout:
     """Where each matrix lives in a payload: shapes and word/scale/element offsets.
 
     Build it with :meth:`of`. ``words``, ``rows`` and ``numel`` are the totals: uint8 words
@@ -102,7 +103,7 @@ class Layout:
     numel: int
 
     @classmethod
-    def of(cls, shapes: Sequence[tuple[int, int]], bits: int) -> Layout:
+    def of(cls, shapes: Sequence[tuple[int, int]], bits: int) -> PayloadLayout:
         spec = lanes.lane(_check_bits(bits))
         shapes = tuple((int(r), int(c)) for r, c in shapes)
         if not shapes or any(r < 1 or c < 1 for r, c in shapes):
@@ -129,7 +130,7 @@ def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
 
 
 def pack_payload(
-    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], layout: Layout
+    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], layout: PayloadLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate per-matrix lane codes (each packed on its own) and scales into one
     (uint8 words, float32 scales) payload laid out as ``layout``."""
@@ -163,9 +164,9 @@ def _adjacent_runs(codes: Sequence[torch.Tensor], per: int) -> list[torch.Tensor
     return [r[0] if len(r) == 1 else r[0].as_strided((sum(c.numel() for c in r),), (1,)) for r in runs]
 
 
-def encode(mats: Sequence[torch.Tensor], bits: int) -> tuple[Layout, torch.Tensor, torch.Tensor]:
+def encode(mats: Sequence[torch.Tensor], bits: int) -> tuple[PayloadLayout, torch.Tensor, torch.Tensor]:
     """Channel-encode every matrix (Eq. 5-9) and pack them: (layout, words, scales)."""
-    layout = Layout.of([matrix_shape(m) for m in mats], bits)
+    layout = PayloadLayout.of([matrix_shape(m) for m in mats], bits)
     enc = channel_encode_many(mats, bits)
     words, scales = pack_payload([c for c, _, _ in enc], [s for _, s, _ in enc], layout)
     return layout, words, scales
@@ -205,7 +206,7 @@ def _signs(words: torch.Tensor, bits: int, start: int, n: int) -> torch.Tensor:
 def decode_reduce(
     words: torch.Tensor,
     scales: torch.Tensor,
-    layout: Layout,
+    layout: PayloadLayout,
     *,
     reduction: str = "mean",
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
@@ -273,7 +274,7 @@ def decode_reduce(
     return out
 
 
-def _check_payload(words: torch.Tensor, scales: torch.Tensor, layout: Layout) -> None:
+def _check_payload(words: torch.Tensor, scales: torch.Tensor, layout: PayloadLayout) -> None:
     if words.dtype != torch.uint8 or words.dim() != 1 or words.numel() != layout.words:
         raise ValueError(f"words must be 1-D uint8 of {layout.words} words, got {tuple(words.shape)} {words.dtype}")
     if scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() != layout.rows:
@@ -283,7 +284,7 @@ def _check_payload(words: torch.Tensor, scales: torch.Tensor, layout: Layout) ->
 def gathered_mean(
     words: torch.Tensor,
     scales: torch.Tensor,
-    layout: Layout,
+    layout: PayloadLayout,
     group=None,
     *,
     reduction: str = "mean",
@@ -304,7 +305,7 @@ def gathered_mean(
 def gathered_mean_async(
     words: torch.Tensor,
     scales: torch.Tensor,
-    layout: Layout,
+    layout: PayloadLayout,
     group=None,
     *,
     reduction: str = "mean",
@@ -362,3 +363,7 @@ def gathered_mean_async(
         return (result, raised) if flagged else result
 
     return chain.then(f_scales, finish)
+
+
+#: ``Layout`` was renamed ``PayloadLayout`` (0.3: ``lowbit_strategy.layout.Layout`` is the optimizer's)
+__getattr__ = _moved.attribute_aliases(__name__, {"Layout": "lowbit_strategy.collectives.gathered.PayloadLayout"})

@@ -61,13 +61,14 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.profiler import record_function
 
+from lowbit_strategy import _moved
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
-    Layout,
+    PayloadLayout,
     check_chunk_rows,
     decode_reduce,
     pack_payload,
@@ -85,14 +86,14 @@ def row_bounds(rows: int, world_size: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ChunkPlan:
+class Chunking:
     """How a payload laid out as ``layout`` is cut into ``world_size`` chunks.
 
     ``pieces[r]``: chunk r's ``(matrix, first row, end row)`` pieces; ``words`` / ``rows`` /
     ``numel``: per chunk, packed code bytes, scales, elements; ``max_words`` / ``max_rows``:
-    the record every chunk is padded to. Build it with :func:`chunk_plan`."""
+    the record every chunk is padded to. Build it with :func:`chunking`."""
 
-    layout: Layout
+    layout: PayloadLayout
     world_size: int
     pieces: tuple[tuple[tuple[int, int, int], ...], ...]
     words: tuple[int, ...]
@@ -101,13 +102,13 @@ class ChunkPlan:
     max_words: int
     max_rows: int
 
-    def chunk_layout(self, r: int) -> Layout | None:
+    def chunk_layout(self, r: int) -> PayloadLayout | None:
         """Chunk r's own layout (its pieces as matrices), None for a zero-row chunk."""
         if not self.pieces[r]:
             return None
-        return Layout.of([(b - a, self.layout.shapes[k][1]) for k, a, b in self.pieces[r]], self.layout.bits)
+        return PayloadLayout.of([(b - a, self.layout.shapes[k][1]) for k, a, b in self.pieces[r]], self.layout.bits)
 
-    def gathered_layout(self, flagged: bool) -> Layout:
+    def gathered_layout(self, flagged: bool) -> PayloadLayout:
         """The P gathered records read as one payload: every piece in order, at its padded
         record's offsets (chunk r's codes at ``r·max_words``, scales at ``r·(max_rows+f)``)."""
         spec, s = lanes.lane(self.layout.bits), self.max_rows + flagged
@@ -121,7 +122,7 @@ class ChunkPlan:
                 ro.append(q)
                 eo.append(e)
                 w, q, e = w + spec.words_for((b - a) * cols), q + b - a, e + (b - a) * cols
-        return Layout(
+        return PayloadLayout(
             self.layout.bits,
             tuple(shapes),
             tuple(wo),
@@ -138,8 +139,8 @@ class ChunkPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def chunk_plan(layout: Layout, world_size: int) -> ChunkPlan:
-    """The :class:`ChunkPlan` of ``layout`` over ``world_size`` ranks (cached: the layout is
+def chunking(layout: PayloadLayout, world_size: int) -> Chunking:
+    """The :class:`Chunking` of ``layout`` over ``world_size`` ranks (cached: the layout is
     immutable and DDP's buckets repeat every step)."""
     spec = lanes.lane(layout.bits)
     bounds = [row_bounds(r, world_size) for r, _ in layout.shapes]
@@ -150,20 +151,20 @@ def chunk_plan(layout: Layout, world_size: int) -> ChunkPlan:
         words.append(sum(spec.words_for((b - a) * layout.shapes[k][1]) for k, a, b in mine))
         rows.append(sum(b - a for _, a, b in mine))
         numel.append(sum((b - a) * layout.shapes[k][1] for k, a, b in mine))
-    return ChunkPlan(layout, world_size, tuple(pieces), tuple(words), tuple(rows), tuple(numel), max(words), max(rows))
+    return Chunking(layout, world_size, tuple(pieces), tuple(words), tuple(rows), tuple(numel), max(words), max(rows))
 
 
-def server_error_length(layout: Layout, group=None) -> int:
+def server_error_length(layout: PayloadLayout, group=None) -> int:
     """Elements of this rank's chunk: the length of its ``server_error``."""
-    return chunk_plan(layout, g.world_size(group)).numel[g.rank(group)]
+    return chunking(layout, g.world_size(group)).numel[g.rank(group)]
 
 
-def server_error_for(layout: Layout, group=None, device=None) -> torch.Tensor:
+def server_error_for(layout: PayloadLayout, group=None, device=None) -> torch.Tensor:
     """A zero ``server_error`` for this rank of ``group`` (float32, possibly empty)."""
     return torch.zeros(server_error_length(layout, group), dtype=torch.float32, device=device)
 
 
-def _piece_views(out, layout: Layout, plan: ChunkPlan) -> list[torch.Tensor]:
+def _piece_views(out, layout: PayloadLayout, plan: Chunking) -> list[torch.Tensor]:
     """``out`` (flat, or one tensor per matrix) as one flat view per piece, in chunk order."""
     if isinstance(out, torch.Tensor):
         if out.numel() != layout.numel or out.dtype != torch.float32:
@@ -178,7 +179,7 @@ def _piece_views(out, layout: Layout, plan: ChunkPlan) -> list[torch.Tensor]:
     return [mats[k].view(layout.shapes[k])[a:b].view(-1) for pieces in plan.pieces for k, a, b in pieces]
 
 
-def _check(codes, scales, layout: Layout, server_error: torch.Tensor, plan: ChunkPlan, rank: int) -> None:
+def _check(codes, scales, layout: PayloadLayout, server_error: torch.Tensor, plan: Chunking, rank: int) -> None:
     if len(codes) != len(layout.shapes) or len(scales) != len(layout.shapes):
         raise ValueError(
             f"{_WHAT}: layout has {len(layout.shapes)} matrices, got {len(codes)} codes / {len(scales)} scales"
@@ -285,7 +286,7 @@ class GatheredTwoStage:
 def gathered_two_stage_start(
     codes: Sequence[torch.Tensor],
     scales: Sequence[torch.Tensor],
-    layout: Layout,
+    layout: PayloadLayout,
     server_error: torch.Tensor,
     group=None,
     *,
@@ -301,7 +302,7 @@ def gathered_two_stage_start(
     :func:`~.gathered.decode_reduce`; ``flag`` as in :func:`~.gathered.gathered_mean_async`."""
     check_chunk_rows(chunk_rows)
     p, rank = g.world_size(group), g.rank(group)
-    plan = chunk_plan(layout, p)
+    plan = chunking(layout, p)
     _check(codes, scales, layout, server_error, plan, rank)
     flagged = flag is not None
     s = plan.max_rows + flagged
@@ -332,7 +333,7 @@ def gathered_two_stage_start(
 def gathered_two_stage_mean(
     codes: Sequence[torch.Tensor],
     scales: Sequence[torch.Tensor],
-    layout: Layout,
+    layout: PayloadLayout,
     server_error: torch.Tensor,
     group=None,
     *,
@@ -346,3 +347,13 @@ def gathered_two_stage_mean(
     return gathered_two_stage_start(
         codes, scales, layout, server_error, group, chunk_rows=chunk_rows, out=out, traffic=traffic, flag=flag
     ).wait()
+
+
+#: renamed in 0.3 ("plan" names the planner), still served with a warning
+__getattr__ = _moved.attribute_aliases(
+    __name__,
+    {
+        "ChunkPlan": "lowbit_strategy.collectives.gathered_two_stage.Chunking",
+        "chunk_plan": "lowbit_strategy.collectives.gathered_two_stage.chunking",
+    },
+)

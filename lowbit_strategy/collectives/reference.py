@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from lowbit_strategy import _moved
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives.fsdp_reduce_scatter import encode_rows, salt, sum_rows
@@ -287,15 +288,11 @@ def fsdp_reduce_scatter_reference(
     return out
 
 
-#: names that moved to :mod:`.exact` (the training path's exact allreduces), still served here
-_MOVED_TO_EXACT = {"WIRE_DTYPES", "full_allreduce", "full_allreduce_start", "mean_allreduce_async", "ExactMean"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_EXACT:
-        from lowbit_strategy import _moved
-        from lowbit_strategy.collectives import exact
-
-        _moved.warn_moved(f"lowbit_strategy.collectives.reference.{name}", f"lowbit_strategy.collectives.exact.{name}")
-        return getattr(exact, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: the exact allreduces moved to :mod:`.exact` (the training path's), still served here
+__getattr__ = _moved.attribute_aliases(
+    __name__,
+    {
+        name: f"lowbit_strategy.collectives.exact.{name}"
+        for name in ("WIRE_DTYPES", "full_allreduce", "full_allreduce_start", "mean_allreduce_async", "ExactMean")
+    },
+)

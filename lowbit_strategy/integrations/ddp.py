@@ -32,7 +32,7 @@ from lowbit_strategy.collectives import hierarchy
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.pricing import link_probe
-from lowbit_strategy.selection import unwrap
+from lowbit_strategy.roles import unwrap
 from lowbit_strategy.validation import ConfigMismatchError
 from lowbit_strategy.version import installed_version
 

@@ -6,7 +6,7 @@ Which layers (:func:`compress_activations`):
   ``F.linear``; ``MultiheadAttention.out_proj`` is never called through its forward), plus
   layers already swapped (left as they are);
 * default (``include=None``): every eligible layer but the **output head**
-  (:func:`lowbit_strategy.selection.output_head`: the last linear shaped like an embedding,
+  (:func:`lowbit_strategy.roles.output_head`: the last linear shaped like an embedding,
   else the last linear). The head's input is small next to the rest and its weight
   gradient feeds the embedding when tied, so it keeps the exact input;
 * ``include``: :func:`fnmatch.fnmatchcase` patterns over qualified *module* names (e.g.
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from lowbit_strategy.nn.linear import TurboQuantLinear, check_layer_settings
-from lowbit_strategy.selection import check_patterns, output_head, unwrap
+from lowbit_strategy.roles import check_patterns, output_head, unwrap
 
 logger = logging.getLogger(__name__)
 

@@ -192,8 +192,8 @@ def from_factory(spec: str) -> Model:
 
 def from_module(model, label: str) -> Model:
     """The trained parameters of ``model`` (any device, meta included), with BitDP's own
-    default selection (:func:`~lowbit_strategy.algorithms.bitdp.selection.classify`)."""
-    from lowbit_strategy.algorithms.bitdp.selection import classify
+    default selection (:func:`~lowbit_strategy.algorithms.bitdp.quantized_params.classify`)."""
+    from lowbit_strategy.algorithms.bitdp.quantized_params import classify
 
     chosen = classify(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -95,7 +95,7 @@ def measure_codecs(
 
 
 def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
-    from lowbit_strategy.algorithms.lion_cub.plan import measure_codec_seconds
+    from lowbit_strategy.algorithms.lion_cub.mode import measure_codec_seconds
     from lowbit_strategy.codecs import (
         TurboQuantCodec,
         blockwise,

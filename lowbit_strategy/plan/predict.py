@@ -41,7 +41,7 @@ from functools import lru_cache
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.plan.inputs import Compute, Model
 from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
 from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboquant_codec_ns: part of this module's API
@@ -103,7 +103,7 @@ class Predictor:
         self.c, self.p, self.nodes, self.per_node = c, c.world_size, c.nodes, c.ranks_per_node
         order = list(reversed(range(len(setup.model.shapes))))  # DDP's buckets: last parameter first
         numels = [math.prod(setup.model.shapes[i]) for i in order]
-        self.bucket_ids = [[order[i] for i in idx] for idx in buckets.plan(numels, setup.bucket_numel)]
+        self.bucket_ids = [[order[i] for i in idx] for idx in buckets.partition(numels, setup.bucket_numel)]
         self.buckets = [[setup.model.shapes[i] for i in ids] for ids in self.bucket_ids]
         self.sizes = [sum(math.prod(x) for x in b) for b in self.buckets]
         self.n = setup.model.numel
@@ -172,7 +172,7 @@ class Predictor:
                 math.prod(model.shapes[i]) for i in ids if not (model.bitdp_quantized(i) and as_matrix(model.shapes[i]))
             )
             ranks = self.p if form == "flat" else self.nodes
-            how = bitdp_form("auto", Layout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
+            how = bitdp_form("auto", PayloadLayout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
             if form == "flat":
                 sends: Sends | NodeSends = bitdp_sends(how, mats, full, self.p)
             else:
@@ -214,7 +214,7 @@ class Predictor:
 
 def predict(setup: Setup) -> list[Row]:
     """Every row of the plan (module docstring), with speed-ups over DDP bf16."""
-    from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates
+    from lowbit_strategy.algorithms.lion_cub.mode import auto_candidates
     from lowbit_strategy.config import LowBitConfig
 
     pr, n = Predictor(setup), setup.model.numel

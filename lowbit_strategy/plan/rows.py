@@ -52,7 +52,7 @@ class Row:
 def turboquant_codec_ns(codec_ns: dict[str, float] | None, form: str, ranks: int) -> float:
     """TurboQuant's local nanoseconds per element of a bucket sent in ``form`` (a
     :data:`TURBOQUANT_FORMS` name) among ``ranks``, counted as the algorithm's own plan counts
-    them (:func:`~lowbit_strategy.algorithms.turboquant.plan.measure_codec_seconds`):
+    them (:func:`~lowbit_strategy.algorithms.turboquant.form.measure_codec_seconds`):
     ``allgather`` one encode, P decodes and P + 2 adds; ``two_stage`` (1 + 1/P) encodes,
     (2 + 1/P) decodes and 4 adds (the server's re-encode of its chunk, the final decode of
     every chunk); ``fp32`` none counted (its 1/P scaling is noise beside the wire). From

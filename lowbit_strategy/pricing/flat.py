@@ -52,8 +52,8 @@ import math
 from dataclasses import dataclass
 
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.gathered import Layout
-from lowbit_strategy.collectives.gathered_two_stage import chunk_plan
+from lowbit_strategy.collectives.gathered import PayloadLayout
+from lowbit_strategy.collectives.gathered_two_stage import chunking
 from lowbit_strategy.collectives.summed import lane_for, max_levels
 
 WORD_BITS = 32
@@ -215,7 +215,9 @@ BITDP_FORMS = ("allgather", "two_stage")
 BITDP_TWO_STAGE_MARGIN = 2.0
 
 
-def bitdp_bytes(form: str, layout: Layout, world_size: int, *, flagged: bool = True, reduction: str = "mean") -> int:
+def bitdp_bytes(
+    form: str, layout: PayloadLayout, world_size: int, *, flagged: bool = True, reduction: str = "mean"
+) -> int:
     """Bytes one rank sends (= receives) to synchronize one BitDP payload laid out as
     ``layout`` in ``form`` (``allgather`` or ``two_stage``) at ``world_size`` ranks; the
     figures the collectives record in their :class:`~lowbit_strategy.collectives.wire.TrafficLog`."""
@@ -228,11 +230,13 @@ def bitdp_bytes(form: str, layout: Layout, world_size: int, *, flagged: bool = T
             return wire.all_gather_bytes(layout.words, p) + wire.allreduce_bytes(scales, p)
         return wire.all_gather_bytes(layout.words + scales, p)
     if form == "two_stage":
-        return chunk_plan(layout, p).wire_bytes(flagged)
+        return chunking(layout, p).wire_bytes(flagged)
     raise ValueError(f"BitDP form: got {form!r}; use one of {BITDP_FORMS}")
 
 
-def bitdp_estimate(form: str, layout: Layout, world_size: int, latency_s: float, bandwidth_bps: float) -> Estimate:
+def bitdp_estimate(
+    form: str, layout: PayloadLayout, world_size: int, latency_s: float, bandwidth_bps: float
+) -> Estimate:
     """Predicted seconds of one BitDP payload in ``form`` (non-finite flag included)."""
     p, r = int(world_size), rounds(int(world_size))
     if p <= 1:
@@ -243,7 +247,7 @@ def bitdp_estimate(form: str, layout: Layout, world_size: int, latency_s: float,
 
 
 def bitdp_form(
-    form: str, layout: Layout, world_size: int, latency_s: float, bandwidth_bps: float, reduction: str = "mean"
+    form: str, layout: PayloadLayout, world_size: int, latency_s: float, bandwidth_bps: float, reduction: str = "mean"
 ) -> str:
     """``form`` itself, or for ``"auto"``: ``two_stage`` when the all-gather is predicted
     :data:`BITDP_TWO_STAGE_MARGIN` times slower or more, else ``allgather`` (always with

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.collectives import wire
-from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.collectives.summed import lane_for
 from lowbit_strategy.collectives.turboquant.common import turboquant_server_chunk_length
 from lowbit_strategy.pricing.flat import bitdp_bytes, rounds
@@ -221,7 +221,7 @@ def bitdp_sends(
     p = int(world_size)
     if not shapes:
         return Sends(allreduce=wire.allreduce_bytes(itemsize * full, p))
-    layout = Layout.of(shapes, bits)
+    layout = PayloadLayout.of(shapes, bits)
     codes = bitdp_bytes(form, layout, p, flagged=flagged, reduction=reduction)
     fp = wire.allreduce_bytes(itemsize * full, p) if full else 0
     if form == "two_stage":  # reduce-scatter (all-to-all) and all-gather of equal records
@@ -259,7 +259,7 @@ def bitdp_hierarchical_sends(
         lo, hi = min(full, j * size), min(full, (j + 1) * size)
         sends = Sends(allreduce=wire.allreduce_bytes(itemsize * (hi - lo), nodes) if hi > lo else 0)
         if mine:
-            layout = Layout.of(mine, bits)
+            layout = PayloadLayout.of(mine, bits)
             codes = bitdp_bytes(form, layout, nodes, flagged=flagged)
             sends = sends + (
                 Sends(all_to_all=codes // 2, all_gather=codes // 2) if form == "two_stage" else Sends(all_gather=codes)

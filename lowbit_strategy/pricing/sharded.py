@@ -14,7 +14,7 @@ rank j, with :func:`~.nodes.bucket_sends` the flat bucket formula at P = N:
   FSDP unit, a ring allreduce of the unit's reduce-scatter output, which is padded to whole
   rows on every rank: ``ar(itemsize · Σ_params ceil(d0/L)·(numel/d0))`` (:func:`hsdp_sends`);
 * **the optimizer's exchange** (:func:`optimizer_sends`): buckets of rank j's non-empty
-  local shards cut at ``bucket_numel`` (:func:`lowbit_strategy.buckets.plan`), in the
+  local shards cut at ``bucket_numel`` (:func:`lowbit_strategy.buckets.partition`), in the
   optimizer's order — the staged optimizers' :class:`~lowbit_strategy.layout.Layout`
   (last parameter first), Lion Cub's step (parameter order) — each bucket of n elements
   sending ``bucket_sends(collective, n, N)`` with no non-finite flag (the sharded path
@@ -133,7 +133,7 @@ def local_buckets(
     optimizers' layout) or in parameter order (Lion Cub's step), cut at ``bucket_numel``."""
     numels = [_numel(local_shape(s, ranks_per_node, local_rank)) for s in shapes]
     numels = [n for n in (numels[::-1] if last_first else numels) if n]
-    return [sum(numels[i] for i in idx) for idx in buckets.plan(numels, bucket_numel)] if numels else []
+    return [sum(numels[i] for i in idx) for idx in buckets.partition(numels, bucket_numel)] if numels else []
 
 
 def optimizer_sends(

@@ -228,9 +228,9 @@ def test_quality_runs_are_shared_across_links_only_for_one_recorded_plan():
 
 def test_resolved_plans_reads_lion_cubs_plan_and_turboquants_forms():
     from benchmarks.e2e_worker import resolved_plans
-    from lowbit_strategy.algorithms.lion_cub import Plan
+    from lowbit_strategy.algorithms.lion_cub import SyncMode
 
-    lion = SimpleNamespace(communicator=SimpleNamespace(plan=Plan("lp", 8, 31)))
+    lion = SimpleNamespace(communicator=SimpleNamespace(plan=SyncMode("lp", 8, 31)))
     turbo = SimpleNamespace(_optimizer=SimpleNamespace(communicator=SimpleNamespace(
         plan=None, forms={"b2": "tq", "b0": "fp32", "b1": "tq"})))
     assert resolved_plans([lion, turbo, SimpleNamespace()]) == [

@@ -163,7 +163,7 @@ def channel_payload(p: int, shapes, bits: int, seed: int, stride_pad: int = 0):
     terms) and awkward values, and the layout; ``stride_pad`` extra bytes per rank row (a
     view into a larger buffer, as the two-stage server passes it)."""
     g = torch.Generator().manual_seed(seed)
-    layout = gathered.Layout.of(list(shapes), bits)
+    layout = gathered.PayloadLayout.of(list(shapes), bits)
     words = torch.randint(0, 256, (p, layout.words + stride_pad), dtype=torch.uint8, generator=g)[:, : layout.words]
     scales = torch.rand(p, layout.rows, generator=g) * 3
     scales.view(-1)[:: 7] = 0.0
@@ -207,10 +207,10 @@ def test_channel_reduce_signed_zeros_and_the_tree(monkeypatch):
     # every term of a column -0.0 (code -1 with scale 0) -> -0.0, and +0.0 where a 2-bit code is
     # 0; a case where the pairwise order and the rank order round differently
     monkeypatch.setattr(gathered, "fused_kernels", lambda t: st)
-    layout = gathered.Layout.of([(1, 8)], 1)
+    layout = gathered.PayloadLayout.of([(1, 8)], 1)
     got = gathered.decode_reduce(torch.zeros(3, 1, dtype=torch.uint8), torch.zeros(3, 1), layout)
     assert same_bits(got, torch.full((8,), -0.0))
-    layout2 = gathered.Layout.of([(1, 4)], 2)
+    layout2 = gathered.PayloadLayout.of([(1, 4)], 2)
     got = gathered.decode_reduce(torch.zeros(3, 1, dtype=torch.uint8), torch.zeros(3, 1), layout2)
     assert same_bits(got, torch.zeros(4))
     scales = torch.tensor([1.0, 2.0**-24, 2.0**-24, 2.0**-24, 2.0**-24]).view(5, 1) * 5
@@ -267,7 +267,7 @@ _CUDA_CHECK = textwrap.dedent(
     from lowbit_strategy.collectives import gathered
     for p in (1, 2, 5, 8):
         for bits in (1, 2):
-            layout = gathered.Layout.of([(768, 3072), (1, 50257), (3, 37), (2304, 768)], bits)
+            layout = gathered.PayloadLayout.of([(768, 3072), (1, 50257), (3, 37), (2304, 768)], bits)
             words = torch.randint(0, 256, (p, layout.words), dtype=torch.uint8, generator=g)
             scales = torch.rand(p, layout.rows, generator=g)
             scales[:, ::5] = 0.0

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from lowbit_strategy.codecs import channel_decode, channel_encode
 from lowbit_strategy.collectives import recording
 from lowbit_strategy.collectives.gathered import (
-    Layout,
+    PayloadLayout,
     decode_reduce,
     encode,
     gathered_mean,
@@ -93,7 +93,7 @@ def test_decode_reduce_matches_reference(seed, world_size, shapes, bits, chunk_r
 @settings(deadline=None)
 @given(shapes=shapes_st, bits=st.sampled_from([1, 2]))
 def test_layout_offsets(shapes, bits):
-    layout = Layout.of(shapes, bits)
+    layout = PayloadLayout.of(shapes, bits)
     per_word = 8 // bits
     sizes = [-(-r * c // per_word) for r, c in shapes]
     assert layout.words == sum(sizes)
@@ -151,7 +151,7 @@ def test_chunked_decode_bounds_peak_memory(bits):
 def test_bad_input_is_a_clear_error():
     layout, words, scales = _stacked(_grads(0, 2, [(3, 4)]), 2)
     with pytest.raises(ValueError, match="bits=1 or bits=2"):
-        Layout.of([(3, 4)], 4)
+        PayloadLayout.of([(3, 4)], 4)
     with pytest.raises(ValueError, match="reduction: got 'sum'"):
         decode_reduce(words, scales, layout, reduction="sum")
     with pytest.raises(ValueError, match="chunk_rows: got 0"):
@@ -163,7 +163,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="out must hold"):
         decode_reduce(words, scales, layout, out=torch.empty(5))
     with pytest.raises(ValueError, match="at least one non-empty"):
-        Layout.of([], 1)
+        PayloadLayout.of([], 1)
     with pytest.raises(RuntimeError, match="not initialized"):
         gathered_mean(words[0], scales[0], layout)
 
@@ -243,7 +243,7 @@ def test_pack_payload_packs_a_stacks_adjacent_codes_at_once(monkeypatch, bits):
         codes.append(stack[at : at + r * c])
         at += r * c
     codes.append(torch.randint(0, 2, (8,), dtype=torch.uint8))  # another storage
-    layout = Layout.of(shapes + [(1, 8)], bits)
+    layout = PayloadLayout.of(shapes + [(1, 8)], bits)
     scales = [torch.rand(r) for r, _ in shapes + [(1, 8)]]
     want = torch.cat([lanes.pack(c, bits) for c in codes])
     calls = []
@@ -266,7 +266,7 @@ def test_pack_payload_packs_a_stacks_adjacent_codes_at_once(monkeypatch, bits):
     cases["dtype"] = ([words32[:per], words32.view(torch.uint8)[per : 2 * per]], [per, per])  # offsets in its units
     for name, (parts, want_calls) in cases.items():
         calls.clear()
-        lay = Layout.of([(1, p.numel()) for p in parts], bits)
+        lay = PayloadLayout.of([(1, p.numel()) for p in parts], bits)
         got, _ = gathered.pack_payload(parts, [torch.rand(1) for _ in parts], lay)
         assert calls == want_calls, name
         assert torch.equal(got, torch.cat([real(p.reshape(-1), bits) for p in parts])), name

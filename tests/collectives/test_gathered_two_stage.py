@@ -15,9 +15,9 @@ from lowbit_strategy.codecs import channel_decode, channel_encode
 from lowbit_strategy.codecs.reduce import rank_sum
 from lowbit_strategy.collectives import recording
 from lowbit_strategy.pricing.flat import BITDP_TWO_STAGE_MARGIN, bitdp_bytes, bitdp_estimate, bitdp_form
-from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.collectives.gathered_two_stage import (
-    chunk_plan,
+    chunking,
     gathered_two_stage_mean,
     gathered_two_stage_start,
     row_bounds,
@@ -38,7 +38,7 @@ def test_rows_are_split_per_matrix_and_chunks_may_be_empty():
 
 
 def test_chunk_plan_pieces_and_records():
-    plan = chunk_plan(Layout.of([(3, 4), (1, 3), (5, 2)], 2), 4)
+    plan = chunking(PayloadLayout.of([(3, 4), (1, 3), (5, 2)], 2), 4)
     # rank r owns rows [r·R/P, (r+1)·R/P) of every matrix: (matrix, first row, end row)
     assert plan.pieces == (((2, 0, 1),), ((0, 0, 1), (2, 1, 2)), ((0, 1, 2), (2, 2, 3)),
                            ((0, 2, 3), (1, 0, 1), (2, 3, 5)))
@@ -46,7 +46,7 @@ def test_chunk_plan_pieces_and_records():
     assert plan.words == (1, 2, 2, 3) and (plan.max_words, plan.max_rows) == (3, 4)  # pieces pack apart
     assert plan.wire_bytes(True) == 2 * 3 * (3 + 4 * 5) and plan.wire_bytes(False) == 2 * 3 * (3 + 4 * 4)
     assert plan.chunk_layout(0).shapes == ((1, 2),)
-    empty = chunk_plan(Layout.of([(1, 100)], 1), 3)  # one row: two ranks own nothing
+    empty = chunking(PayloadLayout.of([(1, 100)], 1), 3)  # one row: two ranks own nothing
     assert empty.pieces == ((), (), ((0, 0, 1),)) and empty.chunk_layout(0) is None
 
 
@@ -54,8 +54,8 @@ def _oracle(per_rank, bits, server_errors):
     """Every rank's two-stage result, and every server's new error, in one process: the
     same chunks, the same products q·(s/P), the same rank_sum order, the same re-encoding."""
     p, shapes = len(per_rank), [tuple(m.shape) for m in per_rank[0]]
-    layout = Layout.of(shapes, bits)
-    plan = chunk_plan(layout, p)
+    layout = PayloadLayout.of(shapes, bits)
+    plan = chunking(layout, p)
     enc = [[channel_encode(m, bits) for m in mats] for mats in per_rank]
     out, errors = torch.empty(layout.numel), []
     for r, pieces in enumerate(plan.pieces):
@@ -91,7 +91,7 @@ CASES = [  # (bits, chunk_rows, shapes)
 
 
 def _encode(mats, bits):
-    layout = Layout.of([tuple(m.shape) for m in mats], bits)
+    layout = PayloadLayout.of([tuple(m.shape) for m in mats], bits)
     pairs = [channel_encode(m, bits) for m in mats]
     return layout, [c for c, _ in pairs], [s for _, s in pairs]
 
@@ -99,8 +99,8 @@ def _encode(mats, bits):
 def _check_two_stage(rank, world_size, group=None):
     p = world_size
     for i, (bits, chunk_rows, shapes) in enumerate(CASES):
-        layout = Layout.of(shapes, bits)
-        plan = chunk_plan(layout, p)
+        layout = PayloadLayout.of(shapes, bits)
+        plan = chunking(layout, p)
         want_errors = [torch.zeros(n) for n in plan.numel]
         err = server_error_for(layout, group)
         assert err.numel() == plan.numel[rank]
@@ -177,7 +177,7 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_cost_model_bytes_and_auto_form():
-    gpt = Layout.of([(768, 768)] * 4 + [(3072, 768), (768, 3072)], 2)  # one GPT-2 block's matrices
+    gpt = PayloadLayout.of([(768, 768)] * 4 + [(3072, 768), (768, 3072)], 2)  # one GPT-2 block's matrices
     words, rows = gpt.words, gpt.rows
     for p in (2, 3, 4, 8, 32):
         assert bitdp_bytes("allgather", gpt, p) == (p - 1) * (words + 4 * (rows + 1))
@@ -196,7 +196,7 @@ def test_cost_model_bytes_and_auto_form():
         for lat, bw in ((0.0, 1e6), (0.0, 1e12), (1e-3, 1e9)):
             ag, ts = (bitdp_estimate(f, gpt, p, lat, bw).seconds for f in ("allgather", "two_stage"))
             assert ag < BITDP_TWO_STAGE_MARGIN * ts
-    tiny = Layout.of([(16, 16)], 2)  # latency-bound: the all-gather's fewer rounds win
+    tiny = PayloadLayout.of([(16, 16)], 2)  # latency-bound: the all-gather's fewer rounds win
     assert bitdp_form("auto", tiny, 32, *link) == "allgather"
     assert bitdp_form("auto", gpt, 32, *link, reduction="paper") == "allgather"
     assert bitdp_form("two_stage", gpt, 2, *link) == "two_stage"

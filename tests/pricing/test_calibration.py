@@ -55,8 +55,8 @@ def test_auto_plans_measure_without_touching_the_global_rng():
     """A measurement that drew from torch's global RNG made ``auto`` change the training: every
     later draw from it (dropout, a RandomSampler without a generator) differed from a run with
     the plan ``auto`` chose, pinned. Each measurement draws from a private generator."""
-    from lowbit_strategy.algorithms.lion_cub import plan as lion_plan
-    from lowbit_strategy.algorithms.turboquant import plan as tq_plan
+    from lowbit_strategy.algorithms.lion_cub import mode as lion_plan
+    from lowbit_strategy.algorithms.turboquant import form as tq_plan
     from lowbit_strategy.codecs import TurboQuantCodec
 
     torch.manual_seed(7)

@@ -66,7 +66,7 @@ def _agreed(value: float) -> list[float]:
 
 
 def _ranks(rank, world):
-    from lowbit_strategy.algorithms.lion_cub.plan import resolve_mode
+    from lowbit_strategy.algorithms.lion_cub.mode import resolve_mode
     from lowbit_strategy.integrations.ddp import build_sync
     from lowbit_strategy.plan import cli
 

@@ -35,7 +35,7 @@ from lowbit_strategy.algorithms.bitdp.hook import BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.gathered import Layout, gathered_mean_async, matrix_shape, pack_payload
+from lowbit_strategy.collectives.gathered import PayloadLayout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
 
 __all__ = ["hierarchical_hook", "row_range"]
@@ -117,7 +117,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
         sub = [rows[k][a:b] for k, a, b in mine]
         sub_plan = BucketSplit(tuple(plan.quantized[k] for k, _, _ in mine), (), plan.param_ids, plan.transposed)
         codes, scales, residuals = _encode(state, plan, rows, mine)
-        layout = Layout.of([matrix_shape(m) for m in sub], state.bits)
+        layout = PayloadLayout.of([matrix_shape(m) for m in sub], state.bits)
         kw = dict(chunk_rows=state.chunk_rows, out=None, traffic=traffic, flag=nonfinite)
         if state.form_of() == "two_stage":
             err = state.server_error(sub_plan, layout, buf.device)

@@ -8,7 +8,7 @@
 
 For each DDP bucket the hook returns the mean gradient over ranks, in the bucket's dtype:
 
-* weight matrices of linear layers (selection rule of Sec. 3.1.1, :mod:`.selection`) are
+* weight matrices of linear layers (selection rule of Sec. 3.1.1, :mod:`.quantized_params`) are
   channel-quantized to 1 or 2 bits (Sec. 3.1.2, Eq. 5-9) and synchronized by the low-bit
   all-gather of :mod:`.collectives.gathered` (Sec. 3.2);
 * every other gradient in the bucket (biases, norms, embeddings, ...) is averaged by one
@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp import local_state
-from lowbit_strategy.algorithms.bitdp.selection import ParamInfo, classify
+from lowbit_strategy.algorithms.bitdp.quantized_params import ParamInfo, classify
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
@@ -82,14 +82,14 @@ from lowbit_strategy.collectives.exact import mean_allreduce_async
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
-    Layout,
+    PayloadLayout,
     gathered_mean_async,
     matrix_shape,
     pack_payload,
 )
-from lowbit_strategy.collectives.gathered_two_stage import chunk_plan, gathered_two_stage_start
+from lowbit_strategy.collectives.gathered_two_stage import chunking, gathered_two_stage_start
 from lowbit_strategy.pricing.flat import BITDP_FORMS, bitdp_form
-from lowbit_strategy.selection import check_patterns
+from lowbit_strategy.roles import check_patterns
 from lowbit_strategy.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class BitDPState:
         bits: 1 (binary codes, Eq. 5-6) or 2 (ternary codes, Eq. 7-9).
         process_group: the data-parallel group (None: the default group).
         quantize: fnmatch patterns over parameter names replacing the default selection rule
-            (linear weights, not embeddings); see :mod:`lowbit_strategy.algorithms.bitdp.selection`.
+            (linear weights, not embeddings); see :mod:`lowbit_strategy.algorithms.bitdp.quantized_params`.
         exclude: patterns of parameters always sent at full precision (wins over quantize).
         start_iter: iterations of plain mean allreduce before compression starts (>= 2).
         reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
@@ -296,17 +296,17 @@ class BitDPState:
             p = g.world_size(self.process_group)
             shapes = [(i.shape[1] if i.transposed else i.shape[0]) for i in self.params.values() if i.quantized]
             numel = [math.prod(i.shape) for i in self.params.values() if i.quantized]
-            layout = Layout.of([(r, n // r) for r, n in zip(shapes, numel)], self.bits) if shapes else None
+            layout = PayloadLayout.of([(r, n // r) for r, n in zip(shapes, numel)], self.bits) if shapes else None
             form = "allgather" if layout is None else bitdp_form(self.form, layout, p, *self.link, self.reduction)
             self.forms["model"] = form
             logger.info("BitDP: %s form at P=%d (form=%s)", form, p, self.form)
         return form
 
-    def server_error(self, plan: BucketSplit, layout: Layout, device: torch.device) -> torch.Tensor:
+    def server_error(self, plan: BucketSplit, layout: PayloadLayout, device: torch.device) -> torch.Tensor:
         """This rank's server error of a two-stage bucket (:func:`.local_state.server_error`)."""
         names = tuple(self.params[key].name for _, _, key in plan.quantized)
         group = self.process_group
-        return local_state.server_error(self, names, chunk_plan(layout, g.world_size(group)), g.rank(group), device)
+        return local_state.server_error(self, names, chunking(layout, g.world_size(group)), g.rank(group), device)
 
 
 def _encode(state: BitDPState, plan: BucketSplit, rows: list[torch.Tensor]):
@@ -352,7 +352,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]
     codes, scales, residuals = _encode(state, plan, rows)
-    layout = Layout.of([matrix_shape(m) for m in rows], state.bits)
+    layout = PayloadLayout.of([matrix_shape(m) for m in rows], state.bits)
     # Decode straight into the bucket when it is float32 and no matrix is transposed: the
     # local gradient is encoded already. Otherwise decode into a temporary and copy back.
     direct = buf.dtype == torch.float32 and not plan.transposed
@@ -376,7 +376,9 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     return chain.then(last, lambda _: _assemble(state, buf, rows, layout, residuals, f_q, full))
 
 
-def _assemble(state: BitDPState, buf: torch.Tensor, rows, layout: Layout, residuals: dict, f_q, full) -> torch.Tensor:
+def _assemble(
+    state: BitDPState, buf: torch.Tensor, rows, layout: PayloadLayout, residuals: dict, f_q, full
+) -> torch.Tensor:
     """The bucket's mean gradient, written into ``buf``: the decoded quantized matrices and the
     full-precision runs ``full = (plan.full, their allreduced values, its future)``, each
     waited for here (one of them is the future this runs chained from).

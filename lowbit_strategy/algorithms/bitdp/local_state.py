@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowbit_strategy.collectives.gathered_two_stage import ChunkPlan
+from lowbit_strategy.collectives.gathered_two_stage import Chunking
 from lowbit_strategy.validation import check_int
 
 if TYPE_CHECKING:  # (hook.py imports this module)
@@ -70,7 +70,7 @@ def load_state_dict(state: BitDPState, sd: dict) -> None:
     state.iter, state.residuals, state.server_errors = it, residuals, server_errors
 
 
-def server_error(state: BitDPState, names: tuple[str, ...], plan: ChunkPlan, rank: int, device) -> torch.Tensor:
+def server_error(state: BitDPState, names: tuple[str, ...], plan: Chunking, rank: int, device) -> torch.Tensor:
     """This rank's server error of a two-stage payload whose matrices are the parameters
     ``names``, as the flat buffer the collective updates in place: the parameters' entries
     (zeros at first, a checkpoint's after a resume) concatenated in the chunk's piece order;

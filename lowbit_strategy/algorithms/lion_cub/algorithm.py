@@ -23,7 +23,7 @@ from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
-from lowbit_strategy.algorithms.lion_cub.selection import momentum_sync_params
+from lowbit_strategy.algorithms.lion_cub.synced_momenta import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import dtensor_state_, local_view, parameter_names
 from lowbit_strategy.rank_state import to_cpu

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowbit_strategy import buckets
-from lowbit_strategy.algorithms.lion_cub.plan import (
-    WARMUP_PLAN,
-    Plan,
+from lowbit_strategy.algorithms.lion_cub.mode import (
+    WARMUP_MODE,
+    SyncMode,
     auto_candidates,
     lion_section,
     measure_codec_seconds,
@@ -87,7 +87,7 @@ class _Directions:
     :meth:`nonfinite` the verdict that rode inside the payload (None when none did).
     ``inner`` is the collective's own handle (its tensors are what a side stream records)."""
 
-    def __init__(self, inner: g.Pending | MajorityVote, plan: Plan, part: int, flagged: bool, world: int, dtype):
+    def __init__(self, inner: g.Pending | MajorityVote, plan: SyncMode, part: int, flagged: bool, world: int, dtype):
         self.inner, self.plan, self.part, self.flagged = inner, plan, part, flagged
         self.world, self.dtype = world, dtype
         self._pending: g.Waitable | None = None
@@ -172,7 +172,7 @@ class LionCommunicator:
             except OverflowError as e:
                 raise ConfigError(lion.field_name("bits"), lion.bits, f"at world size {self.world_size}: {e}") from None
         self.traffic = wire.TrafficLog()
-        self.plan: Plan | None = None
+        self.plan: SyncMode | None = None
         self.last_audit: dict[str, float] | None = None
         self._flight: InFlight[_LionJob] = InFlight()
         self.codec_seconds: dict[str, float] | None = None
@@ -211,17 +211,17 @@ class LionCommunicator:
         usable = saved if saved is not None and saved.get("world_size") == self.world_size else None
         check_same({"plan": usable}, self.group, "Lion Cub's saved plan")
         if usable is not None:
-            self.plan = Plan(**{k: v for k, v in usable.items() if k != "world_size"})
+            self.plan = SyncMode(**{k: v for k, v in usable.items() if k != "world_size"})
             logger.info("lowbit: Lion Cub keeps the plan its checkpoint was saved with: %s", self.plan)
 
-    def _plan(self, step: int, numel: int) -> Plan:
+    def _plan(self, step: int, numel: int) -> SyncMode:
         if self.plan is None:
             size = self.plan_numel or min(buckets.bucket_numel(self.config.bucket_size_mb), numel)
             self.plan = resolve_mode(self.config, self.world_size, size, self.codec_seconds, self.momentum_sync_every)
             logger.info(
                 "lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan, self.codec_seconds
             )
-        return self.plan if step > self.config.warmup_steps else WARMUP_PLAN
+        return self.plan if step > self.config.warmup_steps else WARMUP_MODE
 
     # ---- the update direction, at step time --------------------------------------------
     def directions(self, updates: Sequence[torch.Tensor], step: int, audit: bool = False) -> list[torch.Tensor]:
@@ -234,7 +234,7 @@ class LionCommunicator:
             return out
         plan = self._plan(step, sum(updates[i].numel() for i in synced))
         size = buckets.bucket_numel(self.config.bucket_size_mb)
-        index = buckets.plan([updates[i].numel() for i in synced], size)
+        index = buckets.partition([updates[i].numel() for i in synced], size)
         launched = [self.start([updates[synced[j]] for j in idx], step, plan) for idx in index]
         flats, _ = self.finish(launched, audit)
         for idx, flat, job in zip(index, flats, launched):
@@ -288,7 +288,7 @@ class LionCommunicator:
 
     # ---- one bucket: encode + launch, then wait + decode ----------------------------------
     def start(
-        self, chunk: list, step: int, plan: Plan, nonfinite: torch.Tensor | None = None, params: list | None = None
+        self, chunk: list, step: int, plan: SyncMode, nonfinite: torch.Tensor | None = None, params: list | None = None
     ) -> _LionJob:
         """Encode one bucket of update vectors and launch its (first) collective over the
         spec's group, on this rank's part of the payload (all of it when flat)."""

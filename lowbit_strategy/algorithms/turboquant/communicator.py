@@ -17,7 +17,7 @@ it returns the mean over ranks of their TurboQuant encodings
 The form (all-gather, two-stage or the exact ``fp32`` mean) is chosen per bucket once, by
 the config (``form``) or, for ``auto``, by the α–β cost model on the configured link plus
 the codec time measured at setup and agreed by every rank (:meth:`calibrate`,
-:mod:`.plan`). Non-finite input needs no extra
+:mod:`.form`). Non-finite input needs no extra
 collective: a NaN/Inf in any rank's momentum makes its RMS, hence its scale EMA, non-finite;
 the all-gather form shows every rank's scales to every rank, the two-stage form makes the
 server scales non-finite on every rank. A skipped step leaves all three states as they
@@ -36,7 +36,7 @@ import torch
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.algorithms.turboquant.config import FORMS
-from lowbit_strategy.algorithms.turboquant.plan import choose_form, measure_codec_seconds
+from lowbit_strategy.algorithms.turboquant.form import choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.agreement import check_same
 from lowbit_strategy.collectives.exact import ExactMean

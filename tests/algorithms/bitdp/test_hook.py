@@ -1,4 +1,4 @@
-"""BitDP DDP communication hook (hooks.py) and its selection rule (selection.py).
+"""BitDP DDP communication hook (hooks.py) and its selection rule (quantized_params.py).
 
 The DDP tests run a small GPT-like model (tied lm_head, LayerNorm, biased linears) with a
 Llama-like block (RMSNorm, bias-free linears, SwiGLU) under real DistributedDataParallel on

@@ -22,7 +22,7 @@ from lowbit_strategy.algorithms.bitdp.algorithm import merge_states
 from lowbit_strategy.collectives import TrafficLog
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.pricing.flat import bitdp_bytes
-from lowbit_strategy.collectives.gathered import Layout
+from lowbit_strategy.collectives.gathered import PayloadLayout
 from tests.algorithms.bitdp.test_hook import CONV1D_TINY, QUANTIZED_TINY, TinyLM, _check_ddp, _ddp, _local_grads, _loss
 from tests.collectives.test_gathered_two_stage import _oracle
 from tests.distributed import SUBGROUPS, in_subgroups, run_ranks
@@ -57,7 +57,7 @@ def _check_exact_bytes_and_no_host_read(base, rank, p, group):
             _identical(torch.cat([g.reshape(-1) for g in got.values()]), group, p, "replicas must stay identical")
             mixed = [[names[i] for i in ids if names[i] in QUANTIZED_TINY] for ids in buckets.values()]
             mixed = [b for b in mixed if b]
-            layouts = [Layout.of([_rows(model, n) for n in b], 2) for b in mixed]
+            layouts = [PayloadLayout.of([_rows(model, n) for n in b], 2) for b in mixed]
             two = {op: n for op, n in traffic.by_op().items() if "two_stage" in op}
             assert sum(two.values()) == sum(bitdp_bytes("two_stage", lay, p) for lay in layouts)
             assert "gathered.codes.all_gather" not in traffic.by_op()
@@ -72,9 +72,9 @@ def _check_exact_bytes_and_no_host_read(base, rank, p, group):
 
 
 def _zeros(mats, p):
-    from lowbit_strategy.collectives.gathered_two_stage import chunk_plan
+    from lowbit_strategy.collectives.gathered_two_stage import chunking
 
-    plan = chunk_plan(Layout.of([tuple(m.shape) for m in mats[0]], 2), p)
+    plan = chunking(PayloadLayout.of([tuple(m.shape) for m in mats[0]], 2), p)
     return [torch.zeros(n) for n in plan.numel]
 
 

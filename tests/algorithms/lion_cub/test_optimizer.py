@@ -390,7 +390,7 @@ def test_auto_mode_keeps_quality_and_follows_the_link():
 
 
 def test_auto_counts_measured_codec_time_and_never_plans_slower_than_fp32():
-    from lowbit_strategy.algorithms.lion_cub.plan import auto_candidates, measure_codec_seconds
+    from lowbit_strategy.algorithms.lion_cub.mode import auto_candidates, measure_codec_seconds
 
     fast = LowBitConfig(link_bandwidth_gbps=10, link_latency_us=5)
     n = 10**7

@@ -2,7 +2,7 @@
 
 Momentum diverges across ranks almost only in the input embedding and the output head
 (where the differing data enters), so ``auto`` syncs just those; the roles and the pattern
-rule (a pattern matching nothing is an error) are :mod:`lowbit_strategy.selection`'s.
+rule (a pattern matching nothing is an error) are :mod:`lowbit_strategy.roles`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lowbit_strategy.selection import select_params
+from lowbit_strategy.roles import select_params
 
 FIELD = "LowBitConfig.lion.momentum_sync_layers"
 

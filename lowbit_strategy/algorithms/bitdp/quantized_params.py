@@ -5,7 +5,7 @@ normalization layers": the weight matrices carry ~99.6 % of the gradient volume 
 while quantizing biases, LayerNorm or embeddings made training diverge (Table 2: "FG w/
 bias", "FG w/Embd") or cost accuracy ("FG w/LN").
 
-Default rule, per parameter, with the roles of :mod:`lowbit_strategy.selection`
+Default rule, per parameter, with the roles of :mod:`lowbit_strategy.roles`
 (deterministic, independent of the order parameters are visited in):
 
 1. it is a *linear weight* (``nn.Linear`` and subclasses such as
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lowbit_strategy import selection as roles
+from lowbit_strategy import roles
 
 
 @dataclass(frozen=True)

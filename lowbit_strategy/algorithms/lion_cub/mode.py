@@ -1,5 +1,5 @@
 """Lion Cub's plan: which mode, lane width and code levels a bucket is synchronized with
-(:class:`Plan`), resolved from the config, the world size and the link (:func:`resolve_mode`;
+(:class:`SyncMode`), resolved from the config, the world size and the link (:func:`resolve_mode`;
 ``auto`` by the α–β cost model plus the codecs' time measured on this machine,
 :func:`measure_codec_seconds`). Used by :class:`~.communicator.LionCommunicator`.
 """
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from lowbit_strategy import _moved
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.codecs import bits as lanes
 from lowbit_strategy.codecs import lp_quantize_levels, majority_bits, sign_bits, sign_bits_packed, signs_from_bits
@@ -33,7 +34,7 @@ def lion_section(config: LowBitConfig) -> LionConfig:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SyncMode:
     """The resolved synchronization: mode, lane bits and per-rank code levels."""
 
     mode: str
@@ -64,8 +65,8 @@ def resolve_mode(
     numel: int,
     codec_seconds: dict[str, float] | None = None,
     momentum_sync_every: int | None = None,
-) -> Plan:
-    """Turn the configured mode into a concrete :class:`Plan` for this world size.
+) -> SyncMode:
+    """Turn the configured mode into a concrete :class:`SyncMode` for this world size.
 
     ``auto`` picks, among :func:`auto_candidates`, the smallest predicted time for a bucket
     of ``numel`` elements: the α–β cost model's wire time on the configured link plus, when
@@ -89,9 +90,9 @@ def resolve_mode(
         else:
             mode, bits = best, None
     if mode == "1bit":
-        return Plan("1bit", 1)
+        return SyncMode("1bit", 1)
     if mode == "sign":
-        return Plan("sign", lane_for(world_size, 1, signed=False, lane_bits=bits).bits, 1)
+        return SyncMode("sign", lane_for(world_size, 1, signed=False, lane_bits=bits).bits, 1)
     if mode == "lp":
         bits = bits or 8
         levels = max_levels(world_size, bits)
@@ -100,8 +101,8 @@ def resolve_mode(
                 f"mode='lp' with a {bits}-bit lane cannot hold even codes in [-1, 1] summed over "
                 f"{world_size} ranks; set bits to a wider lane (16 or 32)"
             )
-        return Plan("lp", bits, levels)
-    return Plan(mode, 32 if mode == "fp32" else 16)
+        return SyncMode("lp", bits, levels)
+    return SyncMode(mode, 32 if mode == "fp32" else 16)
 
 
 def measure_codec_seconds(
@@ -143,4 +144,14 @@ def measure_codec_seconds(
     return {name: median_seconds(partial(work, name), repeat, device) * numel / m for name in candidates}
 
 
-WARMUP_PLAN = Plan("fp32", 32)
+WARMUP_MODE = SyncMode("fp32", 32)
+
+
+#: renamed in 0.3 with the module (``lion_cub.plan`` -> ``lion_cub.mode``), still served with a warning
+__getattr__ = _moved.attribute_aliases(
+    __name__,
+    {
+        "Plan": "lowbit_strategy.algorithms.lion_cub.mode.SyncMode",
+        "WARMUP_PLAN": "lowbit_strategy.algorithms.lion_cub.mode.WARMUP_MODE",
+    },
+)

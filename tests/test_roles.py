@@ -1,8 +1,8 @@
-"""The shared parameter roles and the one pattern rule (lowbit_strategy.selection)."""
+"""The shared parameter roles and the one pattern rule (lowbit_strategy.roles)."""
 import pytest
 from torch import nn
 
-from lowbit_strategy.selection import input_output_params, output_embedding, output_head, param_names, select_params
+from lowbit_strategy.roles import input_output_params, output_embedding, output_head, param_names, select_params
 
 
 class GPTLike(nn.Module):
