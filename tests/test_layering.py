@@ -7,6 +7,7 @@ them, except the few upward ones in :data:`LAZY_UPWARD`, each with its reason. `
 import name`` counts as an import of the submodule when ``name`` is one.
 """
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +31,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # the tree does not change during a run: parse it once
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
@@ -55,6 +57,7 @@ def _top_level_imports(tree: ast.AST):
     return (node for node, _ in _imports(tree, lazy=False))
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
