@@ -66,7 +66,7 @@ bench: $(STAMP)
 .PHONY: bench-e2e bench-e2e-quick gpu-check demo-hf bench-nodes
 
 # 2 emulated nodes x 2 ranks, flat against hierarchical for DDP and every algorithm, at 1 Gbit/s
-# and 100 Mbit/s between nodes (root; benchmarks/nodes.py -> benchmarks/results/nodes.md)
+# and 100 Mbit/s between nodes (root; benchmarks/nodes/driver.py -> benchmarks/results/nodes.md)
 bench-nodes: $(STAMP)
 	$(PY) -m benchmarks.nodes --topologies flat hierarchical
 
@@ -83,7 +83,7 @@ demo-hf: $(STAMP)
 gpu-check:
 	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check --out benchmarks/results/gpu
 
-# End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e.py)
+# End-to-end GPT training on emulated 1 Gbit/s and 100 Mbit/s links (root; see benchmarks/e2e/driver.py)
 bench-e2e-quick: $(STAMP)
 	$(PY) -m benchmarks.e2e --quick
 
@@ -96,7 +96,7 @@ clean:
 .PHONY: bench-ttq bench-ttq-quick
 
 # Time to quality: steps and seconds to DDP fp32 + AdamW's loss at 80 % of the run, per
-# method, at 2 emulated nodes x 2 ranks over 1 Gbit/s and 100 Mbit/s (root; benchmarks/ttq.py ->
+# method, at 2 emulated nodes x 2 ranks over 1 Gbit/s and 100 Mbit/s (root; benchmarks/ttq/driver.py ->
 # benchmarks/results/ttq/). The full study takes many hours on a 2-core machine: it keeps every run
 # as JSON and continues where it stopped (`TTQ_ARGS=--retime` also times again what older code
 # timed, before the final tables). `make bench-ttq TTQ_ARGS=--quick` (= bench-ttq-quick):

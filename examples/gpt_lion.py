@@ -285,7 +285,7 @@ class RankTraffic(pl.Callback):
         self.per_rank = every
 
 
-#: the DDP baselines of benchmarks/baselines.py by name: torch's own comm hooks on any device
+#: the DDP baselines of benchmarks/harness/baselines.py by name: torch's own comm hooks on any device
 BASELINE_STRATEGIES = {"ddp_bf16": "bf16", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd"}
 
 
@@ -293,9 +293,9 @@ def build_strategy(name: str, overrides: list[str]):
     """``name`` itself, or with ``KEY=VALUE`` overrides the registered preset rebuilt with them;
     ``ddp_bf16`` / ``ddp_fp16`` / ``ddp_powersgd``: DDP with torch's ``bf16_compress_hook``,
     ``fp16_compress_hook`` or ``powerSGD_hook`` (rank 4, torch's default warm-up), which
-    Lightning registers on CUDA only (:mod:`benchmarks.baselines` registers them anywhere)."""
+    Lightning registers on CUDA only (:mod:`benchmarks.harness.baselines` registers them anywhere)."""
     if name in BASELINE_STRATEGIES:
-        from benchmarks.baselines import make_baseline
+        from benchmarks.harness.baselines import make_baseline
 
         return make_baseline(BASELINE_STRATEGIES[name])
     if not overrides:

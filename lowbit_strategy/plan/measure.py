@@ -19,7 +19,7 @@ figure is agreed as the slowest rank's (MAX allreduce), so every rank plans alik
 prints. Codec timings: :func:`measure_codecs` (``--measure-codecs``), on this machine.
 
 **Codecs under contention.** A CPU run of R ranks on C < R cores (the emulated cluster of
-:mod:`benchmarks.nodes`: 4 ranks on 2 cores) gives each rank's codec R/C of a core and a
+:mod:`benchmarks.nodes.driver`: 4 ranks on 2 cores) gives each rank's codec R/C of a core and a
 share of the memory bandwidth. Timing the codecs on one idle thread and scaling by R/C would
 assume pure time-slicing; :func:`measure_codecs` with ``processes=R`` instead runs R
 one-thread processes that time the codecs at the same moment (each keeps working until the

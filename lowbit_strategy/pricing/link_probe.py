@@ -20,7 +20,7 @@ measure`` (the default) resolves the link here, at attach (:func:`resolve_config
   bytes one rank sends (2(P-1)/P·size), ``rounds`` = 2⌈log2 P⌉ as :mod:`.flat` counts
   an allreduce's latency.
 
-Why allreduces: on an emulated 100 Mbit/s link (``benchmarks/netem.py``) gloo's ring allreduce
+Why allreduces: on an emulated 100 Mbit/s link (``benchmarks/harness/netem.py``) gloo's ring allreduce
 moved 89-90 Mbit/s per rank at 1 and 4 MiB, its all-gather of the same bytes 63-66 Mbit/s; the
 allreduce figure is the link's (within 13 % of the shaped rate, which counts headers too), and
 DDP's step time predicted from it fell within 8 % of the

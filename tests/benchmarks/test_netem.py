@@ -1,4 +1,4 @@
-"""The emulated-network harness (benchmarks/netem.py): a real gloo allreduce between two
+"""The emulated-network harness (benchmarks/harness/netem.py): a real gloo allreduce between two
 namespaces over a shaped link, bytes counted on the wire, everything torn down after; and
 nodes (2 nodes x 2 ranks): torchrun's variables on every rank, an allreduce among the 4,
 intra-node traffic on the node's loopback and absent from its shaped link's counters.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.netem import Link, NetemError, Network, parse_rate
+from benchmarks.harness.netem import Link, NetemError, Network, parse_rate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ NODES = textwrap.dedent("""
     import json, os, subprocess
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from benchmarks.netem import rank_counters
+    from benchmarks.harness.netem import rank_counters
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=30))
     rank, p = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -200,7 +200,7 @@ def test_sigterm_tears_down():
     """SIGTERM to a harness mid-run: ranks killed, namespaces removed, exit status 128+15."""
     script = textwrap.dedent("""
         import sys
-        from benchmarks.netem import Network
+        from benchmarks.harness.netem import Network
         with Network(2) as net:
             print(net.prefix, flush=True)
             net.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=50, echo=())

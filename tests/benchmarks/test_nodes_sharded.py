@@ -2,7 +2,9 @@
 and namespaces; their bytes are checked in tests/integrations/test_sharded_bytes.py)."""
 import pytest
 
-from benchmarks import nodes_sharded, nodes_sharded_projection, sharded_cost
+from benchmarks.nodes import sharded as nodes_sharded
+from benchmarks.nodes import sharded_projection as nodes_sharded_projection
+from benchmarks.nodes import sharded_cost
 
 
 def _rec(config, link, step_s, link_bytes, state=1000, errors=0):

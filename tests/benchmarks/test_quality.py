@@ -1,4 +1,4 @@
-"""benchmarks/quality.py's ``nodes`` suite: what it runs (every registered algorithm, flat and
+"""benchmarks/quality/driver.py's ``nodes`` suite: what it runs (every registered algorithm, flat and
 hierarchical, one ``--lowbit`` per row so no override replaces another) and how its table
 aggregates seeds (mean ± std, gaps paired by seed, bytes summed over a node's ranks). No
 training: the runs are replaced by JSON files."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import quality
+from benchmarks.quality import driver as quality
 from lowbit_strategy.algorithms import REGISTRY
 
 

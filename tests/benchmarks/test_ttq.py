@@ -1,4 +1,4 @@
-"""benchmarks/ttq_analysis.py and ttq_report.py on synthetic curves and step times: the
+"""benchmarks/ttq/analysis.py and ttq_report.py on synthetic curves and step times: the
 time-to-target arithmetic (interpolation, "not reached", mean ± std), the phase-by-phase
 projection of loopback losses onto step times measured on a link, the lr choice, and the
 report's tables from run records. No training here (the slow tier runs the worker)."""
@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import ttq, ttq_report
-from benchmarks import ttq_analysis as ta
-from benchmarks.collectives import parse_link
+from benchmarks.ttq import driver as ttq
+from benchmarks.ttq import report as ttq_report
+from benchmarks.ttq import analysis as ta
+from benchmarks.collectives.driver import parse_link
 
 
 def test_phases_split_startup_warmup_and_main():
@@ -227,7 +228,7 @@ def test_quality_runs_are_shared_across_links_only_for_one_recorded_plan():
 
 
 def test_resolved_plans_reads_lion_cubs_plan_and_turboquants_forms():
-    from benchmarks.e2e_worker import resolved_plans
+    from benchmarks.e2e.worker import resolved_plans
     from lowbit_strategy.algorithms.lion_cub import SyncMode
 
     lion = SimpleNamespace(communicator=SimpleNamespace(plan=SyncMode("lp", 8, 31)))
@@ -368,7 +369,7 @@ def test_what_the_fingerprint_leaves_out_is_never_imported_by_a_run():
 
     names = [n.replace("/", ".") for n in ttq.NOT_RUN]
     code = (
-        "import sys, lowbit_strategy, callbacks, benchmarks.ttq_worker, benchmarks.e2e_worker\n"
+        "import sys, lowbit_strategy, callbacks, benchmarks.ttq.worker, benchmarks.e2e.worker\n"
         f"hit = [m for m in sys.modules if m.startswith(tuple({names!r}))]\n"
         "assert not hit, hit\n"
     )

@@ -1,4 +1,4 @@
-"""benchmarks/ttq.py end to end on a tiny GPT (slow tier; the links need root): the DDP
+"""benchmarks/ttq/driver.py end to end on a tiny GPT (slow tier; the links need root): the DDP
 baselines' hooks really run, seen in the bytes that cross the emulated nodes' link (DDP with
 torch's bf16_compress_hook sends half of fp32's; PowerSGD sends fp32's during its warm-up and
 far less after it), and every stage writes its JSON, the report and the plot; Lion Cub's auto plan is recorded."""
@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from benchmarks import ttq
+from benchmarks.ttq import driver as ttq
 
 pytestmark = [
     pytest.mark.slow,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lowbit_strategy
-from benchmarks.leave import leave
+from benchmarks.harness.leave import leave
 from lowbit_strategy import LowBitConfig
 
 
@@ -137,7 +137,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({**result, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
     # the group destroyed only now that the DDP model is gone, then out without interpreter
-    # finalization: benchmarks/leave.py says why for both
+    # finalization: benchmarks/harness/leave.py says why for both
     leave(0)
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Cross-node bytes of the sharded path equal the cost model's, step by step: 2 emulated nodes x
 2 ranks on gloo (the setup of ``test_sharded.py``), every sharded algorithm in each of its
-modes or forms, and HSDP's fp32 and bf16 all-reduce hooks (``benchmarks.sharded_worker``),
+modes or forms, and HSDP's fp32 and bf16 all-reduce hooks (``benchmarks.nodes.sharded_worker``),
 a few steps each (warm-up and compressed stages). What each rank's ``sync.traffic_logs()``
 records as network traffic during a step equals, exactly, what
-:mod:`lowbit_strategy.pricing.sharded` (through :mod:`benchmarks.sharded_cost`)
+:mod:`lowbit_strategy.pricing.sharded` (through :mod:`benchmarks.nodes.sharded_cost`)
 predicts for its local rank; summed over a node's ranks, its link's bytes.
 
 One FSDP group over all four ranks (``fsdp_shard="world"``, BitDP + AdamW, the benchmark's
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lowbit_strategy
-from benchmarks import sharded_cost
+from benchmarks.nodes import sharded_cost
 from lowbit_strategy import LowBitConfig, buckets
 from lowbit_strategy.collectives import wire
 from tests.distributed import run_ranks
@@ -51,7 +51,7 @@ def _turboquant(form):
             lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=WARMUP))
 
 
-#: name -> (kind of benchmarks.sharded_cost, LowBitConfig fields or None (HSDP), optimizer factory)
+#: name -> (kind of benchmarks.nodes.sharded_cost, LowBitConfig fields or None (HSDP), optimizer factory)
 CASES = {
     "hsdp_fp32": ("hsdp_fp32", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "hsdp_bf16": ("hsdp_bf16", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
@@ -74,7 +74,7 @@ CASES = {
 def _setup(kind, fields, make_opt, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    from benchmarks.sharded_worker import hsdp_hooks
+    from benchmarks.nodes.sharded_worker import hsdp_hooks
 
     net = _model()
     for i in (0, 2, 4, 6):
@@ -147,7 +147,7 @@ WORLD_CASES = {"fp32": ("fp32", "flat"), "int8": ("int8", "flat"), "int4_two_hop
 def _check_world(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
-    from benchmarks.sharded_worker import record_fsdp_calls
+    from benchmarks.nodes.sharded_worker import record_fsdp_calls
     from lowbit_strategy.pricing.world import world_sends
 
     mesh = lowbit_strategy.world_mesh("cpu")

@@ -4,7 +4,7 @@ bytes are checked step by step in tests/integrations/test_sharded_bytes.py)."""
 
 import pytest
 
-from benchmarks.nodes_sharded_projection import gpt_model
+from benchmarks.nodes.sharded_projection import gpt_model
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.pricing import world as cw
 from lowbit_strategy.collectives import fsdp_reduce_scatter as qrs
@@ -57,7 +57,7 @@ def test_all_gathers_run_in_forward_and_again_in_backward_but_the_root_once():
 
 
 def test_the_e2e_gpt_at_2x2_matches_the_bytes_the_benchmark_measured():
-    """benchmarks.nodes --sharded --world's GPT (d 128, 4 layers, vocabulary 256, 64 positions,
+    """benchmarks.nodes.driver --sharded --world's GPT (d 128, 4 layers, vocabulary 256, 64 positions,
     the root last here): the ranks' logs recorded these per step, every rank, on gloo; the
     links carried them plus ~5 % of TCP/IP headers."""
     units = gpt_model(128, 4, 256, 64).units
