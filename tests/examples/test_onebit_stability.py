@@ -6,7 +6,7 @@ CPU's float path changed (``ATEN_CPU_CAPABILITY=default``: torch's scalar kernel
 
 At the example's full model size, before the compressed steps were bounded, this run ended
 at 893,362 (hierarchical) and 286.8 (sharded) on one CPU and at 3.22 on another
-(``benchmarks/onebit_stability.py`` makes that table); the mechanism itself is shown
+(``benchmarks/quality/stability.py`` makes that table); the mechanism itself is shown
 deterministically in ``tests/algorithms/onebit/test_update_clip.py``. A smaller model here
 (the suite's time), the same steps, lr and freeze."""
 import json

@@ -1,4 +1,5 @@
-"""Do 1-bit Adam and 1-bit LAMB survive a short fine-tune on every layout and CPU float path?
+"""Does every algorithm's default survive a short fine-tune on every layout and CPU float path?
+(1-bit Adam and 1-bit LAMB also in the papers' form, the one that diverged.)
 
 The Accelerate example (``examples/accelerate_gpt.py``) at its full size, 60 steps, its
 default lr (3e-3) and freeze (20 % of the run), on 4 processes: flat, and 2 emulated nodes x
@@ -7,12 +8,12 @@ torch's scalar ones (``ATEN_CPU_CAPABILITY=default``, and ``avx2`` where the CPU
 AVX-512); in the default form (compressed steps bounded by Adam's own, ``update_clip=auto``)
 and in the papers' form (``update_clip=none``), with the guard and without it. Prints the
 validation losses as a table, with each one's ratio to the flat run of the same form and float
-path, and writes ``benchmarks/results/onebit_stability/{results.json,README.md}``.
+path, and writes ``benchmarks/results/stability/{results.json,README.md}``.
 
-    python -m benchmarks.onebit_stability            # ~2 min a run on 2 cores; 45 runs
-    python -m benchmarks.onebit_stability --quick    # 1-bit Adam, default and papers' form, native only
-    python -m benchmarks.onebit_stability --forms bounded --capabilities native,default
-    python -m benchmarks.onebit_stability --algorithms lion,bitdp,turboquant --forms bounded  # the others' defaults
+    python -m benchmarks.quality.stability            # 1-bit Adam/LAMB: 45 runs, ~1 min each on 2 cores
+    python -m benchmarks.quality.stability --quick    # 1-bit Adam, default and papers' form, native only
+    python -m benchmarks.quality.stability --forms bounded --capabilities native,default
+    python -m benchmarks.quality.stability --algorithms lion,bitdp,turboquant --forms bounded  # the others' defaults
 
 Each run's record is kept in ``runs/``; a later invocation reuses the records it finds (delete
 ``runs/`` to measure again) and the README's table holds every record there, so a long table
@@ -33,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "onebit_stability"
+from benchmarks.harness.host import RESULTS, ROOT
+
+OUT = RESULTS / "stability"
 LAYOUTS = {
     "flat": ("examples/accelerate.yaml", {"LOWBIT_TOPOLOGY": "flat"}),
     "2x2 hierarchical": ("examples/accelerate.yaml", {"LOWBIT_RANKS_PER_NODE": "2", "LOWBIT_TOPOLOGY": "hierarchical"}),
@@ -134,12 +136,14 @@ def main(argv=None) -> int:
     for f in args.forms.split(","):
         if f not in FORM_NAMES:
             p.error(f"--forms: {f!r} is not one of {', '.join(FORM_NAMES)}")
-    forms = ["default (bounded)", "papers' form, no guard"] if args.quick else [FORM_NAMES[f] for f in args.forms.split(",")]
+    forms = ["default (bounded)", "papers' form, no guard"]
+    if not args.quick:
+        forms = [FORM_NAMES[f] for f in args.forms.split(",")]
     out = Path(args.output)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     plan = [(a, f, c, lay) for a in algorithms for f in forms for c in caps for lay in LAYOUTS
             if not (f == "papers' form + guard" and a == "onebit_lamb")]
-    print(f"1-bit stability: {len(plan)} runs of {args.steps} steps -> {out}", flush=True)
+    print(f"stability: {len(plan)} runs of {args.steps} steps -> {out}", flush=True)
     t0 = time.monotonic()
     for i, (algorithm, form, cap, layout) in enumerate(plan, 1):
         kept = _record_path(out / "runs", algorithm, layout, form, cap)
@@ -166,7 +170,7 @@ def _write(out: Path, steps: int) -> None:
         "# A short fine-tune on every layout and CPU float path\n\n"
         "1-bit Adam and 1-bit LAMB in their default (bounded) form and the papers' form; the other "
         "algorithms in their default form (`--algorithms lion,bitdp,turboquant --forms bounded`).\n\n"
-        f"`python -m benchmarks.onebit_stability` on a CPU with {cpu}; the Accelerate example, full size, "
+        f"`python -m benchmarks.quality.stability` on a CPU with {cpu}; the Accelerate example, full size, "
         f"{steps} steps, default lr and freeze, 4 processes. `x flat`: the validation loss over the flat run's "
         "of the same form and float path.\n\n" + table(records) + "\n")
 
