@@ -66,7 +66,7 @@ bench: $(STAMP)
 .PHONY: bench-e2e bench-e2e-quick gpu-check demo-hf bench-nodes
 
 # 2 emulated nodes x 2 ranks, flat against hierarchical for DDP and every algorithm, at 1 Gbit/s
-# and 100 Mbit/s between nodes (root; benchmarks/nodes/driver.py -> benchmarks/results/nodes.md)
+# and 100 Mbit/s between nodes (root; benchmarks/nodes/driver.py -> benchmarks/results/nodes/nodes.md)
 bench-nodes: $(STAMP)
 	$(PY) -m benchmarks.nodes --topologies flat hierarchical
 

@@ -18,8 +18,8 @@ p-bit summed allreduce of sign votes and of L1-quantized codes) in the same run.
 
 Usage (root needed)::
 
-    python -m benchmarks.collectives --quick     # ~2 min: N = 64Ki, 1Mi; -> results/collectives_quick.*
-    python -m benchmarks.collectives             # N = 1Mi, 4Mi, 16Mi; -> results/collectives.*
+    python -m benchmarks.collectives --quick     # ~2 min: N = 64Ki, 1Mi; -> results/collectives/collectives_quick.*
+    python -m benchmarks.collectives             # N = 1Mi, 4Mi, 16Mi; -> results/collectives/collectives.*
     python -m benchmarks.collectives -P 4 --links 100mbit --sizes 4194304 --output /tmp/x
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=600, help="per (P, link) run, seconds")
     parser.add_argument("--output", default=None,
-                        help="path stem for .json/.md/.png (default benchmarks/results/collectives[_quick])")
+                        help="path stem for .json/.md/.png (default benchmarks/results/collectives/collectives[_quick])")
     parser.add_argument("--quiet", action="store_true", help="only one line per configuration")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown algorithms {unknown}; choose from {list(MODEL_NAMES)}")
     world_sizes = [int(p) for p in args.world_sizes.split(",")]
     links = [parse_link(t.strip()) for t in args.links.split(",")]
-    stem = Path(args.output) if args.output else RESULTS / ("collectives_quick" if args.quick else "collectives")
+    stem = Path(args.output) if args.output else RESULTS / "collectives" / ("collectives_quick" if args.quick else "collectives")
     stem.parent.mkdir(parents=True, exist_ok=True)
     partial = stem.with_name(stem.name + ".jsonl.tmp")
     try:

@@ -13,8 +13,8 @@ local) give the compute time per step that the DDP baselines' step time is split
 
 Usage (root needed)::
 
-    python -m benchmarks.e2e --quick     # ~5 min: P=4, 4 Lion configs + calibration, 15 s each -> results/e2e_quick.*
-    python -m benchmarks.e2e             # ~40 min: P=4, all configs, 90 s each -> results/e2e.*
+    python -m benchmarks.e2e --quick     # ~5 min: P=4, 4 Lion configs + calibration, 15 s each -> results/e2e/e2e_quick.*
+    python -m benchmarks.e2e             # ~40 min: P=4, all configs, 90 s each -> results/e2e/e2e.*
     python -m benchmarks.e2e -P 2 --links 100mbit --configs ddp_lion,lowbit_lion --budget 30 --output /tmp/x
 """
 from __future__ import annotations
@@ -66,11 +66,11 @@ def main(argv=None) -> int:
                         help="1-bit Adam/LAMB warm-up steps; keep --warm past it to time the compression stage")
     parser.add_argument("--lowbit", default="", metavar="KEY=VALUE,...",
                         help="LowBitConfig overrides for every lowbit_* configuration, e.g. bucket_size_mb=1")
-    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/e2e[_quick])")
+    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/e2e/e2e[_quick])")
     parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
     parser.add_argument("--report-only", action="store_true", help="rewrite .md/.png from the existing .json")
     args = parser.parse_args(argv)
-    stem = Path(args.output) if args.output else RESULTS / ("e2e_quick" if args.quick else "e2e")
+    stem = Path(args.output) if args.output else RESULTS / "e2e" / ("e2e_quick" if args.quick else "e2e")
     if args.report_only:
         write_report(json.loads(Path(f"{stem}.json").read_text()), stem)
         return 0

@@ -23,16 +23,16 @@ calibrations do not depend on it and run once per link). Without a ``topology`` 
 
 Usage (root needed)::
 
-    python -m benchmarks.nodes --quick        # ~10 min: 20 s per run -> results/nodes_quick.{json,md}
-    python -m benchmarks.nodes                # ~20 min: 40 s per run -> results/nodes.{json,md}
+    python -m benchmarks.nodes --quick        # ~10 min: 20 s per run -> results/nodes/nodes_quick.{json,md}
+    python -m benchmarks.nodes                # ~20 min: 40 s per run -> results/nodes/nodes.{json,md}
     python -m benchmarks.nodes --links 100mbit --algorithms lion,bitdp --topologies flat hierarchical
 
 ``--sharded``: FSDP2 inside each node, HSDP's all-reduce or a sharded algorithm across nodes
 (:mod:`benchmarks.nodes.sharded`; ``--sharded --world``: one FSDP group over every rank, exact
 and quantized reduce-scatter; ``--sharded --project`` its cost-model projection)::
 
-    python -m benchmarks.nodes --sharded         # ~13 min -> results/nodes_sharded.{json,md}
-    python -m benchmarks.nodes --sharded --world # ~20 min -> results/nodes_sharded_world.{json,md,png}
+    python -m benchmarks.nodes --sharded         # ~13 min -> results/nodes/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded --world # ~20 min -> results/nodes/nodes_sharded_world.{json,md,png}
     python -m benchmarks.nodes --sharded --project
 """
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
                              f"{FULL['freeze_step']}, --quick {QUICK['freeze_step']})")
     parser.add_argument("--lowbit", default="", metavar="KEY=VALUE,...", help="more LowBitConfig overrides")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="skip the runs left after this")
-    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/nodes[_quick])")
+    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/nodes/nodes[_quick])")
     parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md from the existing .json")
     for key in ("d_model", "layers", "heads", "seq", "batch", "val_batches", "data_mb", "seed", "log_every"):
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                     "data_mb": 6.0, "seed": 0, "log_every": 2}
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(defaults[key]), default=defaults[key])
     args = parser.parse_args(argv)
-    stem = Path(args.output) if args.output else RESULTS / ("nodes_quick" if args.quick else "nodes")
+    stem = Path(args.output) if args.output else RESULTS / "nodes" / ("nodes_quick" if args.quick else "nodes")
     if args.report_only:
         data = json.loads(Path(f"{stem}.json").read_text())
         Path(f"{stem}.md").write_text(markdown(data))

@@ -26,10 +26,10 @@ training seconds per run (not equal steps).
 
 Usage (root needed for the runs; ``--project`` needs nothing)::
 
-    python -m benchmarks.nodes --sharded             # ~13 min: 12 runs of 40 s -> results/nodes_sharded.{json,md}
-    python -m benchmarks.nodes --sharded --quick     # ~9 min: 20 s per run -> results/nodes_sharded_quick.*
-    python -m benchmarks.nodes --sharded --world     # ~20 min: 14 runs of 60 s -> results/nodes_sharded_world.*
-    python -m benchmarks.nodes --sharded --project   # cost-model projection -> results/nodes_sharded_projection.*
+    python -m benchmarks.nodes --sharded             # ~13 min: 12 runs of 40 s -> results/nodes/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded --quick     # ~9 min: 20 s per run -> results/nodes/nodes_sharded_quick.*
+    python -m benchmarks.nodes --sharded --world     # ~20 min: 14 runs of 60 s -> results/nodes/nodes_sharded_world.*
+    python -m benchmarks.nodes --sharded --project   # cost-model projection -> results/nodes/nodes_sharded_projection.*
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--project", action="store_true", help="write the cost-model projection only (no runs)")
     parser.add_argument("--world", action="store_true",
                         help=f"one FSDP group over every rank against HSDP bf16 and the 1-bit rows: "
-                             f"{WORLD['configs']}, {WORLD['budget']:g} s per run -> results/nodes_sharded_world.*")
+                             f"{WORLD['configs']}, {WORLD['budget']:g} s per run -> results/nodes/nodes_sharded_world.*")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--links", default="1gbit,100mbit", help="tc rates between nodes")
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", type=int, default=None, help="steps before the steady-state window")
     parser.add_argument("--freeze-step", type=int, default=None, help="staged warm-up steps (keep it below --warm)")
     parser.add_argument("--max-minutes", type=float, default=30.0, help="skip the runs left after this")
-    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/nodes_sharded[_quick])")
+    parser.add_argument("--output", default=None, help="path stem (default benchmarks/results/nodes/nodes_sharded[_quick])")
     parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md from the existing .json")
     for key, default in MODEL_ARGS.items():
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
 
         return nodes_sharded_projection.main(Path(args.output) if args.output else None)
     name = "nodes_sharded_world" if args.world else "nodes_sharded_quick" if args.quick else "nodes_sharded"
-    stem = Path(args.output) if args.output else RESULTS / name
+    stem = Path(args.output) if args.output else RESULTS / "nodes" / name
     if args.report_only:
         write(json.loads(Path(f"{stem}.json").read_text()), stem, final=args.world)
         return 0

@@ -2,7 +2,7 @@
 the cost model (:mod:`lowbit_strategy.pricing.sharded`, checked byte for byte
 against the traffic logs at 2 x 2 by ``tests/integrations/test_sharded_bytes.py``)::
 
-    python -m benchmarks.nodes --sharded --project    # -> results/nodes_sharded_projection.{md,png}
+    python -m benchmarks.nodes --sharded --project    # -> results/nodes/nodes_sharded_projection.{md,png}
 
 8 nodes x 8 GPUs, 25 and 100 Gbit/s between nodes, a 124M GPT-2 small shape, a 1.3B GPT (GPT-3
 XL shape) and an 8B Llama-3 shape, FSDP2 over each node's 8 GPUs (every block a unit, then the
@@ -225,7 +225,7 @@ def plot(result: dict, path: Path) -> str:
 
 
 def main(stem: Path | None = None) -> int:
-    stem = stem or RESULTS / "nodes_sharded_projection"
+    stem = stem or RESULTS / "nodes" / "nodes_sharded_projection"
     stem.parent.mkdir(parents=True, exist_ok=True)
     result = project()
     text = markdown(result, plot(result, stem.with_suffix(".png")))

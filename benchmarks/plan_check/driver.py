@@ -1,8 +1,8 @@
 """``lowbit-plan``'s predictions against recorded multi-node runs (:mod:`benchmarks.nodes.driver`).
 
-For every record of each ``--results`` file (by default ``benchmarks/results/nodes.json``,
+For every record of each ``--results`` file (by default ``benchmarks/results/nodes/nodes.json``,
 2 nodes × 2 ranks; a flat P = 4 run: :mod:`benchmarks.e2e.driver`'s ``-P 4``, every rank behind
-its own shaped link, e.g. ``benchmarks/results/e2e_p4.json``), DDP and each
+its own shaped link, e.g. ``benchmarks/results/e2e/e2e_p4.json``), DDP and each
 algorithm, flat and hierarchical, at 1 Gbit/s and 100 Mbit/s, the planner predicts the step
 time and the bytes on each node's link for the same GPT (``examples/gpt_lion.py`` at the
 run's sizes), with the run's own comm-free step (its calibration run, same optimizer family)
@@ -18,7 +18,7 @@ the same emulated links (:data:`MEASURED_GBPS`, allreduce payload rate: 87-98 % 
 shaper's rate, which also counts headers). Rows further than :data:`BOUND` from the
 measurement are marked.
 
-    python -m benchmarks.plan_check [--results benchmarks/results/nodes.json ...] [--no-codecs] [--processes 1]
+    python -m benchmarks.plan_check [--results benchmarks/results/nodes/nodes.json ...] [--no-codecs] [--processes 1]
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from lowbit_strategy.plan.measure import measure_codecs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", nargs="+", default=[str(ROOT / "benchmarks/results/nodes.json")])
+    ap.add_argument("--results", nargs="+", default=[str(ROOT / "benchmarks/results/nodes/nodes.json")])
     ap.add_argument("--no-codecs", action="store_true", help="leave codec time out")
     ap.add_argument(
         "--processes", type=int, help="codecs timed in this many processes at once (default: the run's ranks)"

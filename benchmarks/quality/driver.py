@@ -2,7 +2,7 @@
 
 Runs ``examples/gpt_lion.py`` once per configuration of a suite (same seed, data order
 and step count; two CPU processes over loopback) and writes one JSON per run under
-``benchmarks/results/quality/<suite>/`` and a markdown table ``quality_<suite>.md``.
+``benchmarks/results/quality/<suite>/`` and a markdown table ``quality/quality_<suite>.md``.
 
 * ``lion``: Lion Cub's modes. The paper's ordering to compare with (Table 2, Fig. 8):
   8-bit L1 ≈ 32-bit < sign votes ("4-bit") < 1-bit, 1-bit recovering with momentum sync.
@@ -246,7 +246,7 @@ def report(suite: str, tag: str = "", devices: int = 2, lr: float | None = None,
                     f"{kib:.1f} | {ratio} | {last_cells} | {d['steps_per_s']:.2f} | {_drift(d)} |")
     table = "\n".join(rows)
     command = f"python -m benchmarks.quality --suite {suite}" + (f" ... --tag {tag}" if tag else "")
-    (RESULTS / f"quality_{suite}{tag}.md").write_text(
+    (RESULTS / "quality" / f"quality_{suite}{tag}.md").write_text(
         f"# Quality: {suite}{tag}\n\n`{command}` — examples/gpt_lion.py, "
         f"1.85M parameters, {devices} CPU processes (gloo over loopback), seed 0, batch 16 x 128 bytes per rank, "
         + (f"warm-up + cosine LR peaking at {lr:g} for every configuration" if lr else
@@ -331,7 +331,7 @@ def report_nodes(suite: str, tag: str, seeds: tuple[int, ...], lr: float | None 
     table = "\n".join(rows)
     command = f"python -m benchmarks.quality --suite {suite} --steps {'/'.join(map(str, steps))}" + (
         f" --tag {tag}" if tag else "")
-    (RESULTS / f"quality_{suite}{tag}.md").write_text(
+    (RESULTS / "quality" / f"quality_{suite}{tag}.md").write_text(
         f"# Quality: {suite}{tag}, {nodes} nodes x {per_node} ranks, {'/'.join(map(str, steps))} steps\n\n"
         f"`{command}` — examples/gpt_lion.py, 1.85M parameters, P = {nodes * per_node} CPU processes "
         f"(two launches with NODE_RANK 0 and 1, gloo over loopback), {'/'.join(map(str, steps))} steps, "

@@ -8,7 +8,7 @@ torch's scalar ones (``ATEN_CPU_CAPABILITY=default``, and ``avx2`` where the CPU
 AVX-512); in the default form (compressed steps bounded by Adam's own, ``update_clip=auto``)
 and in the papers' form (``update_clip=none``), with the guard and without it. Prints the
 validation losses as a table, with each one's ratio to the flat run of the same form and float
-path, and writes ``benchmarks/results/stability/{results.json,README.md}``.
+path, and writes ``benchmarks/results/quality/stability/{results.json,README.md}``.
 
     python -m benchmarks.quality.stability            # 1-bit Adam/LAMB: 45 runs, ~1 min each on 2 cores
     python -m benchmarks.quality.stability --quick    # 1-bit Adam, default and papers' form, native only
@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.harness.host import RESULTS, ROOT
 
-OUT = RESULTS / "stability"
+OUT = RESULTS / "quality" / "stability"
 LAYOUTS = {
     "flat": ("examples/accelerate.yaml", {"LOWBIT_TOPOLOGY": "flat"}),
     "2x2 hierarchical": ("examples/accelerate.yaml", {"LOWBIT_RANKS_PER_NODE": "2", "LOWBIT_TOPOLOGY": "hierarchical"}),

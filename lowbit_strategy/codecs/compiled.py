@@ -4,7 +4,7 @@ Opt-in (``LowBitConfig.compile_codecs``, applied once by
 :func:`lowbit_strategy.integrations.ddp.build_sync`, or :func:`use_compiled` directly):
 inductor's first compile costs seconds per chain and process (13-14 s cold for the first,
 which also loads inductor, 1-1.5 s for each next; 4-5 s and 0.1-0.3 s from its cache:
-``benchmarks/results/codecs_compiled.md``). When it is on,
+``benchmarks/results/codecs/codecs_compiled.md``). When it is on,
 :func:`.lp.lp_quantize_levels` (and so :func:`.lp.lp_quantize`), :func:`.channel.channel_encode`
 (2-bit) and :func:`.scaled_signs.scaled_sign_compress` (one scale) hand the work after their
 checks and eager reductions to a chain here, which returns ``None`` when it does not apply;

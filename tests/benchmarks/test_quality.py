@@ -73,7 +73,7 @@ def test_nodes_report_aggregates_seeds_and_nodes(tmp_path, monkeypatch):
     assert hier[7] == "+0.1000 ± 0.0000" and hier[8] == "1.0" and hier[9] == "2.0× less"
     assert hier[10] == "1.0" and hier[11] == "8.0 |"  # last step: 2 x rank 0's 512 bytes; intra-node
     assert hier[2] == "hierarchical: 2 node(s) x 2 rank(s)" and hier[3] == "3"
-    assert (tmp_path / "quality_nodes.md").read_text().startswith("# Quality: nodes, 2 nodes x 2 ranks, 30 steps")
+    assert (tmp_path / "quality" / "quality_nodes.md").read_text().startswith("# Quality: nodes, 2 nodes x 2 ranks, 30 steps")
 
 
 @pytest.mark.parametrize("values,text", [([1.0], "1.0000"), ([float("nan"), 1.0], "diverged"), ([], "–")])

@@ -99,7 +99,7 @@ class OneBitLamb(OneBitOptimizer):
     frozen denominator ``sqrt(v̂) + eps`` and the mask ``v == 0`` (:meth:`_frozen`, not
     checkpointed), one more parameter-sized buffer and a byte per element: a sqrt, two
     passes and a comparison per element and step fewer (the batched step took the e2e
-    GPT's compression step from 13.1 to 7.8 ms on CPU, ``benchmarks/results/optim_step.md``).
+    GPT's compression step from 13.1 to 7.8 ms on CPU, ``benchmarks/results/codecs/optim_step.md``).
 
     Args (DeepSpeed ``OnebitLamb``'s names): params, lr, betas, eps, weight_decay (inside
     LAMB's update, scaled by the trust ratio), freeze_step, max_coeff / min_coeff (bounds of
