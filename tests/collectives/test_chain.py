@@ -5,7 +5,8 @@ process with SIGABRT ("terminate called without an active exception"), after a j
 trained. The script below makes that window wide: its callback is still running on gloo's
 worker thread when the script returns. With :func:`chain.settle` at exit nothing is left
 running when the interpreter finalizes and the process exits 0; a callback that does run into
-finalization aborts the process, every time.
+finalization never lets the process exit cleanly (SIGABRT, SIGSEGV or a hang, by how far
+finalization got).
 """
 import subprocess
 import sys
@@ -49,21 +50,26 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, capture_output=True, text=True, timeout=60)
+def _run(mode: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.slow
-def test_a_callback_still_on_a_gloo_thread_at_exit_aborts_unless_settled():
+def test_a_callback_still_on_a_gloo_thread_at_exit_breaks_the_exit_unless_settled():
     settled = _run("settle")
     assert settled.returncode == 0 and "script done" in settled.stdout, settled.stderr[-2000:]
     # settle waited for the callback, still sleeping when the script ended
     assert "pending at finalization: 0" in settled.stdout, settled.stdout
-    raw = _run("without-settle")  # the failure this module exists for, shown to be real here
-    assert raw.returncode != 0 and "terminate called without an active exception" in raw.stderr, (
-        raw.returncode,
-        raw.stderr[-2000:],
-    )
+    # the failure this module exists for, shown to be real here: a thread that takes the GIL back
+    # while the interpreter finalizes never lets the process exit cleanly. How it ends depends on
+    # how far finalization got: SIGABRT ("terminate called without an active exception", what
+    # launchers reported), SIGSEGV, or a hang, which a launcher kills; all three were seen here.
+    try:
+        raw = _run("without-settle", timeout=15)
+    except subprocess.TimeoutExpired:
+        return  # hung in finalization
+    assert raw.returncode < 0 and "script done" in raw.stdout, (raw.returncode, raw.stderr[-2000:])
 
 
 def test_settle_waits_until_torch_releases_each_callback():
