@@ -94,7 +94,7 @@ def _ranks(rank, world):
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out = io.StringIO()
     with redirect_stdout(out):
-        here = "tests.collectives.test_link_probe"
+        here = __name__  # this module, importable by the ranks
         assert cli.main(["--measure", "--model", f"{here}:tiny", "--inputs", f"{here}:tiny_batch", "--json"]) == 0
     if rank == 0:
         plan = json.loads(out.getvalue())
