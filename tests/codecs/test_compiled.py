@@ -266,6 +266,34 @@ def _train(rank: int, world_size: int) -> None:
             _same(eager, fast)
 
 
+def _inductor_failure_on_one_thread() -> str | None:
+    """torch's error when it cannot compile the L_p chain as the ranks run it (one thread, two
+    sizes), else None. Under ATEN_CPU_CAPABILITY=default torch 2.13's inductor writes C++ for one
+    thread that names ``at::vec`` without declaring it: the codecs fall back to eager there, as
+    designed (a RuntimeWarning), and no compiled run exists to compare with eager."""
+    threads, chains, failed = torch.get_num_threads(), dict(compiled._chains), set(compiled._failed)
+    torch.set_num_threads(1)
+    compiled._chains.clear()  # this process's chains were compiled for more threads: compile afresh
+    compiled._failed.clear()
+    compiled.use_compiled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (MIN_NUMEL, MIN_NUMEL + 4099):
+                lp_quantize_levels(torch.randn(n), 127, 1.0)
+        return next((str(w.message) for w in caught if "compile_codecs" in str(w.message)), None)
+    finally:
+        compiled.use_compiled(False)
+        compiled._chains.clear()
+        compiled._chains.update(chains)
+        compiled._failed.clear()
+        compiled._failed.update(failed)
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_two_rank_training_with_compile_codecs_equals_eager():
+    failure = _inductor_failure_on_one_thread()
+    if failure is not None:  # torch cannot compile here: no compiled run to compare (the fallback is tested above)
+        pytest.skip(f"torch.compile cannot build the codec chains on this machine: {failure[:300]}")
     run_ranks(2, _train)
