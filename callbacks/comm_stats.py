@@ -3,8 +3,12 @@
 Reads the traffic the strategy's communicators recorded (every collective records the
 bytes this rank sent, :mod:`lowbit_strategy.collectives.wire`) and compares it with what
 DDP's fp32 ring allreduce of every trainable gradient would send. Shown in the progress
-bar (``comm_MB``, ``comm_x``) and logged (``comm/bytes_per_step``, ``comm/ratio_vs_fp32``,
-``comm/seconds_per_step``).
+bar (``comm_MB``, ``comm_x``, and ``comm_x_avg``, the run's average) and logged
+(``comm/bytes_per_step``, ``comm/ratio_vs_fp32``, ``comm/seconds_per_step``, and the averages
+``comm/bytes_per_step_avg``, ``comm/ratio_vs_fp32_avg``: what an algorithm that sends every H
+steps, DiLoCo, costs per step amortized). The algorithm's own figures
+(:meth:`~lowbit_strategy.algorithms.base.Sync.metrics`: DiLoCo's ``diloco/rounds``, its
+pseudo-gradient norm) are logged beside them.
 
 Read the seconds with care: they are launch-to-completion times of the transfers, which
 (BitDP's, and Lion Cub's with ``overlap`` on, the default) run asynchronously, overlapping
@@ -72,6 +76,15 @@ class CommStats(pl.Callback):
         pl_module.log("comm/ratio_vs_fp32", ratio, on_step=True, on_epoch=False)
         if timed:  # (CUDA: unavailable, not logged as a wrong 0)
             pl_module.log("comm/seconds_per_step", seconds, on_step=True, on_epoch=False)
+        # the run's average (what an algorithm that sends every H steps costs per step, amortized)
+        avg = self.bytes_per_step
+        avg_ratio = self.fp32_bytes_per_step / avg if avg else (1.0 if self.fp32_bytes_per_step == 0 else 0.0)
+        pl_module.log("comm/bytes_per_step_avg", float(avg), on_step=True, on_epoch=False)
+        pl_module.log("comm/ratio_vs_fp32_avg", avg_ratio, on_step=True, on_epoch=False)
+        pl_module.log("comm_x_avg", avg_ratio, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        metrics = getattr(getattr(trainer.strategy, "sync", None), "metrics", None)
+        for name, value in (metrics() if callable(metrics) else {}).items():  # the algorithm's own (rounds, ...)
+            pl_module.log(name, value, prog_bar=self.prog_bar and name.endswith("rounds"), on_step=True, on_epoch=False)
 
     @property
     def bytes_per_step(self) -> float:

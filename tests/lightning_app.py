@@ -94,7 +94,8 @@ def fit_once(args) -> dict:
         extra["accumulate_grad_batches"] = args.accumulate
     if args.clip:
         extra["gradient_clip_val"] = args.clip
-    strategy = _strategy(args.strategy, TQ_FORM if args.optimizer == "turboquant" else None)
+    overrides = {**(TQ_FORM if args.optimizer == "turboquant" else {}), **dict(kv.split("=", 1) for kv in args.lowbit)}
+    strategy = _strategy(args.strategy, overrides or None)
     if args.unused:
         strategy = lowbit_strategy.LowBitStrategy(mode="1bit", find_unused_parameters=True,
                                                   start_method="spawn" if "spawn" in args.strategy else "popen")
@@ -154,6 +155,10 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
         keys = sorted(errors[0])
         return {**out, "error_buckets": len(keys), "rank_states_differ": bool(keys) and any(
             not torch.equal(errors[0][k]["worker"], errors[1][k]["worker"]) for k in keys)}
+    if entry["algorithm"] == "diloco":  # each worker's own weights and inner AdamW state, and the global copy
+        return {**out, "rank_states_differ": not torch.equal(states[0]["local"][0], states[1]["local"][0]),
+                "global_same": torch.equal(states[0]["global"][0], states[1]["global"][0]),
+                "inner_saved": all(bool(st["inner"][0]["state"]) for st in states)}
     residuals = [st["residuals"] for st in states]
     return {**out, "saved_iters": [st["iter"] for st in states],
             "residual_names": sorted(residuals[0]) if residuals else [],
@@ -204,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-check", default="")
     parser.add_argument("--save-after-fit-check", default="")
     parser.add_argument("--lowbit", action="append", default=[], metavar="KEY=VALUE",
-                        help="LowBitConfig override for --resume-check (repeatable)")
+                        help="LowBitConfig override (repeatable)")
     return parser
 
 

@@ -35,14 +35,15 @@ def loss(net: nn.Module, rank: int, step: int) -> torch.Tensor:
 
 
 def train(rank: int, make_optimizer: Callable, cfg, steps: int, *, start: int = 1, resume=None, nan_at=None,
-          after_step=None, dtype=torch.float32, twice: bool = False):
+          after_step=None, dtype=torch.float32, twice: bool = False, directory=None):
     """``(ddp model, optimizer, sync)`` after ``steps`` steps of ``make_optimizer(params)``
     under ``cfg`` (:func:`lowbit_strategy.attach`).
 
     ``resume = (weights, optimizer state, rank-state entry)`` loaded before step ``start``;
     ``nan_at``: the step at which rank 1's loss becomes inf; ``after_step(step, ddp, opt)``
     runs after every step; ``twice``: a second backward before each step (accumulation
-    without ``no_sync``: DDP's hooks run again and the second gradient counts)."""
+    without ``no_sync``: DDP's hooks run again and the second gradient counts); ``directory``:
+    where :func:`lowbit_strategy.save_rank_states` wrote the per-rank files of ``resume``'s entry."""
     ddp = nn.parallel.DistributedDataParallel(model().to(dtype))
     opt = make_optimizer(ddp.parameters())
     sync = lowbit_strategy.attach(ddp, [opt], cfg)
@@ -50,7 +51,7 @@ def train(rank: int, make_optimizer: Callable, cfg, steps: int, *, start: int = 
         weights, optim, entry = resume
         ddp.module.load_state_dict(weights)
         opt.load_state_dict(optim)
-        lowbit_strategy.load_rank_states(sync, entry)
+        lowbit_strategy.load_rank_states(sync, entry, directory)
     for step in range(start, steps + 1):
         opt.zero_grad()
         out = loss(ddp, rank, step)

@@ -33,12 +33,13 @@ def get(name: str) -> Algorithm:
         raise KeyError(f"no algorithm {name!r}; registered: {', '.join(REGISTRY)}") from None
 
 
-from lowbit_strategy.algorithms import bitdp, lion_cub, onebit, turboquant  # noqa: E402  (they import the names above)
+from lowbit_strategy.algorithms import bitdp, diloco, lion_cub, onebit, turboquant  # noqa: E402  (they import the names above)
 
 register(lion_cub.ALGORITHM)
 register(bitdp.ALGORITHM)
 register(onebit.ADAM)
 register(onebit.LAMB)
 register(turboquant.ALGORITHM)
+register(diloco.ALGORITHM)
 
 __all__ = ["Algorithm", "LowBitSetupError", "REGISTRY", "Sync", "get", "register"]

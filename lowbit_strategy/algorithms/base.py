@@ -142,6 +142,11 @@ class Sync:
     def traffic_logs(self) -> list[TrafficLog]:
         return []
 
+    def metrics(self) -> dict[str, float]:
+        """The algorithm's own figures for logs and progress bars (DiLoCo's rounds done and
+        pseudo-gradient norm), read on the host after a step; none by default."""
+        return {}
+
     def state_dict(self) -> dict:
         """This rank's rank-local state (plain values and CPU tensors), for checkpoints: the
         algorithm's (:meth:`algorithm_state_dict`) and, under ``"parts"``, :attr:`parts`'."""

@@ -42,12 +42,14 @@ ALL_NAMES = [base + suffix for base in strategy_names() for suffix in VARIANTS]
 #: the other spawn names differ from these only in the config their popen and fork twins train
 #: with, which test_spawn_names_are_their_twins_config_under_spawn checks
 SPAWN_TRAINED = {"lowbit_lion_1bit_spawn", "lowbit_bitdp_spawn", "lowbit_adam_spawn", "lowbit_lamb_spawn",
-                 "lowbit_turboquant_spawn"}
+                 "lowbit_turboquant_spawn", "lowbit_diloco_spawn"}
+#: DiLoCo's rounds in these short fits (8 optimizer steps on 2 ranks): one every 3 steps
+DILOCO = ["--lowbit", "diloco_sync_every=3"]
 TRAINED = [n for n in ALL_NAMES if not n.endswith("_spawn") or n in SPAWN_TRAINED]
 
 
 def _optimizer_of(name: str) -> str:
-    if name.startswith("lowbit_bitdp"):
+    if name.startswith(("lowbit_bitdp", "lowbit_diloco")):  # any optimizer; DiLoCo's inner one is a plain one
         return "adamw"
     return next((o for prefix, o in (("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
                                      ("lowbit_turboquant", "turboquant")) if name.startswith(prefix)), "lion")
@@ -55,7 +57,8 @@ def _optimizer_of(name: str) -> str:
 
 def _run_args(name: str) -> list[str]:
     devices = 3 if name.endswith("_notebook") else 2
-    return ["--strategy", name, "--devices", str(devices), "--optimizer", _optimizer_of(name)]
+    extra = DILOCO if name.startswith("lowbit_diloco") else []
+    return ["--strategy", name, "--devices", str(devices), "--optimizer", _optimizer_of(name), *extra]
 
 
 BF16 = [("lowbit_lion_8bit", "lion"), ("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
@@ -99,7 +102,8 @@ def fork_runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("fork")
     runs = {name: _run_args(name) for name in ALL_NAMES if name.endswith("_notebook")}
     checks = [("lowbit_lion_1bit_notebook", "lion", []), *((n, o, []) for n, o in RESUMED),
-              ("lowbit_bitdp_notebook", "adamw", ["--lowbit", "bitdp_error_feedback=true"])]
+              ("lowbit_bitdp_notebook", "adamw", ["--lowbit", "bitdp_error_feedback=true"]),
+              ("lowbit_diloco_notebook", "adamw", DILOCO)]
     for name, optimizer, extra in checks:
         work = tmp / f"resume-{name}"
         work.mkdir()
@@ -147,6 +151,11 @@ def test_trainer_runs_with_each_registered_name(request, name):
     assert "error" not in r, r.get("error")
     m = r["metrics"]
     assert m["train_loss"] < r["first_loss"], "loss must fall"
+    if name.startswith("lowbit_diloco"):  # int4 pseudo-gradients every 3rd step: >= 8x fp32 per step, amortized
+        # (2 ranks: 8 steps; the notebook's 3 ranks: 6): 2 rounds either way
+        assert m["diloco/rounds"] == 2 and m["diloco/pseudo_grad_norm"] > 0, m
+        assert m["comm/ratio_vs_fp32_avg"] > 8, m
+        return
     assert m["comm/bytes_per_step"] > 0
     # popen launch: this process was rank 0, so its strategy still holds the run's traffic
     assert (r["bytes_after_fit"] > 0) == (VARIANTS[suffix] == "popen"), r["bytes_after_fit"]
@@ -315,3 +324,13 @@ def test_core_imports_without_lightning_and_registers_names_when_it_comes():
             "from lightning.pytorch.strategies import StrategyRegistry\nassert 'lowbit_bitdp_1bit' in StrategyRegistry\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_diloco_resume_inside_a_round_is_bit_exact_and_keeps_every_workers_weights(fork_runs):
+    # 4 steps an epoch on 2 ranks, a round every 3: the checkpoint after epoch 1 is one step into round 2,
+    # where the workers' weights and inner AdamW states differ; Lightning saves rank 0's, the rank states the rest
+    r = fork_runs["resume:lowbit_diloco_notebook"]
+    assert "error" not in r, r.get("error")
+    assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "diloco", "rank_states_differ": True,
+                 "global_same": True, "inner_saved": True, "other_world_finite": True, "is_global_zero": True}

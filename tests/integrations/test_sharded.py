@@ -94,7 +94,8 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
         p.data = p.data[slice(*_rows(p.shape[0], local))].clone()
     shards = list(shard_model.parameters())
     opt = make_opt(shards)
-    sync = build_sync(LowBitConfig(**cfg, topology="flat", overlap=False), shard_model, inter)
+    overlap = {"overlap": False} if "overlap" in LowBitConfig(**cfg).section.fields() else {}
+    sync = build_sync(LowBitConfig(**cfg, topology="flat", **overlap), shard_model, inter)
     attach_optimizers(sync, [opt])
     for step in range(1, steps + 1):
         replica.zero_grad()
