@@ -17,7 +17,7 @@ never names an algorithm; it does, for one DDP model:
    another world size ``sync.load_state_dict(algo.merge_states(all))``;
 6. ``sync.traffic_logs()`` for the bytes on the wire; ``sync.detach()`` when training ends.
 
-Two places to synchronize:
+Three places to synchronize:
 
 * **gradient level** (BitDP): the DDP communication hook returns the (compressed) mean
   gradient of each bucket, and any optimizer steps on it;
@@ -27,7 +27,10 @@ Two places to synchronize:
   finishes the synchronization. The default keeps the gradients local and lets the
   optimizer do all the communication in ``step()``; an algorithm that overlaps its
   collective with backward launches it there instead (same order on every rank: DDP hands
-  buckets over in the same order everywhere).
+  buckets over in the same order everywhere);
+* **after the optimizer step, every H steps** (DiLoCo's local updates): the hook keeps
+  gradients local (or averages them inside the node), and a post-step hook on the optimizer
+  exchanges the pseudo-gradient and applies the outer step.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the hook's

@@ -311,12 +311,19 @@ class LowBitTrainerMixin(ShardedTrainerCheckpoints):
     # ---- logs -------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """``Trainer``'s ``log`` with the bytes on the wire added to training logs (per step
-        since the last log) and to the end-of-training summary (since training began)."""
+        since the last log, and ``*_avg`` since training began) with the algorithm's own figures
+        (:meth:`~lowbit_strategy.algorithms.base.Sync.metrics`), and to the end-of-training
+        summary (since training began)."""
         step = int(getattr(self.state, "global_step", 0))
         if "train_runtime" in logs:
             logs.update(self.lowbit_meter.summary(step))
         elif "loss" in logs and not any(k.startswith(("eval_", "test_")) for k in logs):
             logs.update(self.lowbit_meter.since_last_log(step))
+            since_start = self.lowbit_meter.summary(step)  # amortized (DiLoCo sends every H steps)
+            logs["comm/bytes_per_step_avg"] = since_start["comm/bytes_per_step"]
+            logs["comm/ratio_vs_fp32_avg"] = since_start["comm/ratio_vs_fp32"]
+            for sync in self.accelerator.lowbit_syncs:  # the algorithm's own figures (DiLoCo's rounds, ...)
+                logs.update(sync.metrics())
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
 

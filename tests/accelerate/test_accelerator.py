@@ -113,6 +113,8 @@ ALGORITHM_RUNS = {
     # a fixed form: "auto" plans from this machine's codec timing, which a loaded machine can
     # tip to "fp32" or to another form between two runs (auto's own resume: below)
     "turboquant": (dict(form="two_stage"), lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=2)),
+    # local updates under the user's AdamW: a round every 3 of the 6 steps (the run ends at a round's end)
+    "diloco": (dict(sync_every=3, compression="int4"), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
 }
 
 

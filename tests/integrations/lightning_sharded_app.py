@@ -247,6 +247,18 @@ def check_adam(workdir: Path) -> dict:
                          "mesh": list(world.strategy.device_mesh.mesh.shape),
                          "bytes": sum(log.bytes_sent for log in logs), "node_bytes": sum(log.node_bytes_sent for log in logs)}
     out["wrong_optimizer_error"] = _error("lowbit_lion_fsdp", "adamw")
+    # DiLoCo (a round every 3 of the 8 steps) under the user's AdamW: as plain attach_sharded, and the
+    # checkpoint after epoch 1 is one step into round 2 (each rank's shard of its worker's weights differs)
+    diloco = dict(diloco_sync_every=3)
+    trained, trained_model = _fit(_strategy("lowbit_diloco_fsdp", **diloco), "adamw")
+    flat = _full(trained_model)
+    (workdir / "diloco").mkdir(parents=True, exist_ok=True)
+    out["diloco"] = {
+        "finite": bool(torch.isfinite(flat).all()), "steps": trained.global_step,
+        "rounds": trained.strategy.sync.rounds, "bytes": sum(log.bytes_sent for log in trained.strategy.traffic_logs()),
+        "equals_plain": torch.equal(flat, _plain("adamw", LowBitConfig(algorithm="diloco", **diloco))),
+        "resume_bit_exact": _resume(lambda: _strategy("lowbit_diloco_fsdp", **diloco), "adamw", flat,
+                                    workdir / "diloco")["resume_bit_exact"]}
     return out
 
 

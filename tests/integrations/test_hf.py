@@ -244,3 +244,20 @@ def test_parse_optim_args(hf):
 
 def test_the_overlay_stays_off_other_tests_paths():
     assert str(OVERLAY) not in sys.path
+
+
+def test_diloco_under_trainers_adamw_resumes_inside_a_round_bit_for_bit(tmp_path, tiny_model):
+    # a round every 4 of 8 steps (int4 pseudo-gradients), the checkpoint at step 6: inside round 2, where
+    # each worker's weights and AdamW state are its own (the rank states carry them)
+    common = ["--max-steps", "8"]
+    env = dict(LOWBIT_ALGORITHM="diloco", LOWBIT_DILOCO_SYNC_EVERY="4")
+    full = _launch(tmp_path, "full", tiny_model, *common, "--save-steps", "6", "--output-dir", str(tmp_path / "full"),
+                   **env)
+    assert full["algorithm"] == "diloco" and full["optimizer"] == "torch.optim.adamw.AdamW"
+    assert full["global_step"] == 8 and full["replicas_identical"] is True  # step 8 ends a round
+    logs = _train_logs(full)
+    assert logs[-1]["loss"] < logs[0]["loss"], logs
+    assert logs[-1]["diloco/rounds"] == 2 and logs[-1]["comm/ratio_vs_fp32_avg"] > 8, logs[-1]
+    resumed = _launch(tmp_path, "resumed", tiny_model, *common, "--output-dir", str(tmp_path / "resumed"),
+                      "--resume", str(tmp_path / "full" / "checkpoint-6"), **env)
+    assert resumed["params_sha256"] == full["params_sha256"]  # bit for bit

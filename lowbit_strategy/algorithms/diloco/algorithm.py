@@ -35,6 +35,7 @@ from lowbit_strategy.algorithms.diloco.outer import Fragment
 from lowbit_strategy.collectives import exact
 from lowbit_strategy.collectives.shards import NodeShard
 from lowbit_strategy.collectives.wire import TrafficLog
+from lowbit_strategy.layout import local_view
 from lowbit_strategy.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -278,12 +279,31 @@ class DiLoCoSync(Sync):
             elif f.global_ is not None:  # another number of workers: continue from the global weights
                 f.load_flat(f.global_)
         for opt, saved in zip(self._optimizers, state.get("inner") or []):
-            opt.load_state_dict(saved)
+            _load_inner(opt, saved)
+
+
+def _load_inner(opt: torch.optim.Optimizer, saved: dict) -> None:
+    """This worker's inner optimizer state, saved as local tensors: copied into the state the
+    front end loaded (rank 0's, whose tensors may be FSDP2 ``DTensor`` shards: their local
+    parts are overwritten), or loaded whole where the optimizer has no state yet."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    states = saved.get("state", {})
+    if not all(params[int(i)] in opt.state for i in states):
+        opt.load_state_dict(saved)
+        return
+    with torch.no_grad():
+        for i, values in states.items():
+            current = opt.state[params[int(i)]]
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and isinstance(current.get(key), torch.Tensor):
+                    local_view(current[key]).copy_(value)
+                else:
+                    current[key] = value
 
 
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        return local_view(obj).detach().cpu().clone()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
