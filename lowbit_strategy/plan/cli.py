@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help=f"with --steps: TurboQuant-Adam's warmup_steps (default {warmup.TURBOQUANT_WARMUP})",
     )
+    ap.add_argument(
+        "--diloco-sync-every",
+        type=int,
+        default=100,
+        help="H of the DiLoCo rows (local updates: one outer sync every H steps; 0 leaves them out)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -165,7 +171,22 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
     run = _run(args)  # checked before --measure-codecs spends its seconds
     ns, note = _codecs(args)
     memory = inputs.GPU_MEMORY.get((args.gpu or "").lower())
-    return predict.Setup(model, cluster, compute, args.bucket_mb, args.sharded, ns, note, memory, run=run)
+    if args.diloco_sync_every < 0:
+        raise inputs.PlanError(
+            "--diloco-sync-every", args.diloco_sync_every, "DiLoCo's H: steps per round, >= 1 (0: no rows)"
+        )
+    return predict.Setup(
+        model,
+        cluster,
+        compute,
+        args.bucket_mb,
+        args.sharded,
+        ns,
+        note,
+        memory,
+        run=run,
+        diloco_sync_every=args.diloco_sync_every,
+    )
 
 
 def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
@@ -177,7 +198,8 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         setup.compute.note,
         f"overlap: collectives started in backward hide behind it (backward = {predict.BACKWARD_SHARE:.2f} of "
         "compute) except the last bucket; the sharded rows exchange at the step, unhidden; the FSDP world rows' "
-        "gathers and reduce-scatters hide behind forward and backward but one unit's each",
+        "gathers and reduce-scatters hide behind forward and backward but one unit's each; the DiLoCo rows "
+        f"exchange every {setup.diloco_sync_every} steps, amortized per step (streaming: behind its delay)",
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
         f"buckets of {setup.bucket_size_mb:g} MB; "

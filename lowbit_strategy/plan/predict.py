@@ -43,6 +43,7 @@ from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.plan.inputs import Compute, Model
+from lowbit_strategy.plan.predict_diloco import diloco_rows
 from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
 from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboquant_codec_ns: part of this module's API
     ONEBIT_BLOCK,
@@ -91,6 +92,8 @@ class Setup:
     turboquant_forms: tuple[str, ...] = TURBOQUANT_FORMS
     #: the run to price, warm-ups included (``--steps``), or None: the steady-state step only
     run: Run | None = None
+    #: H of the DiLoCo rows (:mod:`~lowbit_strategy.plan.predict_diloco`); 0: no DiLoCo rows
+    diloco_sync_every: int = 100
 
     @property
     def bucket_numel(self) -> int:
@@ -272,6 +275,8 @@ def predict(setup: Setup) -> list[Row]:
             pr.turboquant(form, 12.0 * n + server),
             pr.bitdp(form),
         ]
+    if setup.diloco_sync_every > 0:
+        rows += diloco_rows(pr, setup.diloco_sync_every)
     if setup.sharded:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
         rows += sharded_rows(pr, lane)

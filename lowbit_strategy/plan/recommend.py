@@ -21,6 +21,9 @@ NEAR_TIE = 0.02
 QUALITY_CAVEATS = {
     "powersgd": "PowerSGD's effect on the loss is not priced (it needed 8% more steps than DDP to the same "
     "loss in this package's time-to-quality benchmark)",
+    "diloco": "DiLoCo's effect on the loss is not priced (local updates: published small-scale costs are "
+    "+0.7% loss at 2 workers and +2% at 4 for the same tokens, 'Scaling laws for DiLoCo', 2025; this package's "
+    "time-to-quality rows for it are in progress)",
     "lion_1bit": "Lion Cub 1-bit's effect on the loss is not priced (it never reached DDP + Lion's loss at 80% "
     "of the run in this package's time-to-quality benchmark, where the 8-bit lanes did)",
 }

@@ -249,3 +249,28 @@ def test_measure_joins_nccl_only_with_a_gpu_per_local_rank(monkeypatch, cuda, gp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     assert measure._backend() == backend
     assert chosen == ([] if device is None else [device])
+
+
+def test_diloco_rows_price_one_exchange_per_round_and_carry_a_quality_caveat():
+    from lowbit_strategy.algorithms.diloco.exchange import payload_bytes
+    from lowbit_strategy.collectives import wire
+
+    # 2 nodes x 4 GPUs: a worker is a node; each local rank sends a quarter over its own cross-node group
+    args = cli.parser().parse_args([*SMALL, "--link", "100mbit", "--diloco-sync-every", "50"])
+    setup = cli.setup_from(args)
+    rows = {r.key: r for r in predict.predict(setup)}
+    n = setup.model.numel
+    fp32 = rows["diloco_fp32_hierarchical"]
+    assert fp32.link_bytes == pytest.approx(4 * wire.allreduce_bytes(4 * -(-n // 4), 2) / 50)
+    assert rows["diloco_int4_hierarchical"].link_bytes == pytest.approx(4 * payload_bytes("int4", -(-n // 4), 2) / 50)
+    assert rows["diloco_sign_hierarchical"].link_bytes < rows["diloco_int4_hierarchical"].link_bytes < fp32.link_bytes
+    # inner AdamW 8 B + the global copy and outer momentum 8 B (+ a 4 B error buffer below 32 bits)
+    assert fp32.memory_bytes == 16 * n and rows["diloco_int4_hierarchical"].memory_bytes == 20 * n
+    stream = rows["diloco_streaming_int4_hierarchical"]  # the same bytes, partly hidden behind its delay
+    assert stream.link_bytes == pytest.approx(rows["diloco_int4_hierarchical"].link_bytes, rel=1e-3)
+    assert stream.exposed_s < rows["diloco_int4_hierarchical"].exposed_s
+    # at 100 Mbit/s DiLoCo is predicted fastest, but its loss is not priced: named after the choice, with the caveat
+    sentence = recommend.recommend(list(rows.values()))
+    assert not sentence.startswith("Use DiLoCo") and "DiLoCo's effect on the loss is not priced" in sentence
+    args = cli.parser().parse_args([*SMALL, "--diloco-sync-every", "0"])
+    assert not any(r.key.startswith("diloco") for r in predict.predict(cli.setup_from(args)))

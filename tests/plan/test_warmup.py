@@ -10,7 +10,10 @@ import pytest
 from lowbit_strategy.plan import cli, inputs, predict, recommend
 from lowbit_strategy.plan.warmup import Run
 
-TTQ = ["--params", "4.03e6", "--nodes", "2", "--gpus-per-node", "2", "--latency-us", "50", "--compute-s", "0.37"]
+#: the per-step methods only (DiLoCo's rows, caveated the same way: tests/plan/test_plan.py)
+PER_STEP = ["--diloco-sync-every", "0"]
+TTQ = ["--params", "4.03e6", "--nodes", "2", "--gpus-per-node", "2", "--latency-us", "50", "--compute-s", "0.37",
+       *PER_STEP]
 
 
 def _rows(link: str, *extra: str) -> dict[str, predict.Row]:
@@ -129,11 +132,11 @@ def _sentence(*argv: str) -> str:
 
 def test_a_caveated_fastest_row_never_takes_the_choice():
     # DDP does not fit an H100: the choice is against HSDP, not DDP bf16, caveat or not
-    big = ["--params", "6.5e9", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5", "--sharded"]
+    big = ["--params", "6.5e9", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5", "--sharded", *PER_STEP]
     sentence = _sentence(*big, "--gpu", "h100", "--link", "400gbit")
     assert sentence.startswith("Use HSDP") and "Lion Cub 1-bit (flat) is predicted faster" in sentence
     # no row without a caveat beats DDP bf16 by the margin: DDP bf16, with the faster row named
-    small = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "1", "--compute-s", "0.5"]
+    small = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "1", "--compute-s", "0.5", *PER_STEP]
     sentence = _sentence(*small, "--link", "150gbit")
     assert (
         sentence.startswith("Use DDP with bf16") and "PowerSGD rank 4 (+ AdamW) (flat) is predicted faster" in sentence
