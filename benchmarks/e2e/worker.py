@@ -89,6 +89,12 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lowbit_adam": ("lowbit_adam", "onebit_adam"),
     "lowbit_lamb": ("lowbit_lamb", "onebit_lamb"),
     "lowbit_turboquant": ("lowbit_turboquant", "turboquant"),
+    # DiLoCo's forms (their LowBitConfig overrides: benchmarks.ttq.driver.DILOCO): the user's AdamW inside
+    "lowbit_diloco_fp32_h50": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_int4_h50": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_sign_h50": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_int4_h150": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_stream_int4_h50": ("lowbit_diloco", "adamw"),
     "calib_lion": ("local", "lion"),
     "calib_adamw": ("local", "adamw"),
 }

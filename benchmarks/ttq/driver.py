@@ -1,5 +1,8 @@
 """Time to quality: how long each method takes to reach a given validation loss on 2 emulated
-nodes x 2 ranks joined by a 1 Gbit/s or 100 Mbit/s link (issue 33, the benchmark of record).
+nodes x 2 ranks joined by a 1 Gbit/s, 100 Mbit/s or 10 Mbit/s link (the benchmark of record).
+
+DiLoCo's forms (:data:`DILOCO`) are evaluated on their global weights (what the run delivers;
+between syncs each worker's own differ), and their timing runs span two rounds (:func:`diloco_h`).
 
 Methods: every algorithm's default form (hierarchical on this 2 x 2 layout: ``topology``
 ``auto``) and its 1-bit form where it has one, against the DDP baselines of
@@ -66,9 +69,18 @@ from benchmarks.ttq.analysis import STARTUP, best_lr
 
 RESULTS = ROOT / "benchmarks" / "results" / "ttq"
 BASELINES = ["ddp_adamw", "ddp_lion", "ddp_bf16_adamw", "ddp_bf16_lion", "ddp_powersgd_adamw", "ddp_powersgd_lion"]
+#: DiLoCo's forms: configuration -> its LowBitConfig overrides (the fp32 outer sync of torchft- and
+#: PRIME-style DiLoCo, int4 and 1-bit pseudo-gradients, two H, the streaming form)
+DILOCO = {
+    "lowbit_diloco_fp32_h50": "diloco_compression=fp32,diloco_sync_every=50",
+    "lowbit_diloco_int4_h50": "diloco_compression=int4,diloco_sync_every=50",
+    "lowbit_diloco_sign_h50": "diloco_compression=sign,diloco_sync_every=50",
+    "lowbit_diloco_int4_h150": "diloco_compression=int4,diloco_sync_every=150",
+    "lowbit_diloco_stream_int4_h50": "diloco_compression=int4,diloco_sync_every=50,diloco_fragments=2,diloco_delay=1",
+}
 #: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)
 ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-              "lowbit_lamb", "lowbit_turboquant"]
+              "lowbit_lamb", "lowbit_turboquant", *DILOCO]
 #: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
 LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
 LATENCY_US = 50
@@ -129,7 +141,9 @@ class Study:
 
     def overrides(self, config: str, link, plan: list[str] | None = None) -> str:
         """A :data:`LINK_PLANNED` configuration's LowBitConfig overrides: the link, and the
-        ``plan`` :func:`pin` fixes (else ``auto`` resolves it)."""
+        ``plan`` :func:`pin` fixes (else ``auto`` resolves it); a :data:`DILOCO` form's own."""
+        if config in DILOCO:
+            return DILOCO[config]
         if config not in LINK_PLANNED:
             return ""
         return with_pin(f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}",
@@ -149,7 +163,7 @@ class Study:
 
     def timing_settings(self, config: str, link) -> dict:
         warm = STARTUP + self.args.timing_warm if switch_of(config, self.args.steps, self.args.powersgd_start) else 0
-        steps = max(STARTUP, warm) + self.args.timing_main
+        steps = max(STARTUP, warm) + max(self.args.timing_main, 2 * diloco_h(config))
         return {**self.base(), "config": config, "steps": steps, "switch": warm, "eval_every": 0,
                 "lr": DEFAULT_LR[CONFIGS[config][1]], "seed": 0,
                 "lowbit": self.overrides(config, link, self.plan_of_record(config, link)),
@@ -238,6 +252,14 @@ class Study:
         print(f"    {rec['steps']} steps, {sum(rec['step_s']):.1f} s of training{last}; {wall:.0f} s in all",
               flush=True)
         return rec
+
+
+def diloco_h(config: str) -> int:
+    """H of a :data:`DILOCO` form (0 for any other configuration). Its timing run's main phase spans
+    two rounds (steps STARTUP + 1 .. STARTUP + 2H hold both syncs), so the phase's mean step is the
+    inner step plus the exchange amortized over H (over 2H − 1 steps: 1/H at H = 50 over-counts it 1 %)."""
+    found = re.search(r"diloco_sync_every=(\d+)", DILOCO.get(config, ""))
+    return int(found.group(1)) if found else 0
 
 
 def loopback_envs(env: dict, nodes: int = 2, per_node: int = 2) -> list[dict]:
@@ -420,7 +442,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the smoke form of every stage (<= 10 min)")
     parser.add_argument("--configs", default=None, help=f"comma-separated, from {BASELINES + ALGORITHMS}")
-    parser.add_argument("--links", default="1gbit,100mbit")
+    parser.add_argument("--links", default="1gbit,100mbit,10mbit")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", default=None)
     parser.add_argument("--lr-factors", default=None, help="the sweep: centre lr (centre_lr) x these (seed 0)")

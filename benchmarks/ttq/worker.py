@@ -27,6 +27,7 @@ them, behind a barrier. ``train_s`` of an evaluation = the training seconds befo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -136,7 +137,10 @@ def main() -> int:
                              powersgd_start=args.switch if kind == "powersgd" else None)
 
     def evaluate(module) -> float:
-        loss = validate(module, tokens[split:], args.seq, args.batch, args.val_batches)
+        # local updates (DiLoCo): the global weights, what the run delivers (a worker's own differ between syncs)
+        scope = getattr(getattr(trainer.strategy, "sync", None), "global_weights", contextlib.nullcontext)
+        with scope():
+            loss = validate(module, tokens[split:], args.seq, args.batch, args.val_batches)
         module.train()
         return round(loss, 5)
 
