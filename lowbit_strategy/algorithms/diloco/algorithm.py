@@ -32,6 +32,10 @@ from lowbit_strategy.algorithms.diloco import fragments as frag
 from lowbit_strategy.algorithms.diloco.config import DiLoCoConfig
 from lowbit_strategy.algorithms.diloco.exchange import Exchange, Landing
 from lowbit_strategy.algorithms.diloco.outer import Fragment
+from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
+from lowbit_strategy.algorithms.onebit.adam import OneBitAdam
+from lowbit_strategy.algorithms.onebit.lamb import OneBitLamb
+from lowbit_strategy.algorithms.turboquant.optimizer import TurboQuantAdamW
 from lowbit_strategy.collectives import exact
 from lowbit_strategy.collectives.shards import NodeShard
 from lowbit_strategy.collectives.wire import TrafficLog
@@ -46,11 +50,11 @@ __all__ = ["ALGORITHM", "DiLoCoSync", "merge_states"]
 FORMAT = 1
 
 #: the project's compressed optimizers -> the plain optimizer to use as DiLoCo's inner one
-PLAIN = {
-    "lion": "lion-pytorch's Lion or torch.optim.AdamW",
-    "onebit_adam": "torch.optim.Adam (or AdamW)",
-    "onebit_lamb": "a plain LAMB (or torch.optim.AdamW)",
-    "turboquant": "torch.optim.AdamW",
+PLAIN: dict[type, str] = {
+    Lion: "lion-pytorch's Lion or torch.optim.AdamW",
+    OneBitAdam: "torch.optim.Adam (or AdamW)",
+    OneBitLamb: "a plain LAMB (or torch.optim.AdamW)",
+    TurboQuantAdamW: "torch.optim.AdamW",
 }
 
 
@@ -107,15 +111,13 @@ class DiLoCoSync(Sync):
 
     # ---- optimizers ----------------------------------------------------------------------
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
-        from lowbit_strategy.algorithms import REGISTRY
-
         for opt in optimizers:
-            for name, algo in REGISTRY.items():
-                if algo.optimizer is not None and isinstance(opt, algo.optimizer):
+            for cls, plain in PLAIN.items():
+                if isinstance(opt, cls):
                     raise LowBitSetupError(
                         f"{who or 'algorithm=diloco'}: the inner optimizer {type(opt).__name__} compresses "
-                        f"its own synchronization ({name}), which DiLoCo's inner steps never run; use "
-                        f"{PLAIN.get(name, 'a plain torch.optim optimizer')} as the inner optimizer"
+                        f"its own synchronization, which DiLoCo's inner steps never run; use {plain} as the "
+                        "inner optimizer"
                     )
         if not optimizers:
             raise LowBitSetupError(f"{who or 'algorithm=diloco'}: DiLoCo needs the inner optimizer; pass it to attach")
