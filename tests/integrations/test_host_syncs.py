@@ -36,6 +36,8 @@ CASES = [
      lambda ps: OneBitLamb(ps, lr=1e-3, freeze_step=2)),
     *[(f"turboquant-{f}", dict(algorithm="turboquant", turboquant_form=f, turboquant_block=16, bucket_size_mb=0.0005),
        lambda ps: TurboQuantAdamW(ps, lr=1e-3, warmup_steps=2)) for f in ("allgather", "two_stage")],
+    *[(f"diloco-{c}", dict(algorithm="diloco", diloco_sync_every=2, diloco_compression=c),
+       lambda ps: torch.optim.AdamW(ps, lr=1e-3)) for c in ("int4", "sign")],
 ]
 
 
@@ -56,8 +58,9 @@ def _check(rank, world_size):
                 n, where = reads.take("backward")
                 assert n == 0, f"{name} step {step}: {n} host reads during backward, first at:\n{where[0]}"
                 n, where = reads.take("step")
-                # (BitDP's step is the user's own optimizer: torch's AdamW reads its step count on CPU)
-                assert n <= 1 or kw["algorithm"] == "bitdp", f"{name} step {step}: {n} host reads in optimizer.step(), e.g.:\n" + "\n".join(where[:3])
+                # (BitDP's and DiLoCo's step is the user's own optimizer: torch's AdamW reads its step count on
+                # CPU; DiLoCo's outer sync reads once, its verdict and norm together)
+                assert n <= 1 or kw["algorithm"] in ("bitdp", "diloco"), f"{name} step {step}: {n} host reads in optimizer.step(), e.g.:\n" + "\n".join(where[:3])
             assert sum(log.bytes_sent for log in sync.traffic_logs()) > 0, name
             sync.detach()
 

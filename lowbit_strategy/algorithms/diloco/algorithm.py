@@ -168,7 +168,7 @@ class DiLoCoSync(Sync):
         for f, (apply_at, mean) in list(self._landed.items()):
             if apply_at == t:
                 del self._landed[f]
-                self._land(f, mean, False)
+                self._land(f, mean, bool(torch.isnan(mean[:1]).any()) if mean.numel() else False, None)
         for fr in self.fragments:
             if frag.syncs_after(t, fr.index, len(self.fragments), s.sync_every):
                 landing = exchanges[fr.index].start(fr.pseudo_gradient(), self.syncs)
@@ -177,7 +177,7 @@ class DiLoCoSync(Sync):
                 else:
                     self._inflight[fr.index] = (t + s.delay, landing)
 
-    def _land(self, index: int, mean: torch.Tensor, bad: bool) -> None:
+    def _land(self, index: int, mean: torch.Tensor, bad: bool, norm: float | None) -> None:
         fr, s = self.fragments[index], self.section
         if bad:
             self.skipped += 1
@@ -192,7 +192,7 @@ class DiLoCoSync(Sync):
         fr.outer_step(mean, s.outer_lr, s.outer_momentum, s.nesterov)
         fr.write_back(s.alpha if s.delay > 0 else 0.0)
         self.syncs += 1
-        self.last_norm = float(mean.norm())
+        self.last_norm = float(mean.norm()) if norm is None else norm
 
     # ---- what users read -------------------------------------------------------------------
     @property
@@ -228,10 +228,8 @@ class DiLoCoSync(Sync):
     def algorithm_state_dict(self) -> dict:
         landed = dict(self._landed)
         for f, (apply_at, landing) in self._inflight.items():  # an exchange in flight: its result
-            mean, bad = landing.wait()
-            landed[f] = (apply_at, mean)
-            if bad:
-                landed[f] = (apply_at, torch.full_like(mean, float("nan")))
+            mean, bad, _ = landing.wait()
+            landed[f] = (apply_at, torch.full_like(mean, float("nan")) if bad else mean)
         self._inflight = {}
         self._landed = landed
         cpu = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731

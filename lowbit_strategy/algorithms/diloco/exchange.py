@@ -107,13 +107,16 @@ class Landing:
             self._pending = self._pending.gather()
         self._advanced = True
 
-    def wait(self) -> tuple[torch.Tensor, bool]:
+    def wait(self) -> tuple[torch.Tensor, bool, float]:
+        """``(mean, any worker non-finite, the mean's L2 norm)``: one host read for both figures."""
         self.advance()
         part = self._finish(self._pending.wait())
         ex = self._exchange
         flag = ~torch.isfinite(part).all()
         full, bad = ex.spec.restore_async(part, ex.n, ex.traffic, flag, ALIGN).wait()
-        return full, ex.spec.agree(bool(bad))
+        assert bad is not None  # (a flag given comes back)
+        verdict, norm = torch.stack([bad.to(torch.float32), full.norm().to(torch.float32)]).tolist()
+        return full, ex.spec.agree(bool(verdict)), norm
 
 
 class Exchange:

@@ -73,6 +73,7 @@ def _syncs(t, f, sync):
     return frag.syncs_after(t, f, len(sync.fragments), sync.section.sync_every)
 
 
+@pytest.mark.slow
 def test_every_compression_and_streaming_equals_the_oracle():
     run_ranks(2, _flat_runs)
 
@@ -94,6 +95,7 @@ def _resume(rank, world, tmp):
             assert torch.equal(training.flat(resumed.module), training.flat(whole.module)), (section, stop)
 
 
+@pytest.mark.slow
 def test_resume_at_and_between_round_boundaries_is_bit_for_bit(tmp_path):
     run_ranks(2, _resume, str(tmp_path))
 
@@ -108,6 +110,7 @@ def _hierarchical(rank, world):
         assert sync.node_traffic.node_bytes_sent > 0  # the node's mean, every step
 
 
+@pytest.mark.slow
 def test_hierarchical_two_nodes_of_two_ranks_equals_the_oracle_over_nodes():
     run_ranks(4, _hierarchical)
 
@@ -124,6 +127,7 @@ def _nonfinite_and_refusals(rank, world):
             training.train(rank, make, cfg(), 1)
 
 
+@pytest.mark.slow
 def test_non_finite_round_is_skipped_on_every_rank_and_compressed_inner_optimizers_are_refused():
     run_ranks(2, _nonfinite_and_refusals)
 

@@ -5,6 +5,7 @@ parameter fed its node's mean gradient. The outer state is the shard's (1/L per 
 nothing crosses nodes between rounds."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -39,5 +40,6 @@ def _check(rank, world_size):
             assert all(torch.equal(every[0], e) for e in every[1:]), "replicas differ after a round"
 
 
+@pytest.mark.slow
 def test_sharded_diloco_equals_the_flat_oracle_on_shards():
     run_ranks(2 * PER_NODE, _check)
