@@ -73,7 +73,8 @@ class LowBitConfig:
             (CPU and CUDA), bit for bit the eager codecs' results; opt-in because each process pays
             for compiling on first use (seconds; :mod:`lowbit_strategy.codecs.compiled`). It pays
             on CPU ranks; on an H100 no chain was faster than eager, so leave it off on CUDA.
-            Without a working compiler the eager codecs run, after one warning.
+            Without a working compiler the eager codecs run, after one warning; so they do where a
+            chain's first call differs from the same chain run eagerly (a stale cached kernel).
         topology: ``flat`` (the P ranks as one group), ``hierarchical`` (an exact reduction
             inside each node, the algorithm's compressed collective between nodes on a
             1/L shard per local rank, an all-gather inside the node: only what crosses nodes

@@ -5,6 +5,7 @@ first; ``thorough`` runs 20x the examples (before changing a codec). None has a
 per-example deadline: on a loaded 2-core machine wall time says
 nothing about correctness."""
 import os
+import tempfile
 
 import pytest
 import torch
@@ -29,6 +30,14 @@ os.environ.setdefault("LOWBIT_EMULATE_NCCL", "1")
 # the tests spawn) to the figures the fields defaulted to before, so plans are deterministic. The
 # probe's own tests unset it (lowbit_strategy.pricing.link_probe.ASSUME_ENV).
 os.environ.setdefault("LOWBIT_LINK_ASSUME", "1.0,50")
+
+# inductor's on-disk cache, one per CPU kernel set torch runs (ATEN_CPU_CAPABILITY): its cache key
+# leaves the capability out, and a kernel a native run cached served a later avx2 run zeros
+# (lowbit_strategy.codecs.compiled now checks a chain's first call against eager, and would fall
+# back: tests/codecs/test_compiled.py requires that it compiled). Inherited by every spawned rank.
+_capability = os.environ.get("ATEN_CPU_CAPABILITY") or "native"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"torchinductor_lowbit_{_capability}"))
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)

@@ -38,7 +38,8 @@ CPU and CUDA tensors of at least :data:`MIN_NUMEL` elements. Nothing is compiled
 chain compiles on its first call, once per set of constants (levels, dtypes) with dynamic
 sizes, so buckets of different lengths share one kernel. If compiling or running a chain
 raises (no C++ compiler, an unsupported platform), it warns once and the eager codec serves
-it for the rest of the process.
+it for the rest of the process; so does a chain whose first call's result differs from the
+same chain run eagerly (:func:`_run`).
 """
 
 from __future__ import annotations
@@ -87,15 +88,42 @@ def _fresh(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
 
 def _run(name: str, key: tuple[Any, ...], build: Callable[[], Callable[..., Any]], *args: Any) -> Any:
     """The chain ``name`` for the constants ``key`` (built by ``build`` and compiled on first
-    use) applied to ``args``; ``None`` when this chain cannot be compiled (warned once)."""
+    use) applied to ``args``; ``None`` when this chain cannot be compiled (warned once).
+
+    A chain's first call is checked: the same chain run eagerly on copies of the arguments must
+    give the compiled result, and leave the arguments it writes (a chain may update an input in
+    place), bit for bit; else (a miscompiled kernel: inductor once reused, from its on-disk cache,
+    a kernel built for another ``ATEN_CPU_CAPABILITY``, which returned zeros) the arguments are
+    restored, the chain is dropped with a warning and the eager codec serves it for the rest of
+    the process. One eager run and two copies of the arguments per chain and set of constants."""
     if name in _failed:
         return None
     slot = (name, *key)
     fn = _chains.get(slot)
     try:
-        if fn is None:
-            fn = _chains[slot] = _compile(_fresh(build(), "_".join(map(str, key)).replace(".", "_")))
-        return fn(*args)
+        if fn is not None:
+            return fn(*args)
+        chain = build()
+        fn = _compile(_fresh(chain, "_".join(map(str, key)).replace(".", "_")))
+        before = _snapshot(args)
+        mine = _snapshot(before)
+        got = fn(*args)
+        want = chain(*mine)  # eager: the same operations, on copies
+        if not (_same_bits(_snapshot(got), want) and _same_bits(_snapshot(args), mine)):
+            for a, b in zip(args, before):  # as they were: the eager codec starts from them
+                if isinstance(a, torch.Tensor):
+                    a.copy_(b)
+            _failed.add(name)
+            warnings.warn(
+                f"compile_codecs: the compiled {name} codec chain gave other bits than eager on its first call "
+                "(a miscompiled or stale cached kernel: is TORCHINDUCTOR_CACHE_DIR shared between runs with "
+                "different ATEN_CPU_CAPABILITY?); the eager codecs are used instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        _chains[slot] = fn
+        return got
     except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
         _failed.add(name)
         warnings.warn(
@@ -105,6 +133,29 @@ def _run(name: str, key: tuple[Any, ...], build: Callable[[], Callable[..., Any]
             stacklevel=3,
         )
         return None
+
+
+def _snapshot(out: Any) -> Any:
+    """``out`` (a tensor, a tuple of them, or None) copied: a chain may return a buffer it reuses."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_snapshot(o) for o in out)
+    return out
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Whether two chain results hold the same bits (-0.0 and NaN payloads included)."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(map(_same_bits, a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.dtype.is_floating_point:
+            width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+            return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+        return torch.equal(a, b)
+    return a is b or a == b
 
 
 #: Below this many elements the eager codecs run: a compiled call costs tens of microseconds

@@ -54,12 +54,18 @@ def _same(a, b) -> None:
 
 
 def _both(fn, *args, **kwargs):
-    """``fn`` eager, then compiled: both results."""
+    """``fn`` eager, then compiled: both results (the compiled one really compiled: no chain fell
+    back to eager, which a failed compile or a first call unlike eager would make it do)."""
     compiled.use_compiled(False)
     eager = fn(*args, **kwargs)
     compiled.use_compiled(True)
     try:
-        return eager, fn(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fn(*args, **kwargs)
+        fell_back = [str(w.message) for w in caught if "compile_codecs" in str(w.message)]
+        assert not fell_back and not compiled._failed, fell_back or compiled._failed
+        return eager, got
     finally:
         compiled.use_compiled(False)
 
@@ -107,6 +113,44 @@ def test_a_failing_compiler_warns_once_and_the_eager_codecs_serve(switch, monkey
         warnings.simplefilter("error")  # once: the failed chain is not tried again
         _same(lp_quantize(x, 8, 1), expected)
     assert compiled._failed == {"lp_quantize |x|"}  # the first chain of p = 1
+
+
+def test_a_chain_unlike_eager_on_its_first_call_is_dropped_and_the_eager_codecs_serve(switch, monkeypatch):
+    # a miscompiled kernel (inductor's cache once served one built for another ATEN_CPU_CAPABILITY:
+    # zeros): the codec's result and the input it updates in place are eager's, with one warning
+    def zeros(fn):
+        return lambda *args: torch.zeros_like(fn(*args))
+
+    def corrupts_its_input(fn):
+        def call(*args):
+            out = fn(*args)
+            args[0].add_(1.0)
+            return out
+
+        return call
+
+    x = _values(MIN_NUMEL + 5)
+    for wrong, codec, name in ((zeros, lambda: lp_quantize(x, 8, 2.0), "lp_quantize"),
+                               (corrupts_its_input, lambda: _signs(x), "scaled_sign_compress")):
+        monkeypatch.setattr(compiled, "_compile", wrong)
+        monkeypatch.setattr(compiled, "_chains", {})
+        monkeypatch.setattr(compiled, "_failed", set())
+        switch(False)
+        expected = codec()
+        switch(True)
+        with pytest.warns(RuntimeWarning, match=rf"compiled {name} codec chain gave other bits than eager"):
+            _same(codec(), expected)
+        assert compiled._failed == {name}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # dropped: not tried again
+            _same(codec(), expected)
+
+
+def _signs(x):
+    """1-bit compression of a copy of ``x``: the packed signs and the updated error (in place)."""
+    v, error = x.clone(), torch.zeros_like(x)
+    bits, scale = scaled_sign_compress(v, error, nbytes=-(-v.numel() // 8))
+    return bits, scale, error
 
 
 def test_small_and_non_cpu_inputs_stay_eager(switch, monkeypatch):
