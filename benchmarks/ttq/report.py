@@ -23,7 +23,10 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
          "ddp_powersgd_lion": "DDP PowerSGD r4 + Lion", "ddp_fp16_adamw": "DDP fp16 + AdamW",
          "ddp_fp16_lion": "DDP fp16 + Lion", "lowbit_lion": "Lion Cub (auto)", "lowbit_lion_1bit": "Lion Cub 1-bit",
          "lowbit_bitdp_adamw": "BitDP 2-bit + AdamW", "lowbit_bitdp_1bit_adamw": "BitDP 1-bit + AdamW",
-         "lowbit_adam": "1-bit Adam", "lowbit_lamb": "1-bit LAMB", "lowbit_turboquant": "TurboQuant-Adam (auto)"}
+         "lowbit_adam": "1-bit Adam", "lowbit_lamb": "1-bit LAMB", "lowbit_turboquant": "TurboQuant-Adam (auto)",
+         "lowbit_diloco_fp32_h50": "DiLoCo fp32 H=50 + AdamW", "lowbit_diloco_int4_h50": "DiLoCo int4 H=50 + AdamW",
+         "lowbit_diloco_sign_h50": "DiLoCo 1-bit H=50 + AdamW", "lowbit_diloco_int4_h150": "DiLoCo int4 H=150 + AdamW",
+         "lowbit_diloco_stream_int4_h50": "Streaming DiLoCo int4 H=50 F=2 τ=1 + AdamW"}
 
 
 def curve(rec: dict) -> list[tuple[float, float]]:

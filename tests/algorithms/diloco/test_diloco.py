@@ -125,10 +125,18 @@ def _nonfinite_and_refusals(rank, world):
     for make in (lambda p: lowbit_strategy.Lion(p, lr=1e-3), lambda p: lowbit_strategy.OneBitAdam(p, lr=1e-3)):
         with pytest.raises(LowBitSetupError, match="inner optimizer"):
             training.train(rank, make, cfg(), 1)
+    # more fragments than the model's 3 blocks (the embedding and two linears): refused on every rank
+    from lowbit_strategy.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"diloco.fragments.*at most the model's 3 blocks"):
+        training.train(rank, oracle.adamw, cfg(fragments=4), 1)
+    # accumulation (two backward passes per step): rounds count optimizer steps, not backward passes
+    _, _, sync = training.train(rank, oracle.adamw, cfg(compression="int4"), 2 * H, twice=True)
+    assert sync.steps == 2 * H and sync.rounds == 2
 
 
 @pytest.mark.slow
-def test_non_finite_round_is_skipped_on_every_rank_and_compressed_inner_optimizers_are_refused():
+def test_non_finite_round_is_skipped_and_bad_setups_are_refused_on_every_rank():
     run_ranks(2, _nonfinite_and_refusals)
 
 
