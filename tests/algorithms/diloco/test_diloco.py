@@ -129,7 +129,7 @@ def _nonfinite_and_refusals(rank, world):
     from lowbit_strategy.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"diloco.fragments.*at most the model's 3 blocks"):
-        training.train(rank, oracle.adamw, cfg(fragments=4), 1)
+        training.train(rank, oracle.adamw, cfg(fragments=4, sync_every=8), 1)
     # accumulation (two backward passes per step): rounds count optimizer steps, not backward passes
     _, _, sync = training.train(rank, oracle.adamw, cfg(compression="int4"), 2 * H, twice=True)
     assert sync.steps == 2 * H and sync.rounds == 2
