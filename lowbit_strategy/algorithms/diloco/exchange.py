@@ -84,9 +84,9 @@ def payload_bytes(compression: str, m: int, workers: int) -> int:
         nb = -(-8 * c // SIGN_BLOCK)
         return 2 * wire.all_to_all_bytes(c, p) + 2 * wire.all_to_all_bytes(4 * nb, p)
     if compression == "turboquant":
-        codec = TurboQuantCodec(bits=TURBOQUANT_BITS)
-        n = -(-m // codec.block) * codec.block
-        return wire.all_gather_bytes(n * codec.lane_bits // 8, p) + wire.all_gather_bytes(4 * (n // codec.block), p)
+        codec = TurboQuantCodec(bits=TURBOQUANT_BITS)  # packed level indices, one scale per block
+        codes = -(-m * codec.lane_bits // 8)
+        return wire.all_gather_bytes(codes, p) + wire.all_gather_bytes(4 * -(-m // codec.block), p)
     if compression == "bitdp":
         rows = -(-m // BITDP_ROW)
         return wire.all_gather_bytes(rows * BITDP_ROW * 2 // 8, p) + wire.all_gather_bytes(4 * rows, p)

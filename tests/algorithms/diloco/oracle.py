@@ -14,9 +14,10 @@ from lowbit_strategy.algorithms.diloco import exchange as ex
 from lowbit_strategy.algorithms.diloco import fragments as frag
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.codecs.reduce import divide, rank_sum
+from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import gathered
 from lowbit_strategy.collectives.compensated import server_chunk_length
-from lowbit_strategy.collectives.reference import compensated_allreduce_reference
+from lowbit_strategy.collectives.reference import compensated_allreduce_reference, turboquant_mean_reference
 from tests import training
 
 BLOCKWISE = {"int8": 8, "int4": 4, "int2": 2}
@@ -45,7 +46,24 @@ def mean_of(compression: str, parts: list[torch.Tensor], errors: list, server: l
         for s, n in zip(server, se):
             s.copy_(n)
         return outs[0].float()
+    if compression == "turboquant":
+        codec = TurboQuantCodec(bits=ex.TURBOQUANT_BITS)
+        if not ef:
+            return turboquant_mean_reference(parts, codec)[0].float()
+        outs, new = turboquant_mean_reference(parts, codec, worker_errors=[e.clone() for e in errors])
+        for e, n in zip(errors, new):
+            e.copy_(n)
+        return outs[0].float()
     us = [x + e for x, e in zip(parts, errors)] if ef else list(parts)
+    if compression == "bf16":  # rounded to bf16 (the error kept), divided by P, summed in bf16 (P = 2: one add)
+        ws = [u.to(torch.bfloat16) for u in us]
+        if ef:
+            for e, u, w in zip(errors, us, ws):
+                e.copy_(u - w.float())
+        total = ws[0] / p
+        for w in ws[1:]:
+            total = total + w / p
+        return total.float()
     if compression in BLOCKWISE:
         bits = BLOCKWISE[compression]
         rows = []
