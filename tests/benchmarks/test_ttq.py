@@ -374,3 +374,22 @@ def test_what_the_fingerprint_leaves_out_is_never_imported_by_a_run():
         "assert not hit, hit\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ttq.ROOT, check=True, timeout=120)
+
+
+def test_diloco_forms_carry_their_config_and_time_two_rounds(tmp_path):
+    """A DiLoCo form's runs carry its LowBitConfig overrides, and its timing run's main phase
+    spans two rounds, so that the phase's mean step carries the sync amortized over H."""
+    from benchmarks.e2e.worker import CONFIGS
+
+    args = SimpleNamespace(links="10mbit", model=[("d_model", 32)], max_minutes=1, val_batches=2, lr_warmup=0,
+                           steps=100, timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10)
+    study = ttq.Study(args, tmp_path)
+    link = study.links[0]
+    for config, overrides in ttq.DILOCO.items():
+        assert CONFIGS[config] == ("lowbit_diloco", "adamw") and config in ttq.ALGORITHMS
+        timing = study.timing_settings(config, link)
+        h = ttq.diloco_h(config)
+        assert h in (50, 150) and f"diloco_sync_every={h}" in overrides
+        assert timing["lowbit"] == overrides == study.quality_settings(config, link, 1e-3, 0)["lowbit"]
+        assert timing["steps"] == ta.STARTUP + 2 * h and timing["switch"] == 0  # both syncs inside the main phase
+    assert ttq.diloco_h("ddp_adamw") == 0 and study.timing_settings("ddp_adamw", link)["steps"] == ta.STARTUP + 5
