@@ -40,6 +40,7 @@ from lowbit_strategy.collectives import exact
 from lowbit_strategy.collectives.shards import NodeShard
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import local_view
+from lowbit_strategy.rank_state import to_cpu
 from lowbit_strategy.validation import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ class DiLoCoSync(Sync):
             "local": [cpu(f.local()) for f in self.fragments],
             "landed": {f: (a, cpu(m)) for f, (a, m) in landed.items()},
             "errors": [e.state_dict() for e in self._ready()],
-            "inner": [_to_cpu(opt.state_dict()) for opt in self._optimizers],
+            "inner": [to_cpu(opt.state_dict()) for opt in self._optimizers],
         }
 
     def load_algorithm_state_dict(self, state: dict) -> None:
@@ -299,16 +300,6 @@ def _load_inner(opt: torch.optim.Optimizer, saved: dict) -> None:
                     local_view(current[key]).copy_(value)
                 else:
                     current[key] = value
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return local_view(obj).detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def merge_states(states: list[dict]) -> dict:
