@@ -118,6 +118,8 @@ SUITES = {
               ("1-bit LAMB", "lowbit_lamb", ["--optimizer", "onebit_lamb"]),
               ("TurboQuant-Adam all-gather", "lowbit_turboquant",
                ["--optimizer", "turboquant", "--lowbit", "turboquant_form=allgather"]),
+              # local updates: a round every 10 of the suite's steps (its default H = 100 would sync rarely)
+              ("DiLoCo int4 H=10 + AdamW", "lowbit_diloco", ["--optimizer", "adamw", "--lowbit", "diloco_sync_every=10"]),
           ]
           for row in [*[(f"{name}, {form}", strategy,
                          [*extra, *([] if "--lowbit" in extra else ["--lowbit"]), f"topology={form}"])
