@@ -94,6 +94,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lowbit_diloco_int4_h50": ("lowbit_diloco", "adamw"),
     "lowbit_diloco_sign_h50": ("lowbit_diloco", "adamw"),
     "lowbit_diloco_int4_h150": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_int4_h10": ("lowbit_diloco", "adamw"),
     "lowbit_diloco_stream_int4_h50": ("lowbit_diloco", "adamw"),
     "calib_lion": ("local", "lion"),
     "calib_adamw": ("local", "adamw"),

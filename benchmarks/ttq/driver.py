@@ -76,6 +76,7 @@ DILOCO = {
     "lowbit_diloco_int4_h50": "diloco_compression=int4,diloco_sync_every=50",
     "lowbit_diloco_sign_h50": "diloco_compression=sign,diloco_sync_every=50",
     "lowbit_diloco_int4_h150": "diloco_compression=int4,diloco_sync_every=150",
+    "lowbit_diloco_int4_h10": "diloco_compression=int4,diloco_sync_every=10",
     "lowbit_diloco_stream_int4_h50": "diloco_compression=int4,diloco_sync_every=50,diloco_fragments=2,diloco_delay=1",
 }
 #: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)

@@ -26,6 +26,7 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
          "lowbit_adam": "1-bit Adam", "lowbit_lamb": "1-bit LAMB", "lowbit_turboquant": "TurboQuant-Adam (auto)",
          "lowbit_diloco_fp32_h50": "DiLoCo fp32 H=50 + AdamW", "lowbit_diloco_int4_h50": "DiLoCo int4 H=50 + AdamW",
          "lowbit_diloco_sign_h50": "DiLoCo 1-bit H=50 + AdamW", "lowbit_diloco_int4_h150": "DiLoCo int4 H=150 + AdamW",
+         "lowbit_diloco_int4_h10": "DiLoCo int4 H=10 + AdamW",
          "lowbit_diloco_stream_int4_h50": "Streaming DiLoCo int4 H=50 F=2 τ=1 + AdamW"}
 
 

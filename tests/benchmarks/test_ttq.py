@@ -389,7 +389,7 @@ def test_diloco_forms_carry_their_config_and_time_two_rounds(tmp_path):
         assert CONFIGS[config] == ("lowbit_diloco", "adamw") and config in ttq.ALGORITHMS
         timing = study.timing_settings(config, link)
         h = ttq.diloco_h(config)
-        assert h in (50, 150) and f"diloco_sync_every={h}" in overrides
+        assert h in (10, 50, 150) and f"diloco_sync_every={h}" in overrides
         assert timing["lowbit"] == overrides == study.quality_settings(config, link, 1e-3, 0)["lowbit"]
-        assert timing["steps"] == ta.STARTUP + 2 * h and timing["switch"] == 0  # both syncs inside the main phase
+        assert timing["steps"] == ta.STARTUP + max(5, 2 * h) and timing["switch"] == 0  # both syncs inside the main phase
     assert ttq.diloco_h("ddp_adamw") == 0 and study.timing_settings("ddp_adamw", link)["steps"] == ta.STARTUP + 5
