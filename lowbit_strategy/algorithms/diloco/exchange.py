@@ -98,8 +98,8 @@ class Landing:
     :meth:`wait` returns the whole fragment's mean pseudo-gradient (float32, ``n`` elements)
     and whether any worker's was non-finite (the same verdict on every rank)."""
 
-    def __init__(self, exchange: Exchange, pending, finish):
-        self._exchange, self._pending, self._finish = exchange, pending, finish
+    def __init__(self, exchange: Exchange, pending):
+        self._exchange, self._pending = exchange, pending  # its wait() returns this rank's part of the mean
         self._advanced = False
 
     def advance(self) -> None:
@@ -110,7 +110,7 @@ class Landing:
     def wait(self) -> tuple[torch.Tensor, bool, float]:
         """``(mean, any worker non-finite, the mean's L2 norm)``: one host read for both figures."""
         self.advance()
-        part = self._finish(self._pending.wait())
+        part = self._pending.wait()
         ex = self._exchange
         flag = ~torch.isfinite(part).all()
         full, bad = ex.spec.restore_async(part, ex.n, ex.traffic, flag, ALIGN).wait()
@@ -175,12 +175,12 @@ class Exchange:
         x = delta[self.lo : self.hi] if self.hi > self.lo else delta.new_zeros(1)
         x = x.to(self.device, torch.float32).contiguous()
         if self.workers == 1:  # one worker: nothing crosses, the mean is its own (uncompressed)
-            done = _Done(x.clone())
-            return Landing(self, done, lambda r: r)
+            return Landing(self, g.Pending((), x.clone))
         group, p, comp = self.spec.group, self.workers, self.compression
         if comp == "fp32":
             buf = x.clone()
-            return Landing(self, _Future(exact.mean_allreduce_async(buf, group, "diloco.fp32", self.traffic)), _same)
+            fut = exact.mean_allreduce_async(buf, group, "diloco.fp32", self.traffic)
+            return Landing(self, g.Pending(fut, lambda: buf))
         if comp == "sign":
             if not self.error_feedback:  # the collective needs buffers: fresh ones, nothing carried
                 self.reset_errors()
@@ -188,7 +188,7 @@ class Exchange:
             pending = compensated_allreduce_start(
                 x, self.worker_error, self.server_error, group, traffic=self.traffic, block=SIGN_BLOCK
             )
-            return Landing(self, pending, _same)
+            return Landing(self, pending)
         if comp == "turboquant":
             assert self._codec is not None
             gathered_tq = turboquant_allgather_mean_start(
@@ -198,14 +198,14 @@ class Exchange:
                 worker_error=self.worker_error if self.error_feedback else None,
                 traffic=self.traffic,
             )
-            return Landing(self, gathered_tq, _same)
+            return Landing(self, gathered_tq)
         u = x + self.worker_error if self.error_feedback and self.worker_error is not None else x
         if comp == "bf16":
             w = u.to(torch.bfloat16)
             self._keep_error(u, w.float())
             w.div_(p)
             fut = g.all_reduce_sum_async(w, group, "diloco.bf16", self.traffic)
-            return Landing(self, _Future(fut), lambda r: r.float())
+            return Landing(self, g.Pending(fut, w.float))
         if comp in _BLOCKWISE:
             bits = _BLOCKWISE[comp]
             codes, scales = blockwise.encode(u.view(1, -1), bits, salt=salt(self.fragment, round_, g.rank(group)))
@@ -215,11 +215,11 @@ class Exchange:
             fc = g.all_gather_async(all_codes, codes.view(-1), group, "diloco.codes", self.traffic)
             fs = g.all_gather_async(all_scales, scales.view(-1), group, "diloco.scales", self.traffic)
 
-            def decode(_):
+            def decode():
                 rows = blockwise.decode(all_codes.view(p, -1), all_scales.view(p, -1), bits, self.m)
                 return divide(rank_sum(rows), p)
 
-            return Landing(self, _Futures((fc, fs)), decode)
+            return Landing(self, g.Pending((fc, fs), decode))
         if comp == "bitdp":
             rows = -(-self.m // BITDP_ROW)
             mat = torch.zeros(rows * BITDP_ROW, dtype=torch.float32, device=u.device)
@@ -230,7 +230,7 @@ class Exchange:
                 self._keep_error(u, channel_decode(c, s, 2).reshape(-1)[: self.m])
             layout, words, scl = gathered.encode([mat], 2)
             fut = gathered.gathered_mean_async(words, scl, layout, group, traffic=self.traffic)
-            return Landing(self, _Future(fut), lambda r: r.reshape(-1)[: self.m])
+            return Landing(self, g.Pending(fut, lambda: fut.value().reshape(-1)[: self.m]))
         raise ValueError(f"unknown compression {comp!r}")
 
     def _keep_error(self, u: torch.Tensor, sent: torch.Tensor) -> None:
@@ -238,35 +238,3 @@ class Exchange:
         if self.error_feedback and self.worker_error is not None:
             missed = u - sent
             self.worker_error.copy_(torch.where(torch.isfinite(missed), missed, torch.zeros_like(missed)))
-
-
-def _same(r: torch.Tensor) -> torch.Tensor:
-    return r
-
-
-class _Done:
-    def __init__(self, value):
-        self._value = value
-
-    def wait(self):
-        return self._value
-
-
-class _Future:
-    """A collective's future: its own ``wait()`` before its data is read."""
-
-    def __init__(self, fut):
-        self._fut = fut
-
-    def wait(self):
-        return self._fut.wait()
-
-
-class _Futures:
-    def __init__(self, futures):
-        self._futures = futures
-
-    def wait(self):
-        for f in self._futures:
-            f.wait()
-        return None
