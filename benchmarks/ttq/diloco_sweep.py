@@ -1,0 +1,147 @@
+"""DiLoCo's outer optimizer swept with H: quality runs of the time-to-quality study's model, one
+per point ``H:outer_lr:outer_momentum``, each the recorded int4 H = 50 run (same model, data,
+inner lr, schedule, seed) with only those three fields changed, and a table of where each ends.
+
+    python -m benchmarks.ttq.diloco_sweep 50:1.0:0 50:0.7:0.5 10:1.0:0 --seeds 0
+
+Why a sweep of its own: the outer optimizer multiplies each round's mean pseudo-gradient by about
+``outer_lr / (1 - outer_momentum)`` once its momentum has built up (DiLoCo's 0.7 and 0.9: 7x). At
+H = 500 (the paper's) a worker's drift is far from linear in H and the product is what moves the
+global weights at all; at the H of a short run the drift is nearly H inner steps, so the same
+product acts as a 7x larger inner learning rate. The step time does not depend on these fields
+(same bytes, same compute), so the study's timing runs of the same H and compression price every
+point; this script only measures quality.
+
+Runs go to ``results/ttq/diloco/sweep/runs/<name>.json`` (kept: a point already run with the same
+settings is read, not run again); the table to ``results/ttq/diloco/sweep/sweep.md``. About 12-17
+minutes a run on 2 cores (4 ranks on loopback, 1,500 steps of the 4.03M-parameter GPT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.harness import procs
+from benchmarks.harness.host import RESULTS, ROOT
+from benchmarks.ttq.driver import loopback_envs
+
+BASE = RESULTS / "ttq" / "diloco" / "runs" / "quality" / "lowbit_diloco_int4_h50_lr0.00075_seed0.json"
+REFERENCE = RESULTS / "ttq" / "runs" / "quality"
+OUT = RESULTS / "ttq" / "diloco" / "sweep"
+#: DiLoCo's paper values: the study's recorded int4 runs used them
+PAPER = (0.7, 0.9)
+
+
+def parse_point(text: str) -> tuple[int, float, float]:
+    """``"50:0.7:0.9"`` -> (50, 0.7, 0.9), refused naming the form when malformed."""
+    try:
+        h, lr, momentum = text.split(":")
+        return int(h), float(lr), float(momentum)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"point {text!r}: expected H:outer_lr:outer_momentum, e.g. 50:0.7:0.9")
+
+
+def settings_of(base: dict, point: tuple[int, float, float], seed: int, compression: str) -> dict:
+    h, lr, momentum = point
+    lowbit = (f"diloco_compression={compression},diloco_sync_every={h},"
+              f"diloco_outer_lr={lr:g},diloco_outer_momentum={momentum:g}")
+    return {**base, "seed": seed, "lowbit": lowbit}
+
+
+def name_of(point: tuple[int, float, float], seed: int, compression: str) -> str:
+    h, lr, momentum = point
+    return f"{compression}_h{h}_olr{lr:g}_om{momentum:g}_seed{seed}"
+
+
+def run(settings: dict, path: Path) -> dict:
+    """One quality run (4 ranks on loopback), or the recorded one with these settings."""
+    if path.exists() and (rec := json.loads(path.read_text())).get("settings") == settings:
+        print(f"  kept {path.name}", flush=True)
+        return rec
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    cmd = [sys.executable, "-m", "benchmarks.ttq.worker", "--out", str(partial), "--timeout", "3000"]
+    for key, value in settings.items():
+        if value not in ("", None):
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    start = time.monotonic()
+    done = procs.launch([cmd] * 4, loopback_envs(env), timeout=3600, cwd=str(ROOT))
+    if done.timed_out or any(c != 0 for c in done.returncodes) or not partial.exists():
+        raise RuntimeError(f"{path.stem}: the run failed:\n{done.outputs[0][-1500:]}")
+    rec = json.loads(partial.read_text())
+    rec.update(settings=settings, run_seconds=round(time.monotonic() - start, 1),
+               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    path.write_text(json.dumps(rec) + "\n")
+    partial.unlink()
+    return rec
+
+
+def val_at(rec: dict, step: int) -> float:
+    return next(e[2] for e in rec["evals"] if e[0] >= step)
+
+
+def table(rows: list[tuple[str, tuple, int, dict]], reference: dict[int, dict]) -> str:
+    """Markdown: each point's validation loss at a quarter, half and all of the run, and its final
+    loss against DDP + AdamW's of the same seed (the issue's goal: within 2 %)."""
+    steps = rows[0][3]["steps"]
+    marks = [steps // 4, steps // 2, steps]
+    out = ["| compression | H | outer lr | outer momentum | lr x 1/(1-m) | seed | "
+           + " | ".join(f"val @ {m}" for m in marks) + " | vs DDP + AdamW |",
+           "|---|---:|---:|---:|---:|---:|" + "---:|" * len(marks) + "---:|"]
+    for compression, (h, lr, momentum), seed, rec in rows:
+        final = rec["evals"][-1][2]
+        ref = reference.get(seed)
+        gap = f"{100 * (final / ref['evals'][-1][2] - 1):+.1f} %" if ref else "–"
+        out.append(f"| {compression} | {h} | {lr:g} | {momentum:g} | {lr / (1 - momentum):.2g} | {seed} | "
+                   + " | ".join(f"{val_at(rec, m):.3f}" for m in marks) + f" | {gap} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("points", nargs="+", type=parse_point, help="H:outer_lr:outer_momentum")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--compression", default="int4")
+    p.add_argument("--output", default=str(OUT))
+    args = p.parse_args(argv)
+    out = Path(args.output)
+    base = json.loads(BASE.read_text())["settings"]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    reference = {s: json.loads(f.read_text()) for s in seeds
+                 if (f := REFERENCE / f"ddp_adamw_lr{base['lr']:g}_seed{s}.json").exists()}
+    rows = []
+    for i, point in enumerate(args.points):
+        for seed in seeds:
+            name = name_of(point, seed, args.compression)
+            print(f"[{time.strftime('%H:%M:%S')}] ({i + 1}/{len(args.points)}) {name}", flush=True)
+            rec = run(settings_of(base, point, seed, args.compression), out / "runs" / f"{name}.json")
+            print(f"    final val {rec['evals'][-1][2]:.4f}", flush=True)
+            rows.append((args.compression, point, seed, rec))
+    # every point recorded in the folder, this call's or an earlier one's, in one table
+    kept = []
+    for f in sorted((out / "runs").glob("*.json")):
+        rec = json.loads(f.read_text())
+        fields = dict(kv.split("=") for kv in rec["settings"]["lowbit"].split(","))
+        point = (int(fields["diloco_sync_every"]), float(fields["diloco_outer_lr"]),
+                 float(fields["diloco_outer_momentum"]))
+        kept.append((fields["diloco_compression"], point, rec["settings"]["seed"], rec))
+    kept.sort(key=lambda r: (r[0], r[1][0], -r[1][1], r[1][2], r[2]))
+    command = "python -m benchmarks.ttq.diloco_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"# DiLoCo's outer optimizer swept with H\n\n`{command}` (every point recorded in "
+            f"`{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/runs`), "
+            f"{time.strftime('%Y-%m-%d %H:%M')} UTC.\n\n"
+            f"Model, data, inner AdamW lr {base['lr']:g}, schedule and {base['steps']} steps as the "
+            "time-to-quality study's DiLoCo runs (2 nodes x 2 ranks, a worker per node); DDP + AdamW's "
+            "final loss of the same seed is the reference.\n\n" + table(kept, reference) + "\n")
+    (out / "sweep.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
