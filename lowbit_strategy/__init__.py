@@ -19,6 +19,7 @@ from lowbit_strategy import (
 from lowbit_strategy.algorithms import REGISTRY as ALGORITHMS
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.algorithms.bitdp import BitDPState, bitdp_hook
+from lowbit_strategy.algorithms.demo import DeMo
 from lowbit_strategy.algorithms.lion_cub import Lion, LionCommunicator
 from lowbit_strategy.algorithms.onebit import OneBitAdam, OneBitLamb
 from lowbit_strategy.algorithms.turboquant import TurboQuantAdamW
@@ -39,6 +40,7 @@ __all__ = [
     "BitDPState",
     "ConfigError",
     "ConfigMismatchError",
+    "DeMo",
     "Lion",
     "LionCommunicator",
     "OneBitAdam",

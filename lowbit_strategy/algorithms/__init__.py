@@ -33,7 +33,7 @@ def get(name: str) -> Algorithm:
         raise KeyError(f"no algorithm {name!r}; registered: {', '.join(REGISTRY)}") from None
 
 
-from lowbit_strategy.algorithms import bitdp, diloco, lion_cub, onebit, turboquant  # noqa: E402  (they import the names above)
+from lowbit_strategy.algorithms import bitdp, demo, diloco, lion_cub, onebit, turboquant  # noqa: E402  (they import the names above)
 
 register(lion_cub.ALGORITHM)
 register(bitdp.ALGORITHM)
@@ -41,5 +41,6 @@ register(onebit.ADAM)
 register(onebit.LAMB)
 register(turboquant.ALGORITHM)
 register(diloco.ALGORITHM)
+register(demo.ALGORITHM)
 
 __all__ = ["Algorithm", "LowBitSetupError", "REGISTRY", "Sync", "get", "register"]

@@ -113,6 +113,14 @@ def attach_optimizers(sync: Sync, optimizers: Sequence[torch.optim.Optimizer], w
                 {k: v for k, v in grp.items() if k != "params"},
             )
     check_same(fields, sync.group, "The optimizers", ConfigMismatchError)
+    for opt in optimizers:  # an optimizer that only its own algorithm drives (DeMo's exchange)
+        own = getattr(opt, "lowbit_algorithm", None)
+        if own is not None and own != sync.config.algorithm:
+            raise LowBitSetupError(
+                f"{who or 'attach'}: {type(opt).__name__} runs only under algorithm={own!r} (strategy "
+                f"'lowbit_{own}'), got the pair (algorithm={sync.config.algorithm!r}, {type(opt).__name__}): "
+                f"use algorithm={own!r}, or this algorithm's own optimizer"
+            )
     sync.attach(list(optimizers), who=who)
 
 
