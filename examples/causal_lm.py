@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 import lowbit_strategy
 
-OPTIMIZERS = ("lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant")
+OPTIMIZERS = ("lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant", "demo")
 #: the hyperparameters a fine-tuning run may change (the rest describe the model's shape)
 TRAINING_HPARAMS = ("optimizer", "lr", "weight_decay", "warmup", "total_steps", "freeze_step", "variance",
                     "scale_decay", "update_clip", "guard")
@@ -149,7 +149,8 @@ class CausalLM(pl.LightningModule):
 def make_optimizer(params, hp) -> torch.optim.Optimizer:
     """The optimizer named by ``hp.optimizer``, the one the chosen strategy drives: Lion for
     ``lowbit_lion*``, any (AdamW here) for ``lowbit_bitdp*`` and plain DDP, OneBitAdam /
-    OneBitLamb for ``lowbit_adam`` / ``lowbit_lamb``, TurboQuantAdamW for ``lowbit_turboquant``."""
+    OneBitLamb for ``lowbit_adam`` / ``lowbit_lamb``, TurboQuantAdamW for ``lowbit_turboquant``,
+    DeMo for ``lowbit_demo``."""
     freeze = getattr(hp, "freeze_step", None) or max(1, hp.total_steps // 5)
     if hp.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
@@ -163,6 +164,8 @@ def make_optimizer(params, hp) -> torch.optim.Optimizer:
                                                scale_decay=getattr(hp, "scale_decay", 0.0))
     if hp.optimizer == "lion":
         return lowbit_strategy.Lion(params, lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
+    if hp.optimizer == "demo":  # sign steps of the workers' mean top-k DCT components of momentum
+        return lowbit_strategy.DeMo(params, lr=hp.lr, weight_decay=hp.weight_decay)
     raise ValueError(f"optimizer={hp.optimizer!r}; use one of {OPTIMIZERS}")
 
 

@@ -143,9 +143,10 @@ def parse(argv=None):
     p.add_argument("--num-nodes", type=int, default=1,
                    help="Trainer(num_nodes=...): start the script on every node with NODE_RANK=K and the same "
                         "MASTER_ADDR/MASTER_PORT")
-    p.add_argument("--optimizer", default="lion", choices=["lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
-                   help="onebit_* need strategy lowbit_adam / lowbit_lamb, turboquant lowbit_turboquant")
-    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
+    p.add_argument("--optimizer", default="lion",
+                   choices=["lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant", "demo"],
+                   help="onebit_* need strategy lowbit_adam / lowbit_lamb, turboquant lowbit_turboquant, demo lowbit_demo")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion and DeMo (sign steps), 3e-3 for the others")
     p.add_argument("--freeze-step", type=int, default=None,
                    help="1-bit Adam/LAMB freeze_step, TurboQuantAdamW warmup_steps (default 20 %% of the steps)")
     p.add_argument("--variance", default="synchronized", choices=["synchronized", "local"],
@@ -183,7 +184,7 @@ def main(argv=None) -> dict:
     train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     val = DataLoader(val_set, batch_size=args.batch_size)
     steps = args.max_steps if args.max_steps > 0 else 2000
-    lr = args.lr or (1e-3 if args.optimizer == "lion" else 3e-3)
+    lr = args.lr or (1e-3 if args.optimizer in ("lion", "demo") else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=args.optimizer, total_steps=steps,
                 freeze_step=args.freeze_step, variance=args.variance,
                 scale_decay=args.scale_decay)

@@ -57,6 +57,8 @@ class TinyLM(pl.LightningModule):
             # 4 steps an epoch on 2 ranks: epoch 1 is warm-up and switch, epoch 2 compresses
             cls = lowbit_strategy.OneBitAdam if self.hparams.optimizer == "onebit_adam" else lowbit_strategy.OneBitLamb
             return cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, freeze_step=3)
+        if self.hparams.optimizer == "demo":  # top-4 of each chunk: the tiny model's tensors are single chunks
+            return lowbit_strategy.DeMo(self.parameters(), lr=self.hparams.lr, compression_topk=4, weight_decay=0.01)
         if self.hparams.optimizer == "turboquant":  # as above: epoch 2 compresses
             return lowbit_strategy.TurboQuantAdamW(self.parameters(), lr=self.hparams.lr, warmup_steps=3)
         return lowbit_strategy.Lion(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
@@ -155,6 +157,10 @@ def _rank_states(ckpt: str, optimizer: str) -> dict:
         keys = sorted(errors[0])
         return {**out, "error_buckets": len(keys), "rank_states_differ": bool(keys) and any(
             not torch.equal(errors[0][k]["worker"], errors[1][k]["worker"]) for k in keys)}
+    if entry["algorithm"] == "demo":  # each worker's momenta, and with delay 1 the exchange in flight
+        deltas = [next(iter(st["optimizers"][0].values()))["delta"] for st in states]
+        return {**out, "rank_states_differ": not torch.equal(deltas[0], deltas[1]),
+                "pending_saved": all(st["pending"][0] is not None for st in states)}
     if entry["algorithm"] == "diloco":  # each worker's own weights and inner AdamW state, and the global copy
         return {**out, "rank_states_differ": not torch.equal(states[0]["local"][0], states[1]["local"][0]),
                 "global_same": torch.equal(states[0]["global"][0], states[1]["global"][0]),

@@ -120,6 +120,8 @@ SUITES = {
                ["--optimizer", "turboquant", "--lowbit", "turboquant_form=allgather"]),
               # local updates: a round every 10 of the suite's steps (its default H = 100 would sync rarely)
               ("DiLoCo int4 H=10 + AdamW", "lowbit_diloco", ["--optimizer", "adamw", "--lowbit", "diloco_sync_every=10"]),
+              # decoupled momentum: top-32 DCT coefficients of 64 x 64 chunks, 1-bit values (its defaults)
+              ("DeMo sign", "lowbit_demo", ["--optimizer", "demo"]),
           ]
           for row in [*[(f"{name}, {form}", strategy,
                          [*extra, *([] if "--lowbit" in extra else ["--lowbit"]), f"topology={form}"])

@@ -115,6 +115,8 @@ ALGORITHM_RUNS = {
     "turboquant": (dict(form="two_stage"), lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=2)),
     # local updates under the user's AdamW: a round every 3 of the 6 steps (the run ends at a round's end)
     "diloco": (dict(sync_every=3, compression="int4"), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+    # decoupled momentum: top-4 DCT coefficients per chunk, 1-bit values, the update a step late
+    "demo": (dict(values="sign", delay=1), lambda ps: lowbit_strategy.DeMo(ps, lr=1e-2, compression_topk=4)),
 }
 
 

@@ -64,6 +64,8 @@ def _optimizer(name: str, params):
         return lowbit_strategy.OneBitLamb(params, lr=1e-2, freeze_step=3)
     if name == "turboquant":
         return lowbit_strategy.TurboQuantAdamW(params, lr=1e-2, warmup_steps=3)
+    if name == "demo":
+        return lowbit_strategy.DeMo(params, lr=1e-2, compression_topk=4, weight_decay=0.01)
     freeze = 100 if name == "adam_warmup" else 3  # 4 steps an epoch: epoch 2 compresses
     return lowbit_strategy.OneBitAdam(params, lr=1e-2, freeze_step=freeze)
 
@@ -259,6 +261,18 @@ def check_adam(workdir: Path) -> dict:
         "equals_plain": torch.equal(flat, _plain("adamw", LowBitConfig(algorithm="diloco", **diloco))),
         "resume_bit_exact": _resume(lambda: _strategy("lowbit_diloco_fsdp", **diloco), "adamw", flat,
                                     workdir / "diloco")["resume_bit_exact"]}
+    # DeMo: each rank's shards with their counterparts on the other node, the update a step late; the
+    # checkpoint after epoch 1 holds the exchange in flight
+    demo = dict(demo_delay=1)
+    trained, trained_model = _fit(_strategy("lowbit_demo_fsdp", **demo), "demo")
+    flat = _full(trained_model)
+    (workdir / "demo").mkdir(parents=True, exist_ok=True)
+    out["demo"] = {
+        "finite": bool(torch.isfinite(flat).all()), "identical": _same_everywhere(flat), "steps": trained.global_step,
+        "bytes": sum(log.bytes_sent for log in trained.strategy.traffic_logs()),
+        "equals_plain": torch.equal(flat, _plain("demo", LowBitConfig(algorithm="demo", **demo))),
+        "resume_bit_exact": _resume(lambda: _strategy("lowbit_demo_fsdp", **demo), "demo", flat,
+                                    workdir / "demo")["resume_bit_exact"]}
     return out
 
 

@@ -261,3 +261,19 @@ def test_diloco_under_trainers_adamw_resumes_inside_a_round_bit_for_bit(tmp_path
     resumed = _launch(tmp_path, "resumed", tiny_model, *common, "--output-dir", str(tmp_path / "resumed"),
                       "--resume", str(tmp_path / "full" / "checkpoint-6"), **env)
     assert resumed["params_sha256"] == full["params_sha256"]  # bit for bit
+
+
+def test_demo_trainer_builds_demo_and_resumes_with_an_exchange_in_flight(tmp_path, tiny_model):
+    # the trainer builds lowbit_strategy.DeMo from TrainingArguments (lr, weight decay groups) and
+    # optim_args; delay 1: the checkpoint at step 6 holds step 6's gathered update, applied at step 7
+    common = ["--max-steps", "8", "--optim-args", "compression_topk=8"]
+    env = dict(LOWBIT_ALGORITHM="demo", LOWBIT_DEMO_DELAY="1")
+    full = _launch(tmp_path, "full", tiny_model, *common, "--save-steps", "6", "--output-dir", str(tmp_path / "full"),
+                   **env)
+    assert full["algorithm"] == "demo" and full["optimizer"].endswith(".DeMo"), full["optimizer"]
+    _assert_trained(full, 8)
+    logs = _train_logs(full)
+    assert logs[-1]["comm/ratio_vs_fp32_avg"] > 50 and 0 < logs[-1]["demo/energy_sent"] < 1, logs[-1]
+    resumed = _launch(tmp_path, "resumed", tiny_model, *common, "--output-dir", str(tmp_path / "resumed"),
+                      "--resume", str(tmp_path / "full" / "checkpoint-6"), **env)
+    assert resumed["params_sha256"] == full["params_sha256"]  # bit for bit

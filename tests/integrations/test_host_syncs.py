@@ -38,6 +38,8 @@ CASES = [
        lambda ps: TurboQuantAdamW(ps, lr=1e-3, warmup_steps=2)) for f in ("allgather", "two_stage")],
     *[(f"diloco-{c}", dict(algorithm="diloco", diloco_sync_every=2, diloco_compression=c),
        lambda ps: torch.optim.AdamW(ps, lr=1e-3)) for c in ("int4", "sign")],
+    *[(f"demo-{v}-{d}", dict(algorithm="demo", demo_values=v, demo_delay=d),
+       lambda ps: lowbit_strategy.DeMo(ps, lr=1e-3, compression_topk=4)) for v in ("sign", "fp32") for d in (0, 1)],
 ]
 
 

@@ -42,7 +42,7 @@ ALL_NAMES = [base + suffix for base in strategy_names() for suffix in VARIANTS]
 #: the other spawn names differ from these only in the config their popen and fork twins train
 #: with, which test_spawn_names_are_their_twins_config_under_spawn checks
 SPAWN_TRAINED = {"lowbit_lion_1bit_spawn", "lowbit_bitdp_spawn", "lowbit_adam_spawn", "lowbit_lamb_spawn",
-                 "lowbit_turboquant_spawn", "lowbit_diloco_spawn"}
+                 "lowbit_turboquant_spawn", "lowbit_diloco_spawn", "lowbit_demo_spawn"}
 #: DiLoCo's rounds in these short fits (8 optimizer steps on 2 ranks): one every 3 steps
 DILOCO = ["--lowbit", "diloco_sync_every=3"]
 TRAINED = [n for n in ALL_NAMES if not n.endswith("_spawn") or n in SPAWN_TRAINED]
@@ -52,7 +52,8 @@ def _optimizer_of(name: str) -> str:
     if name.startswith(("lowbit_bitdp", "lowbit_diloco")):  # any optimizer; DiLoCo's inner one is a plain one
         return "adamw"
     return next((o for prefix, o in (("lowbit_adam", "onebit_adam"), ("lowbit_lamb", "onebit_lamb"),
-                                     ("lowbit_turboquant", "turboquant")) if name.startswith(prefix)), "lion")
+                                     ("lowbit_turboquant", "turboquant"), ("lowbit_demo", "demo"))
+                 if name.startswith(prefix)), "lion")
 
 
 def _run_args(name: str) -> list[str]:
@@ -103,7 +104,8 @@ def fork_runs(tmp_path_factory) -> dict[str, dict]:
     runs = {name: _run_args(name) for name in ALL_NAMES if name.endswith("_notebook")}
     checks = [("lowbit_lion_1bit_notebook", "lion", []), *((n, o, []) for n, o in RESUMED),
               ("lowbit_bitdp_notebook", "adamw", ["--lowbit", "bitdp_error_feedback=true"]),
-              ("lowbit_diloco_notebook", "adamw", DILOCO)]
+              ("lowbit_diloco_notebook", "adamw", DILOCO),
+              ("lowbit_demo_notebook", "demo", ["--lowbit", "demo_delay=1"])]
     for name, optimizer, extra in checks:
         work = tmp / f"resume-{name}"
         work.mkdir()
@@ -132,7 +134,7 @@ def test_spawn_names_are_their_twins_config_under_spawn():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert SPAWN_TRAINED <= set(ALL_NAMES) and {_optimizer_of(n) for n in SPAWN_TRAINED} == {
-        "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"}
+        "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant", "demo"}
     for name in ALL_NAMES:
         if name.endswith("_spawn"):
             spawn, popen = StrategyRegistry.get(name), StrategyRegistry.get(name.removesuffix("_spawn"))
@@ -155,6 +157,9 @@ def test_trainer_runs_with_each_registered_name(request, name):
         # (2 ranks: 8 steps; the notebook's 3 ranks: 6): 2 rounds either way
         assert m["diloco/rounds"] == 2 and m["diloco/pseudo_grad_norm"] > 0, m
         assert m["comm/ratio_vs_fp32_avg"] > 8, m
+        return
+    if name.startswith("lowbit_demo"):  # top-4 DCT coefficients of each chunk, 1-bit values
+        assert m["comm/ratio_vs_fp32"] > 4 and 0 < m["demo/energy_sent"] < 1 and m["demo/skipped"] == 0, m
         return
     assert m["comm/bytes_per_step"] > 0
     # popen launch: this process was rank 0, so its strategy still holds the run's traffic
@@ -334,3 +339,13 @@ def test_diloco_resume_inside_a_round_is_bit_exact_and_keeps_every_workers_weigh
     assert "error" not in r, r.get("error")
     assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "diloco", "rank_states_differ": True,
                  "global_same": True, "inner_saved": True, "other_world_finite": True, "is_global_zero": True}
+
+
+@pytest.mark.slow
+def test_demo_resume_with_an_exchange_in_flight_is_bit_exact(fork_runs):
+    # delay 1: the checkpoint after epoch 1 holds the last step's gathered payloads, not yet applied,
+    # and each worker's own momenta (rank states); the resumed run applies it first
+    r = fork_runs["resume:lowbit_demo_notebook"]
+    assert "error" not in r, r.get("error")
+    assert r == {"bit_exact": True, "saved_world_size": 2, "saved_algorithm": "demo", "rank_states_differ": True,
+                 "pending_saved": True, "other_world_finite": True, "is_global_zero": True}

@@ -17,7 +17,7 @@ from lowbit_strategy import LowBitSetupError
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP_NAMES = ["lowbit_lion_fsdp", "lowbit_bitdp_fsdp", "lowbit_adam_fsdp", "lowbit_lamb_fsdp", "lowbit_turboquant_fsdp",
-              "lowbit_diloco_fsdp"]
+              "lowbit_diloco_fsdp", "lowbit_demo_fsdp"]
 
 
 def test_every_fsdp_name_is_registered_and_advertised():
@@ -29,7 +29,8 @@ def test_every_fsdp_name_is_registered_and_advertised():
     assert set(FSDP_NAMES) <= set(StrategyRegistry) and set(FSDP_NAMES) <= set(lowbit_strategy.STRATEGY_NAMES)
     assert lowbit_strategy.LowBitFSDPStrategy is LowBitFSDPStrategy
     expected = {"lowbit_lion_fsdp": "lion", "lowbit_bitdp_fsdp": "bitdp", "lowbit_adam_fsdp": "onebit_adam",
-                "lowbit_lamb_fsdp": "onebit_lamb", "lowbit_turboquant_fsdp": "turboquant", "lowbit_diloco_fsdp": "diloco"}
+                "lowbit_lamb_fsdp": "onebit_lamb", "lowbit_turboquant_fsdp": "turboquant", "lowbit_diloco_fsdp": "diloco",
+                "lowbit_demo_fsdp": "demo"}
     for name, algorithm in expected.items():
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, LowBitFSDPStrategy) and strategy._lowbit_name == name
@@ -137,6 +138,8 @@ def test_1bit_adam_trains_like_plain_attach_sharded_resumes_and_syncs_once_per_s
         assert world["bytes"] > 0 and world["node_bytes"] > 0, world
         assert r["diloco"] == {**r["diloco"], "finite": True, "steps": 8, "rounds": 2, "equals_plain": True,
                                "resume_bit_exact": True} and r["diloco"]["bytes"] > 0, r["diloco"]
+        assert r["demo"] == {**r["demo"], "finite": True, "identical": True, "steps": 8, "equals_plain": True,
+                             "resume_bit_exact": True} and r["demo"]["bytes"] > 0, r["demo"]
 
 
 def test_a_root_that_does_not_hold_the_model_is_refused():

@@ -28,6 +28,8 @@ CASES = {
                     lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
     "diloco-stream": (dict(algorithm="diloco", diloco_sync_every=4, diloco_fragments=2, diloco_delay=1),
                       lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+    "demo-sign-delay": (dict(algorithm="demo", demo_values="sign", demo_delay=1),
+                        lambda ps: lowbit_strategy.DeMo(ps, lr=1e-3, compression_topk=4)),
 }
 
 

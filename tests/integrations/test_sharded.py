@@ -40,7 +40,20 @@ CASES = {
                         turboquant_block=16),
                    lambda ps: lowbit_strategy.TurboQuantAdamW(ps, lr=1e-2, warmup_steps=2, scale_decay=0.9),
                    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)),
+    # each rank's shards with their counterparts on the other node: 1-bit values, the update a step late
+    "demo": (dict(algorithm="demo", values="sign", delay=1),
+             lambda ps: lowbit_strategy.DeMo(ps, lr=1e-2, compression_topk=3, compression_chunk=4, weight_decay=0.1),
+             lambda ps: _lone_demo(ps)),
 }
+
+
+def _lone_demo(params):
+    """DeMo with the sharded case's codec and delay over one worker (one node: nothing to exchange)."""
+    from lowbit_strategy.algorithms.demo.exchange import Exchange
+
+    opt = lowbit_strategy.DeMo(params, lr=1e-2, compression_topk=3, compression_chunk=4, weight_decay=0.1)
+    opt.attach_exchange(Exchange("sign"), delay=1)
+    return opt
 
 
 def _rows(d0: int, local: int) -> tuple[int, int]:
