@@ -27,7 +27,7 @@ import lowbit_strategy
 OPTIMIZERS = ("lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant", "demo")
 #: the hyperparameters a fine-tuning run may change (the rest describe the model's shape)
 TRAINING_HPARAMS = ("optimizer", "lr", "weight_decay", "warmup", "total_steps", "freeze_step", "variance",
-                    "scale_decay", "update_clip", "guard")
+                    "scale_decay", "update_clip", "guard", "demo_topk")
 
 
 # ---- text -----------------------------------------------------------------------------
@@ -165,7 +165,8 @@ def make_optimizer(params, hp) -> torch.optim.Optimizer:
     if hp.optimizer == "lion":
         return lowbit_strategy.Lion(params, lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
     if hp.optimizer == "demo":  # sign steps of the workers' mean top-k DCT components of momentum
-        return lowbit_strategy.DeMo(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        return lowbit_strategy.DeMo(params, lr=hp.lr, weight_decay=hp.weight_decay,
+                                    compression_topk=getattr(hp, "demo_topk", 32))
     raise ValueError(f"optimizer={hp.optimizer!r}; use one of {OPTIMIZERS}")
 
 

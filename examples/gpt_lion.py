@@ -82,7 +82,7 @@ class GPT(CausalLM):
 
     def __init__(self, vocab=256, seq=128, d=192, layers=4, heads=4, lr=1e-3, weight_decay=0.1,
                  optimizer="lion", warmup=50, total_steps=1000, freeze_step=None, variance="synchronized",
-                 scale_decay=0.0, update_clip="auto", guard=1000.0):
+                 scale_decay=0.0, update_clip="auto", guard=1000.0, demo_topk=32):
         super().__init__()
         self.save_hyperparameters()
         self.context = seq

@@ -79,18 +79,27 @@ DILOCO = {
     "lowbit_diloco_int4_h10": "diloco_compression=int4,diloco_sync_every=10",
     "lowbit_diloco_stream_int4_h50": "diloco_compression=int4,diloco_sync_every=50,diloco_fragments=2,diloco_delay=1",
 }
+#: DeMo's forms: configuration -> (its LowBitConfig overrides, compression_topk): the paper's fp32
+#: values, 1-bit values at top-32 and top-8 of 64 x 64 chunks, and top-8 applied a step late
+DEMO = {
+    "lowbit_demo_fp32_k32": ("demo_values=fp32", 32),
+    "lowbit_demo_sign_k32": ("demo_values=sign", 32),
+    "lowbit_demo_sign_k8": ("demo_values=sign", 8),
+    "lowbit_demo_sign_k8_d1": ("demo_values=sign,demo_delay=1", 8),
+}
 #: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)
 ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-              "lowbit_lamb", "lowbit_turboquant", *DILOCO]
+              "lowbit_lamb", "lowbit_turboquant", *DILOCO, *DEMO]
 #: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
 LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
 LATENCY_US = 50
 #: the example's learning rates (examples/gpt_lion.py): the centre of the references' sweeps
-DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3e-3, "turboquant": 3e-3}
+DEFAULT_LR = {"lion": 1e-3, "adamw": 3e-3, "onebit_adam": 3e-3, "onebit_lamb": 3e-3, "turboquant": 3e-3,
+              "demo": 1e-3}
 #: each optimizer's uncompressed reference (swept first): the other configurations' sweeps are
 #: centred where its sweep ended (:func:`centre_lr`)
 REFERENCE = {"lion": "ddp_lion", "adamw": "ddp_adamw", "onebit_adam": "ddp_adamw", "onebit_lamb": "ddp_adamw",
-             "turboquant": "ddp_adamw"}
+             "turboquant": "ddp_adamw", "demo": "ddp_lion"}
 #: what a run executes, so what its step times depend on (:func:`code_fingerprint`)
 CODE = ["lowbit_strategy", "callbacks", "examples/gpt_lion.py", "benchmarks/harness/baselines.py", "benchmarks/e2e/worker.py",
         "benchmarks/ttq/worker.py", "benchmarks/harness/netem.py", "benchmarks/harness/leave.py"]
@@ -136,15 +145,20 @@ class Study:
         #: only read the runs that exist (--report-only)
         self.load_only = False
 
-    def base(self) -> dict:
+    def base(self, config: str = "") -> dict:
+        """The settings every run of ``config`` shares (a DeMo form adds its top-k: the others'
+        settings, and so their recorded runs, stay as they were)."""
+        extra = {"demo_topk": DEMO[config][1]} if config in DEMO else {}
         return {**self.model, "val_batches": self.args.val_batches, "lr_warmup": self.args.lr_warmup,
-                "schedule_steps": self.args.steps}
+                "schedule_steps": self.args.steps, **extra}
 
     def overrides(self, config: str, link, plan: list[str] | None = None) -> str:
         """A :data:`LINK_PLANNED` configuration's LowBitConfig overrides: the link, and the
         ``plan`` :func:`pin` fixes (else ``auto`` resolves it); a :data:`DILOCO` form's own."""
         if config in DILOCO:
             return DILOCO[config]
+        if config in DEMO:
+            return DEMO[config][0]
         if config not in LINK_PLANNED:
             return ""
         return with_pin(f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}",
@@ -165,13 +179,13 @@ class Study:
     def timing_settings(self, config: str, link) -> dict:
         warm = STARTUP + self.args.timing_warm if switch_of(config, self.args.steps, self.args.powersgd_start) else 0
         steps = max(STARTUP, warm) + max(self.args.timing_main, 2 * diloco_h(config))
-        return {**self.base(), "config": config, "steps": steps, "switch": warm, "eval_every": 0,
+        return {**self.base(config), "config": config, "steps": steps, "switch": warm, "eval_every": 0,
                 "lr": DEFAULT_LR[CONFIGS[config][1]], "seed": 0,
                 "lowbit": self.overrides(config, link, self.plan_of_record(config, link)),
                 "marks": ",".join(str(m) for m in sorted({STARTUP, max(STARTUP, warm), steps}))}
 
     def quality_settings(self, config: str, plan_link, lr: float, seed: int, eval_every: int | None = None) -> dict:
-        return {**self.base(), "config": config, "steps": self.args.steps, "lr": lr, "seed": seed,
+        return {**self.base(config), "config": config, "steps": self.args.steps, "lr": lr, "seed": seed,
                 "switch": switch_of(config, self.args.steps, self.args.powersgd_start),
                 "eval_every": eval_every or self.args.eval_every,
                 "lowbit": self.overrides(config, plan_link, self.plan_of_record(config, plan_link)),

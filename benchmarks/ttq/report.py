@@ -17,7 +17,7 @@ REFERENCE = "ddp_adamw"
 OWN_REFERENCE = {"lion": "ddp_lion"}
 #: the "× DDP bf16" comparison of each optimizer family
 BF16 = {"lion": "ddp_bf16_lion", "adamw": "ddp_bf16_adamw", "onebit_adam": "ddp_bf16_adamw",
-        "onebit_lamb": "ddp_bf16_adamw", "turboquant": "ddp_bf16_adamw"}
+        "onebit_lamb": "ddp_bf16_adamw", "turboquant": "ddp_bf16_adamw", "demo": "ddp_bf16_adamw"}
 LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf16_adamw": "DDP bf16 + AdamW",
          "ddp_bf16_lion": "DDP bf16 + Lion", "ddp_powersgd_adamw": "DDP PowerSGD r4 + AdamW",
          "ddp_powersgd_lion": "DDP PowerSGD r4 + Lion", "ddp_fp16_adamw": "DDP fp16 + AdamW",
@@ -27,7 +27,9 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
          "lowbit_diloco_fp32_h50": "DiLoCo fp32 H=50 + AdamW", "lowbit_diloco_int4_h50": "DiLoCo int4 H=50 + AdamW",
          "lowbit_diloco_sign_h50": "DiLoCo 1-bit H=50 + AdamW", "lowbit_diloco_int4_h150": "DiLoCo int4 H=150 + AdamW",
          "lowbit_diloco_int4_h10": "DiLoCo int4 H=10 + AdamW",
-         "lowbit_diloco_stream_int4_h50": "Streaming DiLoCo int4 H=50 F=2 τ=1 + AdamW"}
+         "lowbit_diloco_stream_int4_h50": "Streaming DiLoCo int4 H=50 F=2 τ=1 + AdamW",
+         "lowbit_demo_fp32_k32": "DeMo fp32 top-32", "lowbit_demo_sign_k32": "DeMo 1-bit top-32",
+         "lowbit_demo_sign_k8": "DeMo 1-bit top-8", "lowbit_demo_sign_k8_d1": "DeMo 1-bit top-8, delay 1"}
 
 
 def curve(rec: dict) -> list[tuple[float, float]]:

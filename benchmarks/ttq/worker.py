@@ -127,12 +127,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lowbit", default="", help="LowBitConfig overrides for lowbit_* strategies: KEY=VALUE,...")
     ap.add_argument("--timeout", type=float, default=600, help="process-group timeout (s)")
+    ap.add_argument("--demo-topk", type=int, default=32, help="DeMo's compression_topk")
     args = ap.parse_args()
     kind, optimizer, p, per_node, tokens, split, train = rank_setup(args)
     onebit = optimizer in ("onebit_adam", "onebit_lamb", "turboquant")
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=args.lr, optimizer=optimizer,
                 freeze_step=args.switch if onebit else None, warmup=args.lr_warmup,
-                total_steps=args.schedule_steps or args.steps)
+                total_steps=args.schedule_steps or args.steps, demo_topk=args.demo_topk)
     strategy = make_strategy(kind, parse_overrides(args.lowbit),
                              powersgd_start=args.switch if kind == "powersgd" else None)
 

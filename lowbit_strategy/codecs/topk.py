@@ -6,8 +6,8 @@ chunked DCT (:mod:`.dct`) of its momentum δ, sends them, removes what it sent f
 the sign of the inverse DCT of the per-coefficient mean of what every worker sent.
 
 **Selection.** Per chunk the ``k`` largest ``|coefficient|`` (``k`` clamped to the chunk's size);
-ties go to the lower index (a stable descending sort), so every worker selects the same set from
-the same data on any device.
+ties go to the lower index (:func:`select`), so the same data gives the same set on any device
+(the ranks of a node, which each send part of the node's payload, select alike).
 
 **Values** (``values``):
 
@@ -56,8 +56,18 @@ def _up(n: int) -> int:
 
 
 def select(coeffs: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``(chunks, k)`` of the ``k`` largest ``|coeffs|`` of each row (ties: lower index)."""
-    return torch.sort(coeffs.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    """Indices ``(chunks, k)`` of the ``k`` largest ``|coeffs|`` of each row (ties: lower index),
+    in no particular order.
+
+    One ``topk`` over unique int64 keys: the bits of ``|c|`` as float32 (ordered like the
+    magnitudes, for non-negative floats) shifted left, the reversed index in the low bits. So
+    the tie rule is exact and the same on every device, at about a sixth of a stable sort's
+    time on the CPU (4096-coefficient chunks)."""
+    size = coeffs.shape[1]
+    low = max(size - 1, 0).bit_length()
+    rev = torch.arange(size - 1, -1, -1, device=coeffs.device, dtype=torch.int64)
+    key = (coeffs.abs().to(torch.float32).view(torch.int32).to(torch.int64) << low) | rev
+    return torch.topk(key, k, dim=1, sorted=False).indices
 
 
 @dataclass(frozen=True)
