@@ -27,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["ChunkDCT", "chunk_size", "dct_matrix"]
+__all__ = ["ChunkDCT", "chunk_shape", "chunk_size", "dct_matrix"]
 
 
 def chunk_size(n: int, target: int) -> int:
@@ -58,6 +58,16 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device 
     return _dct64(n).to(device=device, dtype=dtype)
 
 
+def chunk_shape(shape: tuple[int, ...], target: int) -> tuple[tuple[int, int], int, int]:
+    """``((r, c), rows, cols)``: the chunk of a tensor of ``shape`` and the matrix it is read as
+    (``rows = 1`` and ``r = 1`` for a vector or a scalar; module docstring)."""
+    numel = math.prod(shape)
+    if len(shape) >= 2:
+        rows, cols = shape[0], numel // max(shape[0], 1)
+        return (chunk_size(rows, target), chunk_size(cols, target)), rows, cols
+    return (1, chunk_size(numel, target)), 1, numel
+
+
 class ChunkDCT:
     """The chunked DCT of tensors of one shape (module docstring).
 
@@ -69,14 +79,8 @@ class ChunkDCT:
     def __init__(self, shape: torch.Size | tuple[int, ...], target: int, device, dtype=torch.float32):
         self.shape = tuple(shape)
         numel = math.prod(self.shape)
-        if len(self.shape) >= 2:
-            self.rows, self.cols = self.shape[0], numel // max(self.shape[0], 1)
-            self.matrix = True
-        else:
-            self.rows, self.cols = 1, numel
-            self.matrix = False
-        r = chunk_size(self.rows, target) if self.matrix else 1
-        c = chunk_size(self.cols, target)
+        (r, c), self.rows, self.cols = chunk_shape(self.shape, target)
+        self.matrix = len(self.shape) >= 2
         self.chunk = (r, c)
         self.chunks = (self.rows // r) * (self.cols // c) if numel else 0
         self.size = r * c

@@ -41,9 +41,9 @@ import torch
 
 from lowbit_strategy.codecs.bitfield import bitfield_bytes, pack_bitfield, unpack_bitfield
 from lowbit_strategy.codecs.bits import pack, unpack
-from lowbit_strategy.codecs.dct import ChunkDCT
+from lowbit_strategy.codecs.dct import ChunkDCT, chunk_shape
 
-__all__ = ["VALUES", "Segment", "TopKCodec", "select"]
+__all__ = ["VALUES", "Segment", "TopKCodec", "layout", "select"]
 
 #: the value codes
 VALUES = ("fp32", "bf16", "sign")
@@ -84,6 +84,30 @@ class Segment:
     end: int
 
 
+def layout(shapes: Sequence[tuple[int, ...]], chunk: int, topk: int, values: str) -> tuple[list[Segment], int]:
+    """Each tensor's :class:`Segment` and the bytes of one worker's payload (module docstring),
+    from the shapes alone: what :class:`TopKCodec` sends, and what the planner prices."""
+    if values not in VALUES:
+        raise ValueError(f"TopKCodec: values={values!r}; expected one of {VALUES}")
+    segments, at = [], ALIGN  # byte 0: the flag
+    for shape in shapes:
+        (r, c), rows, cols = chunk_shape(shape, chunk)
+        chunks = (rows // r) * (cols // c) if rows * cols else 0
+        size = r * c
+        k = min(topk, size)
+        n = chunks * k
+        bits = max(size - 1, 0).bit_length()
+        values_at = _up(at + bitfield_bytes(n, bits))
+        if values == "sign":
+            scales_at = _up(values_at + -(-n // 8))
+            end = _up(scales_at + 2 * chunks)
+        else:
+            scales_at = end = _up(values_at + n * (4 if values == "fp32" else 2))
+        segments.append(Segment(chunks, size, k, bits, at, values_at, scales_at, end))
+        at = end
+    return segments, at
+
+
 class TopKCodec:
     """Encode a worker's tensors into one payload, decode the mean of several.
 
@@ -92,28 +116,10 @@ class TopKCodec:
     """
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], chunk: int, topk: int, values: str, device):
-        if values not in VALUES:
-            raise ValueError(f"TopKCodec: values={values!r}; expected one of {VALUES}")
+        self.segments, self.nbytes = layout(shapes, chunk, topk, values)  #: nbytes: one worker's payload
         self.values, self.device = values, torch.device(device)
         self.transforms = [ChunkDCT(s, chunk, self.device) for s in shapes]
-        self.segments: list[Segment] = []
-        at = ALIGN  # byte 0: the flag
-        for t in self.transforms:
-            k = min(topk, t.size)
-            n = t.chunks * k
-            bits = max(t.size - 1, 0).bit_length()
-            index_at = at
-            values_at = _up(index_at + bitfield_bytes(n, bits))
-            if values == "sign":
-                scales_at = _up(values_at + -(-n // 8))
-                end = _up(scales_at + 2 * t.chunks)
-            else:
-                scales_at = end = _up(values_at + n * (4 if values == "fp32" else 2))
-            self.segments.append(Segment(t.chunks, t.size, k, bits, index_at, values_at, scales_at, end))
-            at = end
-        #: bytes of one worker's payload
-        self.nbytes = at
-        #: elements of all tensors, and what the same tensors take in bf16 (for ratios)
+        #: elements of all tensors
         self.numel = sum(math.prod(s) for s in shapes)
 
     # ---- one worker ----------------------------------------------------------------------

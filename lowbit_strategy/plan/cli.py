@@ -91,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
         default=100,
         help="H of the DiLoCo rows (local updates: one outer sync every H steps; 0 leaves them out)",
     )
+    ap.add_argument(
+        "--no-demo", action="store_true", help="leave the DeMo rows out (decoupled momentum, top-k DCT coefficients)"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -186,6 +189,7 @@ def setup_from(args, link: tuple[float, float] | None = None, compute_s: float |
         memory,
         run=run,
         diloco_sync_every=args.diloco_sync_every,
+        demo=not args.no_demo,
     )
 
 
@@ -199,7 +203,8 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         f"overlap: collectives started in backward hide behind it (backward = {predict.BACKWARD_SHARE:.2f} of "
         "compute) except the last bucket; the sharded rows exchange at the step, unhidden; the FSDP world rows' "
         "gathers and reduce-scatters hide behind forward and backward but one unit's each; the DiLoCo rows "
-        f"exchange every {setup.diloco_sync_every} steps, amortized per step (streaming: behind its delay)",
+        f"exchange every {setup.diloco_sync_every} steps, amortized per step (streaming: behind its delay); the DeMo "
+        "rows all-gather every worker's payload each step (delay 1: behind the next step's compute)",
         setup.codec_note,
         "memory: optimizer + compression state per GPU, fp32; weights, gradients, activations not counted",
         f"buckets of {setup.bucket_size_mb:g} MB; "

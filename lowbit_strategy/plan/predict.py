@@ -43,6 +43,7 @@ from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.plan.inputs import Compute, Model
+from lowbit_strategy.plan.predict_demo import demo_rows
 from lowbit_strategy.plan.predict_diloco import diloco_rows
 from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
 from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboquant_codec_ns: part of this module's API
@@ -94,6 +95,8 @@ class Setup:
     run: Run | None = None
     #: H of the DiLoCo rows (:mod:`~lowbit_strategy.plan.predict_diloco`); 0: no DiLoCo rows
     diloco_sync_every: int = 100
+    #: whether to price the DeMo rows (:mod:`~lowbit_strategy.plan.predict_demo`)
+    demo: bool = True
 
     @property
     def bucket_numel(self) -> int:
@@ -277,6 +280,8 @@ def predict(setup: Setup) -> list[Row]:
         ]
     if setup.diloco_sync_every > 0:
         rows += diloco_rows(pr, setup.diloco_sync_every)
+    if setup.demo:
+        rows += demo_rows(pr)
     if setup.sharded:
         lane = auto_candidates(lion_cfg, setup.cluster.nodes, 0)[0]
         rows += sharded_rows(pr, lane)

@@ -271,6 +271,30 @@ def test_diloco_rows_price_one_exchange_per_round_and_carry_a_quality_caveat():
     assert stream.exposed_s < rows["diloco_int4_hierarchical"].exposed_s
     # at 100 Mbit/s DiLoCo is predicted fastest, but its loss is not priced: named after the choice, with the caveat
     sentence = recommend.recommend(list(rows.values()))
-    assert not sentence.startswith("Use DiLoCo") and "DiLoCo's effect on the loss is not priced" in sentence
+    assert not sentence.startswith(("Use DiLoCo", "Use DeMo")) and "effect on the loss is not priced" in sentence
+    diloco_only = [r for r in rows.values() if not r.key.startswith("demo")]
+    assert "DiLoCo's effect on the loss is not priced" in recommend.recommend(diloco_only)
     args = cli.parser().parse_args([*SMALL, "--diloco-sync-every", "0"])
     assert not any(r.key.startswith("diloco") for r in predict.predict(cli.setup_from(args)))
+
+
+def test_demo_rows_all_gather_the_codecs_payload_every_step_and_carry_a_quality_caveat():
+    from lowbit_strategy.codecs.topk import layout
+    from lowbit_strategy.collectives import wire
+
+    # 2 nodes x 4 GPUs: a worker is a node; its payload leaves once per step, to the other node
+    args = cli.parser().parse_args([*SMALL, "--link", "100mbit"])
+    setup = cli.setup_from(args)
+    rows = {r.key: r for r in predict.predict(setup)}
+    n = setup.model.numel
+    sign = rows["demo_sign_k32_hierarchical"]
+    assert sign.link_bytes == wire.all_gather_bytes(layout(setup.model.shapes, 64, 32, "sign")[1], 2)
+    assert rows["demo_fp32_k32_hierarchical"].link_bytes > sign.link_bytes > rows["demo_sign_k8_d1_hierarchical"].link_bytes
+    assert sign.memory_bytes == 4 * n  # the momentum is the only state
+    late = rows["demo_sign_k8_d1_hierarchical"]  # delay 1: behind the next step's compute
+    assert late.exposed_s == max(0.0, late.comm_s - setup.compute.seconds)
+    # the all-gather's bytes grow with the workers: 4 nodes send 3 payloads each where 2 send one
+    args = cli.parser().parse_args([*SMALL, "--link", "100mbit", "--nodes", "4"])
+    four = {r.key: r for r in predict.predict(cli.setup_from(args))}
+    assert four["demo_sign_k32_hierarchical"].link_bytes == 3 * sign.link_bytes
+    assert "DeMo's effect on the loss is not priced" in recommend._caveat(sign)

@@ -11,7 +11,7 @@ from lowbit_strategy.plan import cli, inputs, predict, recommend
 from lowbit_strategy.plan.warmup import Run
 
 #: the per-step methods only (DiLoCo's rows, caveated the same way: tests/plan/test_plan.py)
-PER_STEP = ["--diloco-sync-every", "0"]
+PER_STEP = ["--diloco-sync-every", "0", "--no-demo"]
 TTQ = ["--params", "4.03e6", "--nodes", "2", "--gpus-per-node", "2", "--latency-us", "50", "--compute-s", "0.37",
        *PER_STEP]
 
