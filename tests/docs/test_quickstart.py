@@ -66,7 +66,7 @@ def test_every_block_is_a_script_a_command_or_the_notebook_cell():
     assert set(runs) == set(scripts()), (runs, scripts())
     for title, code in scripts().items():
         compile(code, title, "exec")
-    assert len(scripts()) == 6  # Lightning, plain DDP, DiLoCo, Accelerate, HF Trainer, sharded; + the notebook cell
+    assert len(scripts()) == 7  # Lightning, plain DDP, DiLoCo, DeMo, Accelerate, HF Trainer, sharded; + the notebook cell
 
 
 def test_pip_install_lines_name_extras_that_exist():
