@@ -58,7 +58,8 @@ class DeMoSync(Sync):
             raise LowBitSetupError(f"{who or 'algorithm=demo'}: DeMo needs its optimizer; pass it to attach")
         self.optimizers = list(optimizers)  # type: ignore[arg-type]
         for opt in self.optimizers:
-            opt.attach_exchange(Exchange(self.section.values, self.spec, self.traffic), self.section.delay)
+            exchange = Exchange(self.section.values, self.spec, self.traffic, debug=self.config.debug)
+            opt.attach_exchange(exchange, self.section.delay)
         logger.info(
             "lowbit: demo, %s; values %s, delay %d", self.spec.describe(), self.section.values, self.section.delay
         )

@@ -61,11 +61,14 @@ class Exchange:
     """The exchange of one optimizer's parameters (module docstring).
 
     values: the codec's value code; spec: the workers (None: a single worker);
-    traffic: where the collective's bytes are recorded.
+    traffic: where the collective's bytes are recorded; debug: :meth:`verify` checks that
+    the workers' weights agree after every applied update (``LowBitConfig.debug``).
     """
 
-    def __init__(self, values: str, spec: ShardSpec | None = None, traffic: TrafficLog | None = None):
-        self.values, self.spec = values, spec
+    def __init__(
+        self, values: str, spec: ShardSpec | None = None, traffic: TrafficLog | None = None, debug: bool = False
+    ):
+        self.values, self.spec, self.debug = values, spec, debug
         self.traffic = traffic if traffic is not None else TrafficLog()
         self.codec: TopKCodec | None = None
         #: the last launch's share of the momenta's energy sent (a 0-d tensor on the device)
@@ -126,3 +129,20 @@ class Exchange:
         if flight.sent is not None:
             return flight.sent
         return self.codec.decode_one(flight.payloads()[self.worker], like)
+
+    def verify(self, params: Sequence[torch.Tensor]) -> None:
+        """With ``debug``: every worker's weights (this rank's shards of them) are the same after
+        the update, checked by one small all-gather of per-parameter float64 sums (identical
+        replicas give identical sums, bit for bit); a difference raises on every worker alike."""
+        if not self.debug or self.spec is None or self.workers == 1:
+            return
+        mine = torch.stack([p.detach().double().sum() for p in params]) if params else torch.zeros(1)
+        every = torch.empty(self.workers * mine.numel(), dtype=mine.dtype, device=mine.device)
+        g.all_gather(every, mine, self.spec.group, "demo.debug.replicas", self.traffic)
+        rows = every.view(self.workers, -1)
+        differ = [w for w in range(1, self.workers) if not torch.equal(rows[w], rows[0])]
+        if differ:
+            raise RuntimeError(
+                f"DeMo (debug): the weights of worker(s) {differ} differ from worker 0's after the step: the replicas "
+                "diverged (every worker applies the same update by construction; report this with the run's config)"
+            )

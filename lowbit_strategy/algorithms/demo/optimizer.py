@@ -160,3 +160,4 @@ class DeMo(Optimizer):
             if wd:
                 p.mul_(1 - lr * wd)
             p.add_(torch.sign(u).to(p.dtype), alpha=-lr)
+        exchange.verify(params)

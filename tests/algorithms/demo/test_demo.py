@@ -54,6 +54,16 @@ def _flat(rank, world, tmp):
         training.same_on_every_rank(ddp.module)
         want = oracle.demo(world, 4, values="sign", delay=delay, nan_at=2)[rank]
         assert torch.equal(training.flat(ddp.module), training.flat(want)), delay
+    # debug mode checks the replicas after every step; a diverged replica is one error on every rank
+    ddp, opt, sync = training.train(rank, oracle.make, cfg(values="sign").replace(debug=True), 2)
+    assert "demo.debug.replicas" in sync.traffic.by_op()
+    if rank == 1:
+        with torch.no_grad():
+            next(ddp.module.parameters()).add_(1.0)
+    with pytest.raises(RuntimeError, match=r"worker\(s\) \[1\] differ from worker 0's"):
+        opt.zero_grad()
+        training.loss(ddp, rank, 3).backward()
+        opt.step()
     # the pairs that cannot run, refused on every rank
     with pytest.raises(LowBitSetupError, match=r"pair \(algorithm demo, AdamW\)"):
         training.train(rank, lambda p: torch.optim.AdamW(p), cfg(), 1)
