@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +214,24 @@ def remove_files(directory: str | os.PathLike, group=None) -> None:
         Path(directory).rmdir()
     except OSError:
         pass  # other ranks' files are still there (or it is gone already)
+
+
+def mean_states(per_rank: Sequence[dict], what: str) -> dict:
+    """One optimizer's ``state`` (``{index: {name: value}}``) saved by several ranks -> the state
+    a rank of another world size loads: each floating-point tensor the mean over the ranks
+    that hold it (rank-local momenta, whose consensus that is), every other value rank 0's.
+    Tensors of different shapes (ranks holding different shards) raise, naming ``what``."""
+    out: dict = {}
+    for idx, values in per_rank[0].items():
+        out[idx] = {}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and all(idx in s for s in per_rank):
+                if any(s[idx][name].shape != value.shape for s in per_rank):
+                    raise ValueError(
+                        f"{what} was saved by ranks holding different shards of the parameters: it cannot be "
+                        "averaged into another world size; resume at the world size and sharding it was saved with"
+                    )
+                out[idx][name] = torch.stack([s[idx][name].float() for s in per_rank]).mean(0).to(value.dtype)
+            else:
+                out[idx][name] = value
+    return out

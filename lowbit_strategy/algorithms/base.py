@@ -49,7 +49,7 @@ from lowbit_strategy.collectives.shards import ShardSpec, spec_for
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.section import Section
 
-__all__ = ["Algorithm", "LowBitSetupError", "Sync", "bucket_hook", "keep_local_gradients"]
+__all__ = ["Algorithm", "LowBitSetupError", "Sync", "bucket_hook", "keep_local_gradients", "local_gradients_precision"]
 
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,22 @@ class Sync:
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         """Restore :meth:`algorithm_state_dict`'s output."""
+
+
+def local_gradients_precision(who: str) -> Callable[[str | None], None]:
+    """The ``check_precision`` of an algorithm whose gradients stay local (``who`` names its
+    optimizers): ``16-mixed`` is refused, since each rank's GradScaler could skip a different
+    step and the ranks would hang; the algorithm skips a non-finite step on every rank itself."""
+
+    def check(precision: str | None) -> None:
+        if precision == "16-mixed":
+            raise LowBitSetupError(
+                f"{who} keep gradients local and do not support precision='16-mixed': each rank's GradScaler "
+                "could skip a different step and the ranks would hang. Use precision='bf16-mixed' or '32-true' "
+                "(non-finite steps are skipped on every rank together)."
+            )
+
+    return check
 
 
 def _no_merge(states: list) -> dict:

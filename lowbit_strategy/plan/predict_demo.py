@@ -20,7 +20,7 @@ from __future__ import annotations
 from lowbit_strategy.codecs.topk import layout
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.plan.rows import Row
-from lowbit_strategy.pricing.flat import rounds
+from lowbit_strategy.plan.workers import workers_of
 
 __all__ = ["DEMO_FORMS", "demo_rows"]
 
@@ -36,19 +36,10 @@ CHUNK = 64
 def demo_rows(pr) -> list[Row]:
     """The DeMo rows of :class:`~lowbit_strategy.plan.predict.Predictor` ``pr``."""
     s, c = pr.s, pr.c
-    hierarchical = c.nodes > 1 and c.ranks_per_node > 1
-    workers = c.nodes if hierarchical else c.world_size
+    w = workers_of(pr)
+    workers, inner, bps, alpha, form = w.count, w.inner_s, w.bps, w.alpha, w.form
     n = s.model.numel
     compute = s.compute.seconds
-    inner = 0.0
-    if hierarchical:  # DDP's node mean every step, on NVLink, overlapped with backward
-        t = rounds(c.ranks_per_node) * c.intra_latency_us * 1e-6
-        t += 8 * wire.allreduce_bytes(4 * n, c.ranks_per_node) / (c.intra_gbps * 1e9)
-        inner = max(0.0, t - pr.backward)
-    one_node = c.nodes == 1
-    bps = (c.intra_gbps if one_node else c.inter_gbps) * 1e9
-    alpha = (c.intra_latency_us if one_node else c.inter_latency_us) * 1e-6
-    form = "hierarchical" if hierarchical else "flat"
     shard = 1 if not s.sharded else c.ranks_per_node
     rows = []
     for key, label, values, topk, delay in DEMO_FORMS:

@@ -17,8 +17,8 @@ error buffer (4 B/param) of the low-bit forms; sharded (``--sharded``) all of it
 from __future__ import annotations
 
 from lowbit_strategy.algorithms.diloco.exchange import payload_bytes
-from lowbit_strategy.collectives import wire
 from lowbit_strategy.plan.rows import Row
+from lowbit_strategy.plan.workers import workers_of
 from lowbit_strategy.pricing.flat import rounds
 
 __all__ = ["DILOCO_FORMS", "diloco_rows"]
@@ -35,21 +35,11 @@ DILOCO_FORMS = (
 def diloco_rows(pr, sync_every: int) -> list[Row]:
     """The DiLoCo rows of :class:`~lowbit_strategy.plan.predict.Predictor` ``pr`` at ``H = sync_every``."""
     s, c = pr.s, pr.c
-    hierarchical = c.nodes > 1 and c.ranks_per_node > 1
-    workers = c.nodes if hierarchical else c.world_size
-    per_node = c.ranks_per_node if hierarchical else 1
+    w = workers_of(pr)
+    workers, per_node, inner, bps, alpha, form = w.count, w.per_node, w.inner_s, w.bps, w.alpha, w.form
     n = s.model.numel
     compute = s.compute.seconds
-    inner = 0.0
-    if hierarchical:  # DDP's node mean every step, on NVLink, overlapped with backward
-        t = rounds(c.ranks_per_node) * c.intra_latency_us * 1e-6
-        t += 8 * wire.allreduce_bytes(4 * n, c.ranks_per_node) / (c.intra_gbps * 1e9)
-        inner = max(0.0, t - pr.backward)
-    one_node = c.nodes == 1
-    bps = (c.intra_gbps if one_node else c.inter_gbps) * 1e9
-    alpha = (c.intra_latency_us if one_node else c.inter_latency_us) * 1e-6
-    form = "hierarchical" if hierarchical else "flat"
-    topo = "hierarchical" if hierarchical else "flat"
+    topo = form
     shard = 1 if not s.sharded else c.ranks_per_node
     rows = []
     for key, label, compression, fragments, delay in DILOCO_FORMS:

@@ -20,13 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
-from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
+from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync, local_gradients_precision
 from lowbit_strategy.algorithms.demo.config import DeMoConfig
 from lowbit_strategy.algorithms.demo.exchange import Exchange, Flight, Landed
 from lowbit_strategy.algorithms.demo.optimizer import DeMo
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import dtensor_state_
-from lowbit_strategy.rank_state import to_cpu
+from lowbit_strategy.rank_state import mean_states, to_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -127,32 +127,8 @@ def merge_states(states: list[dict]) -> dict:
     first = states[0]
     if not first:
         return {}
-    merged = []
-    for per_rank in zip(*(s["optimizers"] for s in states)):
-        out: dict = {}
-        for idx, values in per_rank[0].items():
-            out[idx] = {}
-            for name, value in values.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and all(idx in s for s in per_rank):
-                    if any(s[idx][name].shape != value.shape for s in per_rank):
-                        raise ValueError(
-                            "DeMo state was saved by ranks holding different shards of the parameters: it "
-                            "cannot be averaged into another world size; resume at the world size it was saved with"
-                        )
-                    out[idx][name] = torch.stack([s[idx][name].float() for s in per_rank]).mean(0).to(value.dtype)
-                else:
-                    out[idx][name] = value
-        merged.append(out)
+    merged = [mean_states(per_rank, "DeMo state") for per_rank in zip(*(s["optimizers"] for s in states))]
     return {**first, "optimizers": merged}
-
-
-def check_precision(precision: str | None) -> None:
-    if precision == "16-mixed":
-        raise LowBitSetupError(
-            "DeMo does not support precision='16-mixed': gradients stay with each worker, so each rank's "
-            "GradScaler could skip a different step and the ranks would hang. Use precision='bf16-mixed' "
-            "or '32-true' (DeMo skips a non-finite step on every worker together)."
-        )
 
 
 ALGORITHM = Algorithm(
@@ -161,7 +137,7 @@ ALGORITHM = Algorithm(
     build=DeMoSync,
     strategy_names={"lowbit_demo": dict(algorithm="demo")},
     merge_states=merge_states,
-    check_precision=check_precision,
+    check_precision=local_gradients_precision("DeMo's optimizers"),
     summary="DeMo decoupled momentum, top-k DCT coefficients (lowbit_strategy.DeMo)",
     optimizer=DeMo,
     hierarchical=True,

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync
+from lowbit_strategy.algorithms.base import Algorithm, LowBitSetupError, Sync, local_gradients_precision
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.synced_momenta import momentum_sync_params
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import dtensor_state_, local_view, parameter_names
-from lowbit_strategy.rank_state import to_cpu
+from lowbit_strategy.rank_state import mean_states, to_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -156,27 +156,8 @@ def merge_states(states: list[dict]) -> dict:
             "Lion Cub state was saved by ranks holding different shards of the parameters: it cannot be "
             "averaged into another world size; resume at the world size and sharding it was saved with"
         )
-    merged = []
-    for per_rank in zip(*(s["optimizers"] for s in states)):
-        out: dict = {}
-        for idx, first in per_rank[0].items():
-            out[idx] = {}
-            for name, value in first.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and all(idx in s for s in per_rank):
-                    out[idx][name] = torch.stack([s[idx][name].float() for s in per_rank]).mean(0).to(value.dtype)
-                else:
-                    out[idx][name] = value
-        merged.append(out)
+    merged = [mean_states(per_rank, "Lion Cub state") for per_rank in zip(*(s["optimizers"] for s in states))]
     return {"format": 2, "layouts": layouts[0], "optimizers": merged}
-
-
-def check_precision(precision: str | None) -> None:
-    if precision == "16-mixed":
-        raise LowBitSetupError(
-            "Lion Cub does not support precision='16-mixed': gradients stay local, so each rank's "
-            "GradScaler could skip a different step and the ranks would hang. Use precision='bf16-mixed' "
-            "or '32-true' (Lion skips non-finite steps on all ranks together)."
-        )
 
 
 ALGORITHM = Algorithm(
@@ -191,7 +172,7 @@ ALGORITHM = Algorithm(
         "lowbit_lion_fp32": dict(algorithm="lion", mode="fp32"),
     },
     merge_states=merge_states,
-    check_precision=check_precision,
+    check_precision=local_gradients_precision("Lion Cub's optimizers"),
     summary="Lion Cub (lowbit_strategy.Lion)",
     optimizer=Lion,
     hierarchical=True,

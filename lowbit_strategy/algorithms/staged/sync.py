@@ -10,7 +10,7 @@ from typing import cast
 
 import torch
 
-from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
+from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, local_gradients_precision
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
 from lowbit_strategy.collectives import chain, wire
@@ -140,15 +140,8 @@ class StagedSync(Sync):
                 opt.communicator.load_state_dict(own.get("errors") or {}, device)
 
 
-def check_local_gradient_precision(precision: str | None) -> None:
-    """Refuse ``16-mixed``: in the compression stage gradients stay local, so each rank's
-    GradScaler could skip a different step and the ranks would hang."""
-    if precision == "16-mixed":
-        raise LowBitSetupError(
-            "Optimizers that keep gradients local (1-bit Adam/LAMB, TurboQuantAdamW) do not support "
-            "precision='16-mixed': each rank's GradScaler could skip a different step and the ranks would hang. "
-            "Use precision='bf16-mixed' or '32-true' (the optimizers skip non-finite steps on all ranks together)."
-        )
+#: ``16-mixed`` refused: in the compression stage gradients stay local
+check_local_gradient_precision = local_gradients_precision("1-bit Adam/LAMB and TurboQuantAdamW")
 
 
 def rank0_state_without_errors(states: list[dict]) -> dict:
