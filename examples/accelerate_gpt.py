@@ -41,7 +41,7 @@ from lowbit_strategy.accelerate import LowBitAccelerator  # noqa: E402
 #: the optimizer each algorithm drives (the example's choice for ``--optimizer auto``;
 #: BitDP compresses gradients, so any optimizer works there)
 OPTIMIZER_FOR = {"lion": "lion", "bitdp": "adamw", "onebit_adam": "onebit_adam", "onebit_lamb": "onebit_lamb",
-                 "turboquant": "turboquant"}
+                 "turboquant": "turboquant", "diloco": "adamw", "demo": "demo"}
 
 
 def _clip_or_none(value: str):
@@ -53,9 +53,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--optimizer", default="auto",
-                   choices=["auto", "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant"],
+                   choices=["auto", "lion", "adamw", "onebit_adam", "onebit_lamb", "turboquant", "demo"],
                    help="auto: the one the configured algorithm drives")
-    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion, 3e-3 for the others")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 for Lion and DeMo, 3e-3 for the others")
     p.add_argument("--update-clip", default="auto", type=_clip_or_none,
                    help="1-bit Adam/LAMB: bound on each compressed step (auto: Adam's; none: the papers' form)")
     p.add_argument("--guard", default=1000.0, type=_clip_or_none,
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     val = DataLoader(val_set, batch_size=args.batch_size)
     optimizer = OPTIMIZER_FOR.get(cfg.algorithm, "adamw") if args.optimizer == "auto" else args.optimizer
-    lr = args.lr or (1e-3 if optimizer == "lion" else 3e-3)
+    lr = args.lr or (1e-3 if optimizer in ("lion", "demo") else 3e-3)
     model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, lr=lr, optimizer=optimizer,
                 total_steps=args.steps, warmup=max(1, min(50, args.steps // 10)), update_clip=args.update_clip,
                 guard=args.guard)
