@@ -65,6 +65,7 @@ def _codecs(cuda: bool):
             ("TurboQuant two-stage (P chunks), Triton", lambda x: cw.turboquant(x, p, "triton"), False),
         ]
     rows += [(f"blockwise int{b} (FSDP reduce-scatter)", lambda x, b=b: cw.blockwise(x, b), b == 4) for b in (8, 4, 2)]
+    rows.append(("DeMo top-32 1-bit (DCT, top-k; mean of P)", lambda x: cw.demo(x, p), False))
     rows.append(("rank_sum of gathered float32 rows", lambda x: cw.rank_sum(x, p), False))
     return rows
 

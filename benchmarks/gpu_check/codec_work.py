@@ -188,6 +188,18 @@ def blockwise(x: torch.Tensor, bits: int) -> Work:
     return Work(lambda: bw.encode(rows, bits), lambda: bw.decode(codes, scales, bits, n))
 
 
+def demo(x: torch.Tensor, p: int, topk: int = 32) -> Work:
+    """DeMo's codec on ``x`` read as rows of 1024 (64 x 64 chunks): encode (transform, top-k,
+    pack, the sent part decoded) and the mean of P workers' payloads, decoded."""
+    from lowbit_strategy.codecs.topk import TopKCodec
+
+    m = x.view(-1, 1024)
+    codec = TopKCodec([tuple(m.shape)], 64, topk, "sign", x.device)
+    payload = codec.encode([m])[0]
+    gathered = payload.repeat(p, 1)
+    return Work(lambda: codec.encode([m]), lambda: codec.mean(gathered, [m]))
+
+
 def rank_sum(x: torch.Tensor, p: int) -> Work:
     """The receivers' sum of P decoded float32 rows (:func:`~lowbit_strategy.codecs.reduce.
     rank_sum`), as a server step: ``x`` cut into P rows of ``n/P``."""

@@ -47,6 +47,8 @@ RUNS = {
     "onebit_adam": ({"algorithm": "onebit_adam"}, "onebit_adam"),
     "onebit_lamb": ({"algorithm": "onebit_lamb"}, "onebit_lamb"),
     "turboquant": ({"algorithm": "turboquant", "turboquant_form": "two_stage"}, "turboquant"),
+    # the DCT transforms, top-k and gathers on CUDA tensors (delay 0: the NaN step itself changes nothing)
+    "demo": ({"algorithm": "demo", "demo_values": "sign"}, "demo"),
 }
 #: the layouts part 3 runs: (name, world size, LowBitConfig topology fields)
 LAYOUTS = {
@@ -76,6 +78,8 @@ def optimizer(name: str, params, steps: int):
         return lb.OneBitAdam(params, lr=1e-3, freeze_step=warm)
     if name == "onebit_lamb":
         return lb.OneBitLamb(params, lr=1e-2, freeze_step=warm)  # LAMB's lr scales |w|
+    if name == "demo":
+        return lb.DeMo(params, lr=1e-3, compression_topk=8)
     return lb.TurboQuantAdamW(params, lr=1e-3, warmup_steps=warm)
 
 

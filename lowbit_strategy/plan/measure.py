@@ -104,6 +104,7 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
         scaled_sign_compress,
         scaled_sign_decode,
     )
+    from lowbit_strategy.codecs.topk import TopKCodec
     from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 
     sample = max(1024, sample // 1024 * 1024)  # whole TurboQuant rotation blocks
@@ -133,6 +134,13 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
 
     rows_x = x.view(1, -1)
     codes, tq_scales = encode_rows(turbo, rows_x)
+    dm = x.view(-1, 1024)  # 64 x 64 chunks (the sample holds whole 64-row blocks)
+    demo_codec = TopKCodec([tuple(dm.shape)], 64, 32, "sign", dev)
+
+    def demo():  # DeMo's step: encode (transform, top-k, pack, the sent part back) and two workers' mean
+        payload = demo_codec.encode([dm])[0]
+        return demo_codec.mean(torch.stack([payload, payload]), [dm])
+
     y = sample_values(*x.shape, device=dev)
     timed = {
         "compensated": onebit,
@@ -145,6 +153,7 @@ def _measure_codecs(dev: torch.device, sample: int) -> tuple[dict, str]:
         "blockwise": blockwise_int4,
         "bitdp": bitdp,
         "powersgd": powersgd,
+        "demo": demo,
     }
     ns = {"lp": lion["lp8"] * 1e9 / sample, "1bit": lion["1bit"] * 1e9 / sample}
     ns.update({k: median_seconds(fn, 3, dev) * 1e9 / sample for k, fn in timed.items()})
