@@ -102,6 +102,46 @@ def table(rows: list[tuple[str, tuple, int, dict]], reference: dict[int, dict]) 
     return "\n".join(out)
 
 
+def projected(rows: list[tuple[str, tuple, int, dict]]) -> str:
+    """Markdown: each point's time to the study's target on each link, projected as the study
+    projects (:mod:`benchmarks.ttq.analysis`: the smoothed curve's crossing, through the step
+    times of the study's timing run of the same compression and H: the outer lr and momentum
+    change no byte and no step), beside DDP bf16 and the fastest per-step method of the study's
+    report (seed 0). Points whose H has no timing run are left out."""
+    from benchmarks.ttq import analysis as ta
+
+    report = json.loads((RESULTS / "ttq" / "diloco" / "ttq.json").read_text())["result"]["links"]
+    timing_dir = RESULTS / "ttq" / "diloco" / "runs" / "timing"
+    lines = []
+    for link, data in report.items():
+        target = data["target"]
+        per = {k: v["per_seed"]["0"]["seconds_to_target"] for k, v in data["rows"].items()
+               if "per_seed" in v and not k.startswith("lowbit_diloco") and v["per_seed"].get("0", {}).get(
+                   "seconds_to_target") is not None}
+        bf16 = per.get("ddp_bf16_adamw")
+        best_key = min((k for k in per if k.startswith("lowbit")), key=per.get, default=None)
+        for compression, (h, lr, momentum), seed, rec in rows:
+            f = timing_dir / f"lowbit_diloco_{compression}_h{h}@{link}.json"
+            if seed != 0 or not f.exists():
+                continue
+            timing = ta.phase_times(json.loads(f.read_text())["step_s"], 0)
+            curve = ta.smooth([(e[0], e[2]) for e in rec["evals"]])
+            step = ta.steps_to_target(curve, target)
+            if step is None:
+                cells = ["not reached", "–", "–"]
+            else:
+                sec = ta.seconds_at(ta.cumulative_seconds(rec["steps"], 0, timing), step)
+                cells = [f"{sec:,.0f}", f"{bf16 / sec:.2f}×" if bf16 else "–",
+                         f"{per[best_key] / sec:.2f}×" if best_key else "–"]
+            lines.append(f"| {link} | {compression} | {h} | {lr:g} | {momentum:g} | {timing['main']['mean']:.3f} | "
+                         + " | ".join(cells) + " |")
+        lines.append(f"| {link} | DDP bf16 + AdamW; fastest per-step: {best_key} | | | | | "
+                     f"{bf16:,.0f}; {per[best_key]:,.0f} | | |" if bf16 and best_key else f"| {link} | | | | | | | | |")
+    head = ("| link | compression | H | outer lr | outer momentum | s/step | time to target (s) | × DDP bf16 | "
+            "× fastest per-step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    return head + "\n" + "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("points", nargs="+", type=parse_point, help="H:outer_lr:outer_momentum")
@@ -137,7 +177,9 @@ def main(argv=None) -> int:
             f"{time.strftime('%Y-%m-%d %H:%M')} UTC.\n\n"
             f"Model, data, inner AdamW lr {base['lr']:g}, schedule and {base['steps']} steps as the "
             "time-to-quality study's DiLoCo runs (2 nodes x 2 ranks, a worker per node); DDP + AdamW's "
-            "final loss of the same seed is the reference.\n\n" + table(kept, reference) + "\n")
+            "final loss of the same seed is the reference.\n\n" + table(kept, reference) + "\n\n"
+            "Projected time to the study's target (its timing runs of the same compression and H; seed 0):\n\n"
+            + projected(kept) + "\n")
     (out / "sweep.md").write_text(text)
     print(text)
     return 0
