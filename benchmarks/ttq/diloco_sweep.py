@@ -164,11 +164,16 @@ def main(argv=None) -> int:
             rows.append((args.compression, point, seed, rec))
     # every point recorded in the folder, this call's or an earlier one's, in one table
     kept = []
-    for f in sorted((out / "runs").glob("*.json")):
+    # every point recorded here, and the study's own DiLoCo quality runs at the same inner lr (DiLoCo's
+    # outer settings, 0.7 and 0.9, where their overrides name none)
+    study = sorted(BASE.parent.glob(f"lowbit_diloco_*_lr{base['lr']:g}_seed*.json"))
+    for f in sorted((out / "runs").glob("*.json")) + study:
         rec = json.loads(f.read_text())
         fields = dict(kv.split("=") for kv in rec["settings"]["lowbit"].split(","))
-        point = (int(fields["diloco_sync_every"]), float(fields["diloco_outer_lr"]),
-                 float(fields["diloco_outer_momentum"]))
+        if int(fields.get("diloco_fragments", 1)) != 1:
+            continue  # (the streaming form: another table)
+        point = (int(fields["diloco_sync_every"]), float(fields.get("diloco_outer_lr", PAPER[0])),
+                 float(fields.get("diloco_outer_momentum", PAPER[1])))
         kept.append((fields["diloco_compression"], point, rec["settings"]["seed"], rec))
     kept.sort(key=lambda r: (r[0], r[1][0], -r[1][1], r[1][2], r[2]))
     command = "python -m benchmarks.ttq.diloco_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
