@@ -177,20 +177,22 @@ class Sync:
         """Restore :meth:`algorithm_state_dict`'s output."""
 
 
-def local_gradients_precision(who: str) -> Callable[[str | None], None]:
+@dataclass(frozen=True)
+class local_gradients_precision:  # noqa: N801 - used like a function: check_precision=local_gradients_precision(...)
     """The ``check_precision`` of an algorithm whose gradients stay local (``who`` names its
     optimizers): ``16-mixed`` is refused, since each rank's GradScaler could skip a different
-    step and the ranks would hang; the algorithm skips a non-finite step on every rank itself."""
+    step and the ranks would hang; the algorithm skips a non-finite step on every rank itself.
+    A class, not a closure: the registry entry travels with a strategy pickled to spawned ranks."""
 
-    def check(precision: str | None) -> None:
+    who: str
+
+    def __call__(self, precision: str | None) -> None:
         if precision == "16-mixed":
             raise LowBitSetupError(
-                f"{who} keep gradients local and do not support precision='16-mixed': each rank's GradScaler "
+                f"{self.who} keep gradients local and do not support precision='16-mixed': each rank's GradScaler "
                 "could skip a different step and the ranks would hang. Use precision='bf16-mixed' or '32-true' "
                 "(non-finite steps are skipped on every rank together)."
             )
-
-    return check
 
 
 def _no_merge(states: list) -> dict:
