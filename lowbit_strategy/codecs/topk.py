@@ -33,7 +33,6 @@ Pure tensor code: no process group; nothing read on the host.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,8 +118,6 @@ class TopKCodec:
         self.segments, self.nbytes = layout(shapes, chunk, topk, values)  #: nbytes: one worker's payload
         self.values, self.device = values, torch.device(device)
         self.transforms = [ChunkDCT(s, chunk, self.device) for s in shapes]
-        #: elements of all tensors
-        self.numel = sum(math.prod(s) for s in shapes)
 
     # ---- one worker ----------------------------------------------------------------------
     def encode(
@@ -146,8 +143,8 @@ class TopKCodec:
             )
             dense = torch.zeros_like(coeffs).scatter_(1, idx, q)
             sent.append(t.decode(dense).to(x.dtype))
-            kept += (q * q).sum()
-            total += (coeffs * coeffs).sum()
+            kept += q.reshape(-1).dot(q.reshape(-1))
+            total += coeffs.reshape(-1).dot(coeffs.reshape(-1))  # (no squared copy of the coefficients)
         return payload, sent, kept / total.clamp_min(torch.finfo(torch.float32).tiny)
 
     def _quantize(self, val: torch.Tensor, payload: torch.Tensor, seg: Segment) -> torch.Tensor:

@@ -89,18 +89,11 @@ class Exchange:
             self.codec = TopKCodec([tuple(t.shape) for t in tensors], chunk, topk, self.values, device)
         return self.codec
 
-    def start(
-        self,
-        momenta: Sequence[torch.Tensor],
-        bad: torch.Tensor,
-        chunk: int,
-        topk: int,
-        lrs: list[float],
-        wds: list[float],
-    ) -> Flight:
+    def start(self, momenta: Sequence[torch.Tensor], bad: torch.Tensor, lrs: list[float], wds: list[float]) -> Flight:
         """Encode this worker's ``momenta`` (flagged by ``bad``, a 0-d bool tensor: its gradient
-        was non-finite) and launch the gather."""
-        codec = self.codec_for(momenta, chunk, topk)
+        was non-finite) with the codec :meth:`codec_for` built, and launch the gather."""
+        codec = self.codec
+        assert codec is not None, "codec_for() builds the codec first"
         payload, sent, self.energy = codec.encode(momenta, bad)
         if self.spec is None or self.spec.world_size == 1:
             handle: Waitable = Landed(payload.unsqueeze(0))

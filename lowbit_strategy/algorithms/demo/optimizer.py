@@ -119,7 +119,8 @@ class DeMo(Optimizer):
         exchange = self.exchange if self.exchange is not None else self._local
         pairs = self._params()
         params = [p for p, _ in pairs]
-        exchange.codec_for(params, self.compression_chunk, self.compression_topk)  # (a restored flight lands first)
+        # the codec, built once from the (local) shapes: before a restored flight lands, and for start()
+        exchange.codec_for(params, self.compression_chunk, self.compression_topk)
         if self.pending is not None:  # delay = 1: the previous step's update, exchanged meanwhile
             flight, self.pending = self.pending, None
             self._apply(exchange, flight, params)
@@ -133,8 +134,8 @@ class DeMo(Optimizer):
         lrs = [float(grp["lr"]) for _, grp in pairs]
         wds = [float(grp["weight_decay"]) for _, grp in pairs]
         momenta = [d * beta + g.to(d.dtype) * lr for d, g, lr in zip(deltas, grads, lrs)]
-        flight = exchange.start(momenta, ~finite, self.compression_chunk, self.compression_topk, lrs, wds)
-        for d, m, s in zip(deltas, momenta, flight.sent or []):
+        flight = exchange.start(momenta, ~finite, lrs, wds)
+        for d, m, s in zip(deltas, momenta, flight.sent or ()):
             # a non-finite gradient leaves the momentum as it was
             d.copy_(torch.where(finite, m.sub_(s), d))
         for grp in self.param_groups:  # steps taken (launched), in the groups: checkpoints carry it
