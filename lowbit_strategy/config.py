@@ -48,6 +48,8 @@ __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 MAX_BUCKET_MB = 65536.0
 #: the values of LowBitConfig.topology
 TOPOLOGIES = ("auto", "flat", "hierarchical")
+#: the values of LowBitConfig.warmup_wire
+WARMUP_WIRES = ("bf16", "fp32")
 #: the values of LowBitConfig.fsdp_shard
 FSDP_SHARDS = ("node", "world")
 #: the values of LowBitConfig.fsdp_reduce_scatter (fp32: FSDP's own reduce-scatter)
@@ -62,6 +64,14 @@ class LowBitConfig:
             :data:`lowbit_strategy.algorithms.REGISTRY`: ``lion``, ``bitdp``).
         bucket_size_mb: size of the flat buckets synchronized with one collective each.
         warmup_steps: steps run uncompressed before compression starts.
+        warmup_wire: what every full-precision phase sends across nodes: the warm-ups
+            (1-bit Adam/LAMB's ``freeze_step``, TurboQuant-Adam's ``warmup_steps``, Lion Cub's
+            and BitDP's ``warmup_steps``) and the uncompressed form an ``auto`` plan falls
+            back to. ``bf16`` (default): the mean as torch's ``bf16_compress_hook`` computes
+            it (each gradient cast to bf16, divided by the workers, summed in bf16), half of
+            DDP fp32's bytes and never more than DDP with bf16 communication sends; inside a
+            node the reduction stays exact. ``fp32``: DDP's own exact mean, as the papers'
+            warm-ups run.
         link_bandwidth_gbps, link_latency_us: the network the ``auto`` plans are made for
             (Gbit/s and µs per message), or ``"measure"`` (the default): at attach, every rank
             probes the link for well under 2 s and the slowest figure is used
@@ -106,6 +116,7 @@ class LowBitConfig:
         "algorithm",
         "bucket_size_mb",
         "warmup_steps",
+        "warmup_wire",
         "link_bandwidth_gbps",
         "link_latency_us",
         "debug",
@@ -122,6 +133,7 @@ class LowBitConfig:
     algorithm: str
     bucket_size_mb: float
     warmup_steps: int
+    warmup_wire: str
     link_bandwidth_gbps: float | str
     link_latency_us: float | str
     debug: bool
@@ -138,6 +150,7 @@ class LowBitConfig:
         algorithm: str = "lion",
         bucket_size_mb: float = 25.0,
         warmup_steps: int = 0,
+        warmup_wire: str = "bf16",
         link_bandwidth_gbps: float | str = "measure",
         link_latency_us: float | str = "measure",
         debug: bool = False,
@@ -154,6 +167,7 @@ class LowBitConfig:
         set_("algorithm", as_choice("algorithm", algorithm, tuple(registry)))
         set_("bucket_size_mb", as_float("bucket_size_mb", bucket_size_mb, positive=True, maximum=MAX_BUCKET_MB))
         set_("warmup_steps", as_int("warmup_steps", warmup_steps, 0, 2**62))
+        set_("warmup_wire", as_choice("warmup_wire", warmup_wire, WARMUP_WIRES))
         set_("link_bandwidth_gbps", as_float_or_measure("link_bandwidth_gbps", link_bandwidth_gbps, positive=True))
         set_("link_latency_us", as_float_or_measure("link_latency_us", link_latency_us, positive=False))
         set_("debug", as_bool("debug", debug))

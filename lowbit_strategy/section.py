@@ -22,6 +22,7 @@ SHARED_FIELDS: dict[str, Any] = {
     "algorithm": "lion",
     "bucket_size_mb": 25.0,
     "warmup_steps": 0,
+    "warmup_wire": "bf16",
     "link_bandwidth_gbps": "measure",
     "link_latency_us": "measure",
     "debug": False,

@@ -13,6 +13,7 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
     assert cfg.algorithm == "lion" and cfg.section is cfg.lion
     assert (cfg.lion.mode, cfg.lion.bits, cfg.lion.p) == ("auto", None, 1.0)
     assert set(cfg.to_dict()) >= set(REGISTRY) and cfg.bitdp.bits == 2
+    assert cfg.warmup_wire == "bf16"  # no fp32 phase unless asked
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,7 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
         ("bucket_size_mb", "big", "> 0"),
         ("bucket_size_mb", float("nan"), "finite"),
         ("warmup_steps", -3, "integer >= 0"),
+        ("warmup_wire", "int8", "allowed: bf16, fp32"),
         ("link_bandwidth_gbps", -1, "> 0"),
         ("link_latency_us", -1, ">= 0"),
         ("debug", "maybe", "boolean"),

@@ -63,6 +63,7 @@ def step_sends(
     ranks_per_node: int,
     *,
     warmup: bool = False,
+    warmup_wire: str = "bf16",
     bucket_numel: int = 25 * 2**18,
     collective: str | Callable[[int], str] = "fp32",
     block: int | None = None,
@@ -70,7 +71,8 @@ def step_sends(
     momentum_shapes: Sequence[Shape] = (),
 ) -> cs.ShardedSends:
     """One step of configuration ``kind`` (module docstring) on ``model``: ``warmup`` the
-    staged optimizers' and Lion Cub's full-precision warm-up; ``collective`` Lion Cub's mode
+    staged optimizers' and Lion Cub's full-precision warm-up, sent as ``warmup_wire``
+    (``LowBitConfig.warmup_wire``); ``collective`` Lion Cub's mode
     (:func:`lion_collective`) or TurboQuant's form per bucket (a name of
     :data:`~lowbit_strategy.pricing.sharded.TURBOQUANT`'s values, or a
     function of the bucket's elements); ``block``: 1-bit Adam's ``scale_block`` or
@@ -81,13 +83,13 @@ def step_sends(
         return exact
     if kind == "lion":
         sends = cs.agreement_sends(len(model.shapes), n, per_node) + cs.optimizer_sends(
-            "fp32" if warmup else collective, model.shapes, n, per_node, bucket_numel=bucket_numel, last_first=False
+            warmup_wire if warmup else collective, model.shapes, n, per_node, bucket_numel=bucket_numel, last_first=False
         )
         return sends + cs.momentum_sync_sends(momentum_shapes, n, per_node) if momentum_shapes else sends
     if kind not in ("onebit_adam", "turboquant"):
         raise ValueError(f"unknown configuration kind {kind!r}; use one of {KINDS}")
     if warmup:
-        return exact
+        return cs.hsdp_sends(model.units, n, per_node, itemsize=2 if warmup_wire == "bf16" else 4)
     name = "compensated" if kind == "onebit_adam" else collective
     compressed = cs.optimizer_sends(
         name, model.shapes, n, per_node, bucket_numel=bucket_numel, last_first=True, block=block, bits=bits

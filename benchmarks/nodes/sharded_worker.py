@@ -164,7 +164,8 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
         from lowbit_strategy.algorithms.turboquant.form import choose_form
 
         def form(n: int) -> str:
-            return TURBOQUANT[choose_form(comm.form, comm.world_size, n, *comm.link, comm.codec_seconds)]
+            return TURBOQUANT[choose_form(comm.form, comm.world_size, n, *comm.link, comm.codec_seconds,
+                                          comm.fallback)]
 
         kw.update(collective=form, block=comm.codec.block, bits=opt.bits)
     sends = sharded_cost.step_sends(kind, shape, nodes, per_node, **kw)

@@ -58,27 +58,42 @@ def full_allreduce_start(
     return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
 
 
-def mean_allreduce_async(buf: torch.Tensor, group, op: str, traffic=None) -> torch.futures.Future:
-    """DDP's own averaging of a gradient bucket, in place and bit for bit: its reducer scales
-    each gradient by 1/P (a multiply, not a divide: they differ in the last bit when P is not
-    a power of two) before the SUM allreduce, so fp16 does not overflow. The future resolves
-    to ``buf`` and is chained (``then``) from the allreduce's own future, as DDP's own hooks
-    do: a communication hook returns it, and DDP's wait on it is ordered after the data."""
-    buf.mul_(1.0 / g.world_size(group))
-    return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
+def mean_allreduce_async(
+    buf: torch.Tensor, group, op: str, traffic=None, wire_dtype: torch.dtype = torch.float32
+) -> torch.futures.Future:
+    """DDP's own averaging of a gradient bucket, in place and bit for bit. ``float32`` (DDP
+    without a hook): its reducer scales each gradient by 1/P (a multiply, not a divide: they
+    differ in the last bit when P is not a power of two) before the SUM allreduce, so fp16
+    does not overflow. ``bfloat16`` / ``float16``: what torch's ``bf16_compress_hook`` /
+    ``fp16_compress_hook`` compute (the bucket cast to the wire dtype, divided by P, summed
+    in it, copied back): half the bytes, the same bits as DDP registered with that hook. The
+    future resolves to ``buf`` and is chained (``then``) from the allreduce's own future, as
+    DDP's own hooks do: a communication hook returns it, and DDP's wait on it is ordered
+    after the data. With one worker in ``group`` nothing crosses the wire, so nothing is
+    rounded to it (a node alone across nodes keeps its exact mean)."""
+    if wire_dtype == buf.dtype or g.world_size(group) == 1:
+        buf.mul_(1.0 / g.world_size(group))
+        return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
+    wire = buf.to(wire_dtype).div_(g.world_size(group))
+    return chain.then(g.all_reduce_sum_async(wire, group, op, traffic), lambda _: buf.copy_(wire))
+
+
+def wire_dtype_of(name: str) -> torch.dtype:
+    """``"fp32"`` / ``"bf16"`` / ``"fp16"`` (a config's wire name) as a dtype."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 class ExactMean:
-    """:func:`mean_allreduce_async` as a :class:`~.group.Flagging` collective: DDP's exact
-    mean of a flat buffer, in place, for a staged optimizer's ``fp32`` form (the fallback
-    when compressing would not pay). ``.gather()`` is itself (one phase); ``.wait()``
+    """:func:`mean_allreduce_async` as a :class:`~.group.Flagging` collective: DDP's mean of
+    a flat buffer, in place, sent as ``wire_dtype``, for a staged optimizer's ``fp32`` /
+    ``bf16`` form (the fallback when compressing would not pay). ``.gather()`` is itself (one phase); ``.wait()``
     returns the mean after the allreduce's own wait; ``.nonfinite()`` after it: whether
     the mean holds a NaN/Inf, the same verdict on every rank (every rank holds the same
     sum, and a non-finite input on any rank makes it non-finite)."""
 
-    def __init__(self, buf: torch.Tensor, group, op: str, traffic=None):
+    def __init__(self, buf: torch.Tensor, group, op: str, traffic=None, wire_dtype: torch.dtype = torch.float32):
         self._buf = buf
-        self._future = mean_allreduce_async(buf, group, op, traffic)
+        self._future = mean_allreduce_async(buf, group, op, traffic, wire_dtype)
         self._done = False
 
     def gather(self) -> ExactMean:

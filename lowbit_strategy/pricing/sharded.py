@@ -51,7 +51,7 @@ from lowbit_strategy.pricing.nodes import Cluster, Sends, bucket_sends
 Shape = tuple[int, ...]
 
 #: TurboQuant's forms -> :func:`~.nodes.bucket_sends` names
-TURBOQUANT = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage", "fp32": "fp32"}
+TURBOQUANT = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage", "bf16": "bf16", "fp32": "fp32"}
 
 
 def _numel(shape: Sequence[int]) -> int:

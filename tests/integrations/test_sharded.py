@@ -123,9 +123,11 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
             g = c.grad.float().mul(0.5)
             dist.all_reduce(g, group=intra)  # the node's mean (two halves: exact)
             s.grad = g[slice(*_rows(p.shape[0], local))].clone()
-            if step <= warmup:  # a staged optimizer's warm-up: DDP's mean over the nodes
-                s.grad.mul_(0.5)
-                dist.all_reduce(s.grad, group=inter)
+            if step <= warmup:  # a staged optimizer's warm-up: DDP's mean over the nodes, as torch's
+                # bf16_compress_hook computes it (LowBitConfig.warmup_wire's default)
+                sent = s.grad.to(torch.bfloat16).div_(2)
+                dist.all_reduce(sent, group=inter)
+                s.grad.copy_(sent)
         opt.step()
         _rows_back(replica, shards, intra)
     return [p.detach() for p in replica.parameters()], opt

@@ -105,7 +105,7 @@ def _expected(kind, cfg, opt, net, step, nodes):
         kw["block"] = BLOCK if kind == "turboquant" else cfg.onebit_adam.scale_block
         if kind == "turboquant":
             kw["collective"] = {"allgather": "turboquant_allgather", "two_stage": "turboquant_two_stage",
-                                "fp32": "fp32"}[cfg.turboquant.form]
+                                "bf16": "bf16", "fp32": "fp32"}[cfg.turboquant.form]
     return sharded_cost.step_sends(kind, model, nodes, PER_NODE, **kw)
 
 

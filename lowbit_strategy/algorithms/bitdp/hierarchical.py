@@ -35,6 +35,7 @@ from lowbit_strategy.algorithms.bitdp.hook import BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.gathered import PayloadLayout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
 
@@ -128,8 +129,10 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     lo, hi = slices[j]
     fp = None
     if hi > lo:
-        fp = torch.cat(_full_runs(buf, runs))[lo:hi].mul_(1.0 / g.world_size(inter))
-        f_full = g.all_reduce_sum_async(fp, inter, "bitdp.full.allreduce", traffic)
+        fp = torch.cat(_full_runs(buf, runs))[lo:hi]
+        # DDP's mean across nodes; the warm-up's in its wire (bf16: torch's bf16_compress_hook's)
+        wire = wire_dtype_of(state.warmup_wire) if warmup else torch.float32
+        f_full = mean_allreduce_async(fp, inter, "bitdp.full.allreduce", traffic, wire)
     if f_q is not None:
         q, raised = f_q.wait()
         parts.append(q.to(buf.dtype).masked_fill_(raised, float("nan")))

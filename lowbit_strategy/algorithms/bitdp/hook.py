@@ -25,10 +25,12 @@ cached per bucket under ``(bucket.index(), bucket size)`` and re-derived wheneve
 bucket's parameter list differs from the cached one (DDP rebuilds its buckets after
 iteration 0, in gradient-ready order, so an index and size may come back with other contents).
 
-**Warm-up.** The first ``start_iter`` (>= 2) iterations are a plain mean allreduce,
-bit-identical to DDP without a hook: iteration 0 runs on DDP's provisional buckets, rebuilt
-after it (PowerSGD's reason for its ``start_powerSGD_iter > 1``), and the first steps are
-the most sensitive to gradient error, so compression starts on the final buckets.
+**Warm-up.** The first ``start_iter`` (>= 2) iterations are a plain mean allreduce in
+``warmup_wire``: ``bf16`` (the default of ``LowBitConfig.warmup_wire``) bit-identical to DDP
+with torch's ``bf16_compress_hook``, ``fp32`` (this class's default) to DDP without a hook:
+iteration 0 runs on DDP's provisional buckets, rebuilt after it (PowerSGD's reason for its
+``start_powerSGD_iter > 1``), and the first steps are the most sensitive to gradient error,
+so compression starts on the final buckets.
 
 **Non-finite gradients.** Each rank sends, beside its scales, a flag saying whether its
 bucket holds NaN/Inf (computed on the device: the hook launches its collectives and
@@ -78,7 +80,7 @@ from lowbit_strategy.algorithms.bitdp.quantized_params import ParamInfo, classif
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.exact import mean_allreduce_async
+from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -123,6 +125,8 @@ class BitDPState:
             (linear weights, not embeddings); see :mod:`lowbit_strategy.algorithms.bitdp.quantized_params`.
         exclude: patterns of parameters always sent at full precision (wins over quantize).
         start_iter: iterations of plain mean allreduce before compression starts (>= 2).
+        warmup_wire: what those iterations send: ``"fp32"`` (DDP's own mean) or ``"bf16"``
+            (torch's ``bf16_compress_hook``'s).
         reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
         chunk_rows: rows decoded at a time (bounds decode memory); None: whole matrices.
         error_feedback: keep a rank-local residual per quantized parameter (off in BitDP).
@@ -138,6 +142,7 @@ class BitDPState:
         "quantize",
         "exclude",
         "start_iter",
+        "warmup_wire",
         "reduction",
         "chunk_rows",
         "error_feedback",
@@ -169,6 +174,7 @@ class BitDPState:
         traffic=None,
         form: str = "auto",
         link: tuple[float, float] = (50e-6, 1e9),
+        warmup_wire: str = "fp32",
     ):
         if isinstance(bits, bool) or bits not in (1, 2):
             raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
@@ -181,6 +187,8 @@ class BitDPState:
                 "pass an int >= 2: as with PowerSGD's start_powerSGD_iter, at least the first two "
                 "iterations (DDP's provisional buckets, then their rebuild) run as a plain allreduce",
             )
+        if warmup_wire not in ("fp32", "bf16"):
+            raise _bad("warmup_wire", warmup_wire, "use 'fp32' (DDP's mean) or 'bf16' (torch's bf16_compress_hook's)")
         if reduction not in REDUCTIONS:
             raise _bad("reduction", reduction, "use 'mean' (exact mean of dequantized gradients) or 'paper' (Eq. 10)")
         if chunk_rows is not None and not is_int(chunk_rows, 1):
@@ -197,6 +205,7 @@ class BitDPState:
         self.quantize = check_patterns("BitDPState.quantize", quantize)
         self.exclude = check_patterns("BitDPState.exclude", exclude)
         self.start_iter, self.reduction, self.chunk_rows = start_iter, reduction, chunk_rows
+        self.warmup_wire = warmup_wire
         self.error_feedback, self.traffic = error_feedback, traffic
         self.form, self.link = form, (float(link[0]), float(link[1]))
         self.iter = 0
@@ -343,9 +352,10 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     plan = state.plan(bucket)  # also during warm-up: an unknown parameter fails at once
     warmup = state.iter < state.start_iter
     state.maybe_increase_iter(bucket)
-    if warmup or not plan.quantized:
-        op = "bitdp.warmup.allreduce" if warmup else "bitdp.full.allreduce"
-        return mean_allreduce_async(buf, group, op, traffic)
+    if warmup:
+        return mean_allreduce_async(buf, group, "bitdp.warmup.allreduce", traffic, wire_dtype_of(state.warmup_wire))
+    if not plan.quantized:
+        return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic)
     # this rank's NaN/Inf flag: device-side, sent beside the scales (no blocking agreement)
     nonfinite = ~torch.isfinite(buf).all()
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]

@@ -14,10 +14,10 @@ every parameter, computed through one compressed collective per bucket:
 * ``fp32`` / ``bf16``: the exact sum (the uncompressed baseline).
 
 ``auto`` resolves once, at the first step, from P, the bucket size and the configured link:
-see :func:`~.plan.resolve_mode`. The first ``warmup_steps`` steps synchronize the exact fp32
-sum. With one rank nothing is sent and the direction is sign(c), so a world of one is
-plain Lion bit for bit. Zero-element tensors take no part in any collective (their
-direction is the empty tensor).
+see :func:`~.plan.resolve_mode`. The first ``warmup_steps`` steps synchronize the uncompressed
+sum in ``LowBitConfig.warmup_wire`` (``bf16`` by default, ``fp32``). With one rank
+nothing is sent and the direction is sign(c), so a world of one is plain Lion bit for bit.
+Zero-element tensors take no part in any collective (their direction is the empty tensor).
 
 Across nodes (``topology``, :mod:`lowbit_strategy.collectives.hierarchy`) the node is the
 worker: its ranks hold the node's mean gradient (the DDP hook reduced it) and so the same
@@ -45,7 +45,7 @@ import torch
 
 from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.mode import (
-    WARMUP_MODE,
+    EXACT_MODES,
     SyncMode,
     auto_candidates,
     lion_section,
@@ -221,7 +221,7 @@ class LionCommunicator:
             logger.info(
                 "lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan, self.codec_seconds
             )
-        return self.plan if step > self.config.warmup_steps else WARMUP_MODE
+        return self.plan if step > self.config.warmup_steps else EXACT_MODES[self.config.warmup_wire]
 
     # ---- the update direction, at step time --------------------------------------------
     def directions(self, updates: Sequence[torch.Tensor], step: int, audit: bool = False) -> list[torch.Tensor]:

@@ -51,12 +51,13 @@ def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: 
     * only with momentum sync (``momentum_sync_every > 0``): the ``sign`` votes and the
       ``1bit`` majority vote, which the paper pairs with periodic momentum sync to converge
       (Sec. 5.2, 6.2, Fig. 5, 8);
-    * ``fp32``, the exact sum: it sends what DDP sends, so with codec costs counted
-      ``auto`` never plans anything slower than plain DDP + Lion.
+    * the uncompressed sum in ``LowBitConfig.warmup_wire`` (``bf16`` by default, ``fp32``):
+      it sends what DDP with that wire sends, so with codec costs counted ``auto`` never
+      plans anything slower than DDP + Lion with bf16 communication, nor sends more.
     """
     every = lion_section(config).momentum_sync_every if momentum_sync_every is None else momentum_sync_every
     lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
-    return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + ("fp32",)
+    return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + (config.warmup_wire,)
 
 
 def resolve_mode(
@@ -144,7 +145,10 @@ def measure_codec_seconds(
     return {name: median_seconds(partial(work, name), repeat, device) * numel / m for name in candidates}
 
 
+#: the warm-up's exact sum with ``LowBitConfig(warmup_wire="fp32")`` (the paper's)
 WARMUP_MODE = SyncMode("fp32", 32)
+#: the exact sum per ``LowBitConfig.warmup_wire``: the warm-up's, and ``auto``'s uncompressed fallback
+EXACT_MODES = {"fp32": WARMUP_MODE, "bf16": SyncMode("bf16", 16)}
 
 
 #: renamed in 0.3 with the module (``lion_cub.plan`` -> ``lion_cub.mode``), still served with a warning

@@ -105,6 +105,8 @@ class BucketCommunicator:
         #: rank): then the DDP hook averages the gradients as DDP does, overlapping backward,
         #: and the optimizer's momenta need no collective (:class:`~.sync.StagedSync`)
         self.exact = False
+        #: what the hook sends for the exact mean (``fp32`` or ``bf16``: the exact form's wire)
+        self.exact_wire = "fp32"
         #: per bucket: a free float32 buffer of the length this rank sends (the momenta go there)
         self._spare: dict[Key, torch.Tensor] = {}
         #: per bucket: the buffer its results are written to (views of it are returned; read

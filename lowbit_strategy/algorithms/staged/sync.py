@@ -14,7 +14,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, local_gradie
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
 from lowbit_strategy.collectives import chain, wire
-from lowbit_strategy.collectives.exact import mean_allreduce_async
+from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.shards import Whole, take
 from lowbit_strategy.layout import dtensor_state_, parameter_names
 from lowbit_strategy.rank_state import to_cpu
@@ -57,26 +57,32 @@ class StagedSync(Sync):
         gradients stay local and, with ``overlap``, each owning optimizer starts the buckets
         of its layout that are now complete."""
         owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
-        if not owners or any(opt.stage == "warmup" or getattr(opt.communicator, "exact", False) for opt in owners):
-            # DDP's mean: the warm-up's gradients, or a communicator whose every bucket is exact
-            return self._warmup_mean(flat)
+        if not owners or any(opt.stage == "warmup" for opt in owners):
+            # DDP's mean, sent as the config's warmup_wire (torch's bf16_compress_hook's mean by default)
+            return self._warmup_mean(flat, self.config.warmup_wire)
+        exact = [opt.communicator for opt in owners if opt.communicator is not None and opt.communicator.exact]
+        if exact:  # a communicator whose every bucket is the exact mean: DDP's, in its wire
+            return self._warmup_mean(flat, exact[0].exact_wire)
         if self.overlap:
             for opt in owners:  # the same order on every rank
                 if opt._distributed:
                     opt.grads_ready([p for p in params if self._owner.get(id(p)) is opt])
         return None
 
-    def _warmup_mean(self, buf: torch.Tensor) -> torch.futures.Future:
-        """The bucket's exact mean over ranks, as DDP computes it. Across nodes the hook has
-        averaged it over the node already: each rank averages its part (:attr:`spec`) over
-        the spec's group (DDP's arithmetic, N workers) and the spec restores the bucket."""
-        spec = self.spec
+    def _warmup_mean(self, buf: torch.Tensor, wire: str) -> torch.futures.Future:
+        """The bucket's mean over ranks, as DDP computes it with ``wire`` on the wire (``fp32``:
+        DDP's own; ``bf16``: torch's ``bf16_compress_hook``'s,
+        :func:`~lowbit_strategy.collectives.exact.mean_allreduce_async`). Across nodes the hook
+        has averaged it over the node already, exactly: each rank averages its part
+        (:attr:`spec`) over the spec's group (N workers) and the spec restores the bucket
+        exactly inside the node."""
+        spec, dtype, op = self.spec, wire_dtype_of(wire), f"staged.warmup.{wire}"
         if isinstance(spec, Whole):
-            return mean_allreduce_async(buf, self.group, "staged.warmup.allreduce", self._hook_traffic)
+            return mean_allreduce_async(buf, self.group, op, self._hook_traffic, dtype)
         part = take(spec, buf)
         # waited here, not chained: the node's all-gather is a second collective, launched
         # in hook order on every rank, never from a future's callback
-        mean_allreduce_async(part, spec.group, "staged.warmup.allreduce", self._hook_traffic).wait()
+        mean_allreduce_async(part, spec.group, op, self._hook_traffic, dtype).wait()
         restored = spec.restore_async(part, buf.numel(), self._hook_traffic)
         return chain.then(restored, lambda f: buf.copy_(f.value()[0]))
 

@@ -46,6 +46,7 @@ class TurboQuantSync(StagedSync):
             link=cfg.link,
             topology=self.topology,
             spec=self.spec,
+            fallback=cfg.warmup_wire,
         )
 
     def attach(self, optimizers, who: str = "") -> None:

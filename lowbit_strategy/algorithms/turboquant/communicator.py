@@ -14,7 +14,7 @@ it returns the mean over ranks of their TurboQuant encodings
   of each group is the scale and nothing is kept (an empty tensor in the state);
 * the **server error** of the two-stage form (its re-encoding's error feedback).
 
-The form (all-gather, two-stage or the exact ``fp32`` mean) is chosen per bucket once, by
+The form (all-gather, two-stage, or DDP's ``bf16`` / ``fp32`` mean) is chosen per bucket once, by
 the config (``form``) or, for ``auto``, by the α–β cost model on the configured link plus
 the codec time measured at setup and agreed by every rank (:meth:`calibrate`,
 :mod:`.form`). Non-finite input needs no extra
@@ -36,10 +36,10 @@ import torch
 from lowbit_strategy.algorithms.staged import BucketCommunicator, Key
 from lowbit_strategy.algorithms.staged.state import BucketState
 from lowbit_strategy.algorithms.turboquant.config import FORMS
-from lowbit_strategy.algorithms.turboquant.form import choose_form, measure_codec_seconds
+from lowbit_strategy.algorithms.turboquant.form import EXACT_FORMS, choose_form, measure_codec_seconds
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives.agreement import check_same
-from lowbit_strategy.collectives.exact import ExactMean
+from lowbit_strategy.collectives.exact import ExactMean, wire_dtype_of
 from lowbit_strategy.collectives.hierarchy import Topology
 from lowbit_strategy.collectives.shards import ShardSpec
 from lowbit_strategy.collectives.turboquant import (
@@ -113,6 +113,7 @@ class TurboQuantCommunicator(BucketCommunicator):
         link: tuple[float, float] = (50e-6, 1e9),
         topology: Topology | None = None,
         spec: ShardSpec | None = None,
+        fallback: str = "bf16",
     ):
         if form not in FORMS:  # (the config section validates it too; this is the class's own entry)
             raise ValueError(f"TurboQuantCommunicator: form must be one of {FORMS}, got {form!r}")
@@ -122,6 +123,8 @@ class TurboQuantCommunicator(BucketCommunicator):
         self.form = form
         self.scale_decay = float(scale_decay)
         self.link = link
+        #: the uncompressed form ``auto`` falls back to (``LowBitConfig.warmup_wire``)
+        self.fallback = fallback
         #: the form each bucket uses (chosen on its first step)
         self.forms: dict[Key, str] = {}
         #: this machine's local seconds per element of each form, agreed by every rank (:meth:`calibrate`)
@@ -143,17 +146,24 @@ class TurboQuantCommunicator(BucketCommunicator):
     def plan_forms(self, layout: list[Key], numels: list[int]) -> None:
         """Choose every bucket's form at setup, from figures every rank shares (the agreed codec
         time, N, the link, the bucket's shard length), so every rank plans alike; when every
-        bucket is ``fp32``, :attr:`exact`: the hook then averages gradients as DDP does,
-        overlapping backward, instead of a mean of momenta after it."""
+        bucket is the same uncompressed form (``bf16`` or ``fp32``), :attr:`exact`: the hook
+        then averages gradients as DDP does with that wire, overlapping backward, instead of a
+        mean of momenta after it."""
         for key, n in zip(layout, numels):
             size = self.spec.part_length(n, self.shard_align)
             self.form_of(key, size)
-        self.exact = bool(self.forms) and all(self.forms.get(key) == "fp32" for key in layout)
+        self._set_exact([self.forms.get(key) for key in layout])
+
+    def _set_exact(self, forms: list) -> None:
+        """:attr:`exact` and :attr:`exact_wire` from the buckets' ``forms``: exact when they are
+        one uncompressed form."""
+        self.exact = bool(forms) and len(set(forms)) == 1 and forms[0] in EXACT_FORMS
+        self.exact_wire = forms[0] if self.exact else "fp32"
 
     def form_of(self, key: Key, numel: int) -> str:
         form = self.forms.get(key)
         if form is None:
-            form = choose_form(self.form, self.world_size, numel, *self.link, self.codec_seconds)
+            form = choose_form(self.form, self.world_size, numel, *self.link, self.codec_seconds, self.fallback)
             if form not in self.forms.values():  # each form once: which, and why
                 logger.info(
                     "lowbit: TurboQuant synchronizes a bucket of %d elements with form %r (configured %r; "
@@ -193,15 +203,16 @@ class TurboQuantCommunicator(BucketCommunicator):
                 sorted(changed.values()),
             )
         self.forms.update(saved)
-        self.exact = all(f == "fp32" for f in self.forms.values())
+        self._set_exact(list(self.forms.values()))
 
     def _start_bucket(self, key: Key, flat: torch.Tensor, saved):
         n = flat.numel()
         form = self.form_of(key, n)
-        if form == "fp32":  # the exact mean in place: no error to feed back; a saved state waits
+        if form in EXACT_FORMS:  # DDP's mean in place: no error to feed back; a saved state waits
             empty = flat.new_zeros(0)
             fresh = TurboQuantState(empty, empty, empty, form)
-            return saved or fresh, ExactMean(flat, self.group, "turboquant.fp32", self.traffic)
+            mean = ExactMean(flat, self.group, f"turboquant.{form}", self.traffic, wire_dtype_of(form))
+            return saved or fresh, mean
         two_stage = form == "two_stage"
         if saved is not None and cast(TurboQuantState, saved).form != form:
             saved = None  # saved under the other form

@@ -16,7 +16,7 @@ from lowbit_strategy.section import Section
 from lowbit_strategy.validation import ConfigError, as_bool, as_choice, as_int
 
 #: accepted values of ``form``
-FORMS = ("auto", "allgather", "two_stage", "fp32")
+FORMS = ("auto", "allgather", "two_stage", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,10 @@ class TurboQuantConfig(Section):
         (default): per bucket, the one predicted fastest from the α–β cost model on the
         configured link (``link_bandwidth_gbps``, ``link_latency_us``) plus the codec time
         measured at setup and agreed by every rank, so where encoding costs more than the
-        bytes it saves it falls back to ``fp32`` and is never slower than DDP + AdamW;
-        equal predictions pick ``allgather``, then ``two_stage``.
+        bytes it saves it falls back to the uncompressed mean in ``LowBitConfig.warmup_wire``
+        (``bf16`` by default: what DDP's ``bf16_compress_hook`` sends, never more) and is
+        never slower than DDP + AdamW with that hook; equal predictions pick ``allgather``,
+        then ``two_stage``. ``bf16``: torch's ``bf16_compress_hook``'s mean (AdamW on it).
     block: elements per Hadamard rotation block and per scale (a power of two; 1024, the
         codec's default, costs 4 bytes of scale per 512 bytes of codes).
     seed: seed of the rotation's random signs (the same on every rank by construction).

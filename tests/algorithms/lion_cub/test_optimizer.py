@@ -10,6 +10,7 @@ from torch import nn
 from lowbit_strategy import LowBitConfig, Lion, LionCommunicator
 from lowbit_strategy.codecs import lp_quantize_levels
 from lowbit_strategy.collectives import group as g
+from lowbit_strategy.algorithms.lion_cub.mode import SyncMode
 from lowbit_strategy.collectives.summed import max_levels
 from lowbit_strategy.algorithms.lion_cub import resolve_mode
 from tests.distributed import run_ranks
@@ -42,6 +43,8 @@ def _reference_lion_cub(world_size, mode, bits=None, p=1.0):
                 cs[r].add_(grads[r][k], alpha=1 - b1)
             if mode == "fp32":
                 d = torch.sign(sum(c.reshape(-1) for c in cs)).view_as(theta)
+            elif mode == "bf16":  # each rank's vector rounded to bf16 (at P = 2 the sum's rounding keeps its sign)
+                d = torch.sign(sum(c.reshape(-1).bfloat16().float() for c in cs)).view_as(theta)
             elif mode in ("1bit", "sign"):
                 tie_up = step % 2 == 1
                 ups = sum(((c > 0) | ((c == 0) & tie_up)).int() for c in cs)
@@ -57,10 +60,10 @@ def _reference_lion_cub(world_size, mode, bits=None, p=1.0):
     return [t.detach() for t in params[0]]
 
 
-def _run_lion_cub(rank, world_size, mode, bits, p, momentum_sync_all=False, warmup=0):
+def _run_lion_cub(rank, world_size, mode, bits, p, momentum_sync_all=False, warmup=0, wire="bf16"):
     model = _model()
     opt = Lion(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    cfg = LowBitConfig(mode=mode, bits=bits, p=p, bucket_size_mb=0.0005, warmup_steps=warmup)
+    cfg = LowBitConfig(mode=mode, bits=bits, p=p, bucket_size_mb=0.0005, warmup_steps=warmup, warmup_wire=wire)
     opt.attach_communicator(LionCommunicator(cfg))
     if momentum_sync_all:
         opt.set_momentum_sync(1, model.parameters())
@@ -78,10 +81,15 @@ def _check_modes(rank, world_size):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{mode} {bits} {p}")
         assert opt.communicator.traffic.bytes_sent > 0
-    # during warm-up the exact fp32 sum is synchronized, whatever the mode
-    got, _ = _run_lion_cub(rank, world_size, "1bit", None, 1.0, warmup=STEPS)
-    for a, b in zip(got, _reference_lion_cub(world_size, "fp32")):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # during warm-up the uncompressed sum in warmup_wire is synchronized, whatever the mode (bf16
+    # checked at P = 2, where the wire's one rounding of the sum keeps its sign; at P > 2 gloo's
+    # partial sums round too, in an order the reference cannot replay)
+    for wire in ("bf16", "fp32") if world_size == 2 else ("fp32",):
+        got, opt = _run_lion_cub(rank, world_size, "1bit", None, 1.0, warmup=STEPS, wire=wire)
+        for a, b in zip(got, _reference_lion_cub(world_size, wire)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=wire)
+        sent = {op for op in opt.communicator.traffic.by_op() if op.startswith("full.")}
+        assert sent == {f"full.allreduce.{wire}"}, sent
 
 
 def _check_fp32_equals_ddp(rank, world_size):
@@ -389,17 +397,20 @@ def test_auto_mode_keeps_quality_and_follows_the_link():
     assert resolve_mode(slow, 4, 10**7, momentum_sync_every=10).mode == "1bit"
 
 
-def test_auto_counts_measured_codec_time_and_never_plans_slower_than_fp32():
+def test_auto_counts_measured_codec_time_and_never_plans_slower_than_bf16():
     from lowbit_strategy.algorithms.lion_cub.mode import auto_candidates, measure_codec_seconds
 
     fast = LowBitConfig(link_bandwidth_gbps=10, link_latency_us=5)
     n = 10**7
-    assert auto_candidates(fast, 4) == ("lp8", "fp32") and auto_candidates(fast, 4, 10)[-1] == "fp32"
+    # the uncompressed fallback is warmup_wire's: bf16 (what DDP's bf16 hook sends) unless asked
+    assert auto_candidates(fast, 4) == ("lp8", "bf16") and auto_candidates(fast, 4, 10)[-1] == "bf16"
+    assert auto_candidates(fast.replace(warmup_wire="fp32"), 4) == ("lp8", "fp32")
     measured = measure_codec_seconds(auto_candidates(fast, 4, 10), 4, n, 1.0, sample=1 << 16, repeat=1)
-    assert set(measured) == {"lp8", "sign", "1bit", "fp32"} and all(t > 0 for t in measured.values())
-    # a codec slower than the bytes it saves: fp32 (what DDP sends) wins ...
-    slow_codec = {"lp8": 1.0, "fp32": 0.001}
-    assert resolve_mode(fast, 4, n, slow_codec).mode == "fp32"
+    assert set(measured) == {"lp8", "sign", "1bit", "bf16"} and all(t > 0 for t in measured.values())
+    # a codec slower than the bytes it saves: bf16 (what DDP's bf16 hook sends) wins ...
+    slow_codec = {"lp8": 1.0, "bf16": 0.001, "fp32": 0.001}
+    assert resolve_mode(fast, 4, n, slow_codec) == SyncMode("bf16", 16)
+    assert resolve_mode(fast.replace(warmup_wire="fp32"), 4, n, slow_codec) == SyncMode("fp32", 32)
     # ... but not on a slow link, where the wire dominates; without timings only bytes count
     assert resolve_mode(fast.replace(link_bandwidth_gbps=0.01), 4, n, slow_codec).mode == "lp"
     assert resolve_mode(fast, 4, n).mode == "lp"

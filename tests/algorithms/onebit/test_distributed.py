@@ -75,12 +75,19 @@ def _simulate(world_size, cls, layout, steps, switch, block=None, **opt_kw):
 
 
 def _check_adam(rank, world_size, **form):
-    # warm-up: DDP + torch.optim.AdamW bit for bit, replicas identical after every step
-    cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005)
-    ours, opt, sync = _train(rank, OneBitAdam, cfg, FREEZE, after_step=lambda s, m, o: _same_on_every_rank(m), **form)
-    ddp = ddp_adamw(rank, FREEZE, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters()))
-    assert opt.stage == "compression"
+    # warm-up: DDP + torch.optim.AdamW bit for bit with the matching DDP hook (bf16 by default:
+    # torch's bf16_compress_hook; fp32: none), replicas identical after every step; half the bytes
+    sent = {}
+    for wire in ("bf16", "fp32"):
+        cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005, warmup_wire=wire)
+        ours, opt, sync = _train(rank, OneBitAdam, cfg, FREEZE, after_step=lambda s, m, o: _same_on_every_rank(m),
+                                 **form)
+        ddp = ddp_adamw(rank, FREEZE, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, wire=wire)
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters()))
+        assert opt.stage == "compression"
+        sent[wire] = [r.bytes_sent for log in sync.traffic_logs() for r in log.records if r.op == f"staged.warmup.{wire}"]
+    assert len(sent["bf16"]) == len(sent["fp32"]) > 0
+    assert all(0 <= 2 * b - f <= 4 * (world_size - 1) for b, f in zip(sent["bf16"], sent["fp32"])), sent
 
     finals = []
     for overlap in (False, True):

@@ -231,35 +231,46 @@ def _check_resume(rank, world_size):
             assert torch.equal(_flat(resumed), _flat(straight)), f"form={form} variance={variance} resume at {at}"
 
 
-def _check_fp32_form(rank, world_size):
-    """The exact form: every bucket exact, so the hook averages gradients as DDP does (the
-    warm-up's bytes every step, nothing else sent) and the result is DDP + AdamW's bit for
-    bit (the step is AdamW's on the averaged gradient); a NaN skipped on every rank. ``auto``
-    agrees on its measured codec time and falls back to it on a link too fast to pay."""
-    ops = []
+def _check_exact_forms(rank, world_size):
+    """The exact forms: every bucket exact, so the hook averages gradients as DDP does in
+    that wire (the warm-up's bytes every step, nothing else sent) and the result is DDP +
+    AdamW's bit for bit with the matching DDP hook (none for fp32, torch's
+    ``bf16_compress_hook`` for bf16; the step is AdamW's on the averaged gradient); a NaN
+    skipped on every rank. ``auto`` agrees on its measured codec time and, on a link too fast
+    to pay, falls back to the form ``warmup_wire`` names (bf16 unless asked)."""
+    sizes = {}
+    for wire in ("fp32", "bf16"):
+        ops = []
 
-    def count(step, model, o):
-        _same_on_every_rank(model)
-        ops.append(dict(o.communicator.traffic.by_op()))
+        def count(step, model, o):
+            _same_on_every_rank(model)
+            ops.append(dict(o.communicator.traffic.by_op()))
 
-    model, opt, sync = _train(rank, _config("fp32"), STEPS, after_step=count)
-    comm = opt.communicator
-    assert comm.exact and set(comm.forms.values()) == {"fp32"} and comm.codec_seconds is None
-    assert all(not o for o in ops)  # the optimizer sent nothing: the hook did, as in warm-up
-    hook = [r.bytes_sent for log in sync.traffic_logs() for r in log.records if r.op == "staged.warmup.allreduce"]
-    assert len(hook) % STEPS == 0 and hook[: len(hook) // STEPS] * STEPS == hook  # the same bytes every step
-    ddp = ddp_adamw(rank, STEPS, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    assert torch.equal(_flat(model), _flat(ddp))
-    with pytest.warns(RuntimeWarning, match="non-finite"):
-        _, opt, _ = _train(rank, _config("fp32"), STEPS, nan_at=STEPS)
-    assert opt.skipped_steps == 1
+        model, opt, sync = _train(rank, _config(wire, warmup_wire=wire), STEPS, after_step=count)
+        comm = opt.communicator
+        assert comm.exact and comm.exact_wire == wire and set(comm.forms.values()) == {wire}
+        assert comm.codec_seconds is None
+        assert all(not o for o in ops)  # the optimizer sent nothing: the hook did, as in warm-up
+        hook = [r.bytes_sent for log in sync.traffic_logs() for r in log.records if r.op == f"staged.warmup.{wire}"]
+        assert len(hook) % STEPS == 0 and hook[: len(hook) // STEPS] * STEPS == hook  # the same bytes every step
+        sizes[wire] = (sum(hook), len(hook))
+        ddp = ddp_adamw(rank, STEPS, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, wire=wire)
+        assert torch.equal(_flat(model), _flat(ddp))
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            _, opt, _ = _train(rank, _config(wire, warmup_wire=wire), STEPS, nan_at=STEPS)
+        assert opt.skipped_steps == 1
+    # counted: half the bytes (up to the ring's rounding of each allreduce to P equal parts)
+    (bf16, records), (fp32, _) = sizes["bf16"], sizes["fp32"]
+    assert 0 <= 2 * bf16 - fp32 <= 4 * (world_size - 1) * records, sizes
 
-    for gbps, expect in ((1e4, {"fp32"}), (1e-4, {"allgather", "two_stage"})):
-        _, opt, _ = _train(rank, _config("auto", link_bandwidth_gbps=gbps, link_latency_us=0), STEPS)
+    fast, slow = (1e4, "bf16", {"bf16"}), (1e-4, "bf16", {"allgather", "two_stage"})
+    for gbps, wire, expect in (fast, (1e4, "fp32", {"fp32"}), slow):
+        cfg = _config("auto", link_bandwidth_gbps=gbps, link_latency_us=0, warmup_wire=wire)
+        _, opt, _ = _train(rank, cfg, STEPS)
         comm = opt.communicator
         assert set(comm.forms.values()) <= expect and comm.forms, (gbps, comm.forms)
-        assert comm.exact == (expect == {"fp32"})
-        assert set(comm.codec_seconds) == {"allgather", "two_stage", "fp32"}
+        assert comm.exact == (expect == {wire})
+        assert set(comm.codec_seconds) == {"allgather", "two_stage", "bf16", "fp32"}
         assert all(v > 0 for v in comm.codec_seconds.values())
         mine = torch.tensor(list(comm.codec_seconds.values()), dtype=torch.float64)
         assert all(torch.equal(mine, theirs) for theirs in _every_rank(mine))  # one measurement, agreed
@@ -268,7 +279,7 @@ def _check_fp32_form(rank, world_size):
 def _check_all(rank, world_size):
     _check_against_simulation(rank, world_size)
     _check_safety(rank, world_size)
-    _check_fp32_form(rank, world_size)
+    _check_exact_forms(rank, world_size)
     if world_size == 2:  # (P = 3: plain DDP's warm-up sum is not bit-exact across a restart; see onebit's test)
         _check_resume(rank, world_size)
 

@@ -128,13 +128,18 @@ def test_auto_form_follows_the_cost_model():
     assert choose_form("two_stage", 2, 10, 50e-6, 1e9) == "two_stage"
     # tiny bucket on a high-latency link at P = 4: latency rules, the all-gather wins
     assert choose_form("auto", 4, 100, 1e-3, 1e9) == "allgather"
-    # with the codec's measured time: a codec slower than the bytes it saves -> the exact mean
-    # (fp32 sends 2(P-1)/P * 32 bits = 32 ns per element at 1 Gbit/s, P = 2)
-    slow = {"allgather": 100e-9, "two_stage": 150e-9, "fp32": 0.2e-9}
-    assert choose_form("auto", 2, 10**6, 50e-6, 1e9, slow) == "fp32"
-    assert choose_form("auto", 2, 10**6, 50e-6, 1e8, slow) == "allgather"  # 100 Mbit/s: 320 ns of fp32 wire
+    # with the codec's measured time: a codec slower than the bytes it saves -> DDP's mean in
+    # the fallback's wire, bf16 unless asked (bf16 sends 2(P-1)/P * 16 bits = 16 ns per element
+    # at 1 Gbit/s, P = 2; fp32 32 ns)
+    slow = {"allgather": 100e-9, "two_stage": 150e-9, "bf16": 0.4e-9, "fp32": 0.2e-9}
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e9, slow) == "bf16"
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e9, slow, fallback="fp32") == "fp32"
+    # 100 Mbit/s: 160 ns of bf16 wire, 320 ns of fp32
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e8, slow) == "allgather"
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e8, {**slow, "allgather": 250e-9}) == "bf16"
+    assert choose_form("auto", 2, 10**6, 50e-6, 1e8, {**slow, "allgather": 250e-9}, fallback="fp32") == "two_stage"
     assert choose_form("auto", 16, 10**6, 50e-6, 1e8, {**slow, "allgather": 900e-9}) == "two_stage"
-    fast = {"allgather": 1e-12, "two_stage": 2e-12, "fp32": 1e-12}  # a GPU codec
+    fast = {"allgather": 1e-12, "two_stage": 2e-12, "bf16": 1e-12, "fp32": 1e-12}  # a GPU codec
     assert choose_form("auto", 2, 10**6, 50e-6, 1e9, fast) == "allgather"
     assert choose_form("allgather", 2, 10**6, 50e-6, 1e9, slow) == "allgather"  # a set form is kept
 
