@@ -86,6 +86,11 @@ def parser() -> argparse.ArgumentParser:
         help=f"with --steps: TurboQuant-Adam's warmup_steps (default {warmup.TURBOQUANT_WARMUP})",
     )
     ap.add_argument(
+        "--warmup-wire",
+        choices=("bf16", "fp32"),
+        help="with --steps: what this package's warm-ups send (LowBitConfig.warmup_wire; default bf16)",
+    )
+    ap.add_argument(
         "--diloco-sync-every",
         type=int,
         default=100,
@@ -130,7 +135,7 @@ def _run(args) -> warmup.Run | None:
     would change nothing)."""
     given = {
         field: value
-        for field in ("powersgd_start", "freeze_step", "turboquant_warmup")
+        for field in ("powersgd_start", "freeze_step", "turboquant_warmup", "warmup_wire")
         if (value := getattr(args, field)) is not None
     }
     if args.steps is None:

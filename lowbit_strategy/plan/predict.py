@@ -45,7 +45,7 @@ from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.plan.inputs import Compute, Model
 from lowbit_strategy.plan.predict_demo import demo_rows
 from lowbit_strategy.plan.predict_diloco import diloco_rows
-from lowbit_strategy.plan.predict_sharded import hsdp_fp32_step, sharded_rows, world_rows
+from lowbit_strategy.plan.predict_sharded import hsdp_warmup_step, sharded_rows, world_rows
 from lowbit_strategy.plan.rows import (  # noqa: F401 - TURBOQUANT_FORMS, turboquant_codec_ns: part of this module's API
     ONEBIT_BLOCK,
     POWERSGD_MIN_RATE,
@@ -298,9 +298,12 @@ def predict(setup: Setup) -> list[Row]:
     rows = [replace(r, speedup=base / r.step_s, fits=fits(r)) for r in rows]
     if setup.run is None:
         return rows
-    fp32 = {"flat": next(r for r in rows if r.key == "ddp_fp32").step_s}  # the flat rows' and PowerSGD's warm-up
-    if "hierarchical" in forms:  # exact inside each node, fp32 across
-        fp32["hierarchical"] = pr.simple("fp32", "fp32", "hierarchical", "", "fp32", None, 0.0).step_s
+    wire = setup.run.warmup_wire
+    step = {r.key: r.step_s for r in rows}
+    # PowerSGD's warm-up is torch's fp32; this package's in warmup_wire, in the row's own form
+    warm = {"powersgd": step["ddp_fp32"], "flat": step[f"ddp_{wire}"]}
+    if "hierarchical" in forms:  # exact inside each node, the wire across
+        warm["hierarchical"] = pr.simple(wire, wire, "hierarchical", "", wire, None, 0.0).step_s
     if setup.sharded:
-        fp32["sharded"] = hsdp_fp32_step(pr)
-    return whole_run(rows, setup.run, fp32)
+        warm["sharded"] = hsdp_warmup_step(pr, wire)
+    return whole_run(rows, setup.run, warm)

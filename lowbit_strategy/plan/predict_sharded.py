@@ -78,11 +78,12 @@ def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
     ]
 
 
-def hsdp_fp32_step(pr: Predictor) -> float:
-    """The sharded low-bit rows' warm-up step: the exact fp32 mean across nodes, reduced unit by
-    unit during backward as HSDP does (:mod:`lowbit_strategy.integrations.sharded`)."""
-    sends = sh.hsdp_sends(pr.s.model.unit_shapes(), pr.nodes, pr.per_node, itemsize=4)
-    return _sharded(pr, "hsdp_fp32", "HSDP fp32", "", sends, None, 0.0, True).step_s
+def hsdp_warmup_step(pr: Predictor, wire: str = "bf16") -> float:
+    """The sharded low-bit rows' warm-up step: the mean across nodes in ``wire``
+    (``LowBitConfig.warmup_wire``), reduced unit by unit during backward as HSDP does
+    (:mod:`lowbit_strategy.integrations.sharded`)."""
+    sends = sh.hsdp_sends(pr.s.model.unit_shapes(), pr.nodes, pr.per_node, itemsize=2 if wire == "bf16" else 4)
+    return _sharded(pr, f"hsdp_{wire}", f"HSDP {wire}", "", sends, None, 0.0, True).step_s
 
 
 def world_rows(pr: Predictor) -> list[Row]:

@@ -10,10 +10,12 @@ A steady-state step flatters the methods that first send full precision:
   time-to-quality benchmark does;
 * TurboQuant-Adam for ``warmup_steps`` (200, ``TurboQuantAdamW``'s default).
 
-Over a run of S steps a row with W warm-up steps takes ``W · t_fp32 + (S − W) · t_step``, with
-``t_fp32`` the step of the fp32 exchange in the row's own form: DDP fp32's for the flat rows and
-PowerSGD, the exact mean inside each node and fp32 across for the hierarchical rows, the
-shards' fp32 exchange across nodes for the sharded rows. The warm-up's update is priced as
+Over a run of S steps a row with W warm-up steps takes ``W · t_warm + (S − W) · t_step``. For
+PowerSGD ``t_warm`` is DDP fp32's step (torch's hook sends fp32). For this package's rows it is
+the step of the uncompressed exchange in the row's own form, in ``LowBitConfig.warmup_wire``
+(``bf16`` by default, ``--warmup-wire``): DDP with that wire for the flat rows, the exact mean
+inside each node and that wire across for the hierarchical rows, HSDP in that wire for the
+sharded rows. The warm-up's update is priced as
 AdamW's (1-bit LAMB's warm-up runs LAMB, whose layerwise ratios cost about 1 % more of the run
 on a 1B model; not added). In this package's time-to-quality
 benchmark (4M parameters, 1,500 steps, 2 × 2 CPU ranks) the steady state alone made PowerSGD
@@ -49,12 +51,16 @@ class Run:
     powersgd_start: int = POWERSGD_START
     freeze_step: int | None = None
     turboquant_warmup: int = TURBOQUANT_WARMUP
+    #: what this package's warm-ups send (``LowBitConfig.warmup_wire``)
+    warmup_wire: str = "bf16"
 
     def __post_init__(self):
         if self.steps < 1:
             raise PlanError("--steps", self.steps, "pass the run's optimizer steps, >= 1")
         # the optimizers' own bounds: torch's PowerSGDState wants start_powerSGD_iter > 1 with its
         # error feedback and warm start; OneBitAdam/OneBitLamb a freeze_step >= 1
+        if self.warmup_wire not in ("bf16", "fp32"):
+            raise PlanError("--warmup-wire", self.warmup_wire, "pass bf16 or fp32 (LowBitConfig.warmup_wire)")
         for option, value, least in (
             ("--powersgd-start", self.powersgd_start, 2),
             ("--freeze-step", self.freeze_step, 1),
@@ -79,20 +85,23 @@ class Run:
     def describe(self) -> str:
         freeze = self.warmup("onebit")
         return (
-            f"a run of {self.steps:,} steps, full-precision warm-ups priced at the fp32 step of each row's form: "
+            f"a run of {self.steps:,} steps, full-precision warm-ups priced at the uncompressed step of each row's "
+            f"form (PowerSGD fp32, this package's {self.warmup_wire}): "
             f"PowerSGD {self.warmup('powersgd'):,} (start_powerSGD_iter), 1-bit Adam/LAMB {freeze:,} (freeze_step"
             + ("" if self.freeze_step is not None else f", {ONEBIT_FREEZE_SHARE:.0%} of the run")
             + f"), TurboQuant-Adam {self.warmup('turboquant'):,} (warmup_steps)"
         )
 
 
-def whole_run(rows: list[Row], run: Run, fp32_step: dict[str, float]) -> list[Row]:
+def whole_run(rows: list[Row], run: Run, warm_step: dict[str, float]) -> list[Row]:
     """``rows`` with their warm-up steps, the whole run's seconds and the speed-up over DDP bf16's
-    run (which has no warm-up); ``fp32_step`` the fp32 exchange's step seconds by form."""
+    run (which has no warm-up); ``warm_step`` the warm-up's step seconds: ``"powersgd"``'s (DDP
+    fp32's) and, by form, this package's rows' (their uncompressed exchange in ``run.warmup_wire``)."""
     base = run.steps * next(r for r in rows if r.key == "ddp_bf16").step_s
     out = []
     for r in rows:
         warm = run.warmup(r.key)
-        seconds = warm * fp32_step[r.form] + (run.steps - warm) * r.step_s if warm else run.steps * r.step_s
+        t_warm = warm_step["powersgd"] if r.key == "powersgd" else warm_step.get(r.form, 0.0)
+        seconds = warm * t_warm + (run.steps - warm) * r.step_s if warm else run.steps * r.step_s
         out.append(replace(r, warmup_steps=warm, run_s=seconds, speedup=base / seconds))
     return out

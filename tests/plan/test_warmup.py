@@ -1,5 +1,5 @@
 """lowbit-plan --steps: a whole run's time with each method's full-precision warm-up priced at
-the fp32 step of its form, bad warm-ups named, and the recommendation it changes on the
+the uncompressed step of its form (PowerSGD fp32, this package's in warmup_wire, bf16 by default), bad warm-ups named, and the recommendation it changes on the
 time-to-quality benchmark's cluster (4M parameters, 2 nodes x 2 ranks, 1,500 steps), where
 the steady state alone picked PowerSGD, measured the slowest to the target. Fast: arithmetic."""
 
@@ -49,7 +49,7 @@ def test_bad_warmups_name_the_option(kwargs, named):
         Run(**kwargs)
 
 
-def test_the_run_prices_warmups_at_the_fp32_step_of_the_rows_form():
+def test_the_run_prices_warmups_at_the_uncompressed_step_of_the_rows_form():
     steady, whole = _rows("100mbit"), _rows("100mbit", "--steps", "1500")
     ps, fp32, bf16 = whole["powersgd"], whole["ddp_fp32"], whole["ddp_bf16"]
     assert ps.warmup_steps == 1000
@@ -60,18 +60,28 @@ def test_the_run_prices_warmups_at_the_fp32_step_of_the_rows_form():
         assert r.step_s == steady[key].step_s  # the steady state is unchanged
         assert r.speedup == pytest.approx(bf16.run_s / r.run_s)
         assert r.run_s >= 1500 * r.step_s
-    # the hierarchical warm-up (exact inside the node, fp32 across) is cheaper than flat DDP fp32's
+    # this package's warm-ups send bf16 (LowBitConfig.warmup_wire): DDP bf16's step for the flat rows;
+    # the hierarchical one (exact inside the node, bf16 across) is cheaper still
     hier = (whole["onebit_hierarchical"].run_s - 1200 * whole["onebit_hierarchical"].step_s) / 300
-    assert whole["onebit_flat"].run_s == pytest.approx(300 * fp32.step_s + 1200 * whole["onebit_flat"].step_s)
-    assert hier < fp32.step_s
+    assert whole["onebit_flat"].run_s == pytest.approx(300 * bf16.step_s + 1200 * whole["onebit_flat"].step_s)
+    assert hier < bf16.step_s
+    # asked for fp32 (the papers' warm-up): DDP fp32's step, PowerSGD's unchanged
+    fp32_whole = _rows("100mbit", "--steps", "1500", "--warmup-wire", "fp32")
+    one = fp32_whole["onebit_flat"]
+    assert one.run_s == pytest.approx(300 * fp32.step_s + 1200 * one.step_s) and one.run_s > whole["onebit_flat"].run_s
+    assert fp32_whole["powersgd"].run_s == pytest.approx(ps.run_s)
+    hier32 = (fp32_whole["onebit_hierarchical"].run_s - 1200 * fp32_whole["onebit_hierarchical"].step_s) / 300
+    assert hier < hier32 < fp32.step_s
 
 
-def test_sharded_rows_warm_up_at_hsdp_fp32():
+def test_sharded_rows_warm_up_at_hsdp_in_the_warmup_wire():
     whole = _rows("100mbit", "--steps", "1000", "--sharded")
     one, hsdp = whole["onebit_sharded"], whole["hsdp_bf16"]
     warm = (one.run_s - 800 * one.step_s) / 200
     assert one.warmup_steps == 200 and hsdp.warmup_steps == 0
-    assert warm > hsdp.step_s  # fp32 across nodes: twice HSDP bf16's bytes
+    assert warm == pytest.approx(hsdp.step_s)  # bf16 across nodes: HSDP bf16's step
+    fp32 = _rows("100mbit", "--steps", "1000", "--sharded", "--warmup-wire", "fp32")["onebit_sharded"]
+    assert (fp32.run_s - 800 * fp32.step_s) / 200 > hsdp.step_s  # fp32 across nodes: twice HSDP bf16's bytes
 
 
 @pytest.mark.parametrize("link", ["1gbit", "100mbit"])
