@@ -28,6 +28,11 @@ How (the issue allows it; :mod:`benchmarks.ttq.analysis` holds the arithmetic):
 5. **validation**: ``--validate CONFIG@LINK`` runs the whole training on the link, measured;
    the report states how far the projection is from it.
 
+**The comm-free bound** (:data:`BOUND`, ``--no-bound`` to leave it out): what no method can beat, the
+same training with nothing on the wire (DDP whose hook keeps each rank's gradient; not a method).
+Its timing runs run on every link beside the methods'; the report prices DDP fp32's steps to
+each target at its step time, and gives every method's time as a fraction of it.
+
 Lion Cub's and TurboQuant's ``auto`` plans depend on the link: their runs are told the link
 (``link_bandwidth_gbps``, ``link_latency_us`` fixed at :data:`LATENCY_US`) and their quality
 runs are per link, unless both links' timing runs resolved the same plan.
@@ -90,6 +95,14 @@ DEMO = {
 #: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)
 ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
               "lowbit_lamb", "lowbit_turboquant", *DILOCO, *DEMO]
+#: the comm-free bound of each target's optimizer family (:mod:`benchmarks.e2e.worker`'s calibration
+#: configurations: DDP whose hook keeps every rank's gradient, the same computation with nothing on the
+#: wire; not a method): timed on every link, priced at the family's DDP fp32 steps to the target
+BOUND = {"ddp_adamw": "calib_adamw", "ddp_lion": "calib_lion"}
+#: configurations with an uncompressed phase whose wire ``LowBitConfig.warmup_wire`` names (a warm-up,
+#: BitDP's two first iterations, an ``auto`` fallback): their runs carry it in their overrides
+WIRED = {"lowbit_lion", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam", "lowbit_lamb",
+         "lowbit_turboquant"}
 #: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
 LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
 LATENCY_US = 50
@@ -154,15 +167,18 @@ class Study:
 
     def overrides(self, config: str, link, plan: list[str] | None = None) -> str:
         """A :data:`LINK_PLANNED` configuration's LowBitConfig overrides: the link, and the
-        ``plan`` :func:`pin` fixes (else ``auto`` resolves it); a :data:`DILOCO` form's own."""
+        ``plan`` :func:`pin` fixes (else ``auto`` resolves it); a :data:`DILOCO` form's own; for
+        the :data:`WIRED` ones first ``warmup_wire`` (``--warmup-wire``)."""
         if config in DILOCO:
             return DILOCO[config]
         if config in DEMO:
             return DEMO[config][0]
+        wire = f"warmup_wire={getattr(self.args, 'warmup_wire', 'bf16')}" if config in WIRED else ""
         if config not in LINK_PLANNED:
-            return ""
-        return with_pin(f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}",
-                        config, plan or [])
+            return wire
+        return with_pin(",".join(filter(None, (
+            wire, f"link_bandwidth_gbps={link.bits_per_second / 1e9:g},link_latency_us={LATENCY_US}"))),
+            config, plan or [])
 
     def plan_of_record(self, config: str, link) -> list[str]:
         """The plan ``config``'s timing run on ``link`` recorded ([] for none, or no such run): the
@@ -199,6 +215,7 @@ class Study:
         if not path.exists():
             return None
         rec = json.loads(path.read_text())
+        rec["settings"] = recorded_wire(rec.get("settings") or {})
         same = rec.get("settings") == settings or (path.parent.name == "timing" and self.chose_its_pin(rec, settings))
         return rec if same else None
 
@@ -267,6 +284,20 @@ class Study:
         print(f"    {rec['steps']} steps, {sum(rec['step_s']):.1f} s of training{last}; {wall:.0f} s in all",
               flush=True)
         return rec
+
+
+def recorded_wire(settings: dict) -> dict:
+    """A run's recorded settings, with the ``warmup_wire`` it ran with made explicit: a :data:`WIRED`
+    run recorded before the field (2026-11-29) ran fp32, which is now ``warmup_wire=fp32``."""
+    lowbit = settings.get("lowbit", "")
+    if settings.get("config") not in WIRED or "warmup_wire=" in lowbit:
+        return settings
+    return {**settings, "lowbit": ",".join(filter(None, ("warmup_wire=fp32", lowbit)))}
+
+
+def bound_configs(study: Study, configs: list[str]) -> list[str]:
+    """The comm-free runs (:data:`BOUND`) of the references among ``configs``, unless ``--no-bound``."""
+    return [] if getattr(study.args, "no_bound", False) else [calib for ref, calib in BOUND.items() if ref in configs]
 
 
 def diloco_h(config: str) -> int:
@@ -396,13 +427,17 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
             validate: list[tuple[str, str]]) -> dict:
     """Every run of the study in order (timing, sweep, seeds, validation), or with
     ``study.load_only`` the ones that exist; what :func:`benchmarks.ttq.report.write` reads."""
-    runs: dict = {"timing": {}, "sweep": {}, "centre": {}, "chosen": {}, "quality": {}, "full": [], "keys": {}}
+    runs: dict = {"timing": {}, "sweep": {}, "centre": {}, "chosen": {}, "quality": {}, "full": [], "keys": {},
+                  "bound": {}}
     with contextlib.nullcontext() if study.load_only else Network(nodes=2, ranks_per_node=2,
                                                                     link=study.links[0]) as net:
         for link in study.links:
             for c in configs:
                 runs["timing"][(c, link.name)] = study.run("timing", f"{c}@{link.name}",
                                                            study.timing_settings(c, link), link, net)
+            for calib in bound_configs(study, configs):
+                runs["bound"][(calib, link.name)] = study.run("timing", f"{calib}@{link.name}",
+                                                              study.timing_settings(calib, link), link, net)
         keys = quality_keys(study, configs, runs["timing"])
         runs["keys"] = {k: v[0] for k, v in keys.items()}
         # the references first (their chosen lr centres the others' sweeps), then in the given order
@@ -470,6 +505,11 @@ def main(argv=None) -> int:
     parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
     parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
                         help=f"model/data changes to the preset's {MODEL} (e.g. d_model=64,layers=2)")
+    parser.add_argument("--warmup-wire", default="bf16", choices=("bf16", "fp32"),
+                        help="LowBitConfig.warmup_wire of the configurations with an uncompressed phase (fp32: the "
+                             "runs made before the field, 2026-11-29)")
+    parser.add_argument("--no-bound", action="store_true",
+                        help="no comm-free timing runs (the bound each method is a fraction of)")
     parser.add_argument("--skip-existing", action="store_true", help="keep runs whose JSON has the same settings")
     parser.add_argument("--retime", action="store_true",
                         help="with --skip-existing: rerun the timing runs made by other code (code_fingerprint)")
@@ -518,7 +558,8 @@ def main(argv=None) -> int:
                 "powersgd": {**POWERSGD, "start_powerSGD_iter": switch_of("ddp_powersgd_adamw", args.steps,
                                                                         args.powersgd_start)},
                 "switch": switch,
-                "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR, "code": study.code}
+                "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR, "code": study.code,
+                "warmup_wire": args.warmup_wire}
     if args.report_only:
         study.load_only = True
         if (out / "ttq.json").exists():  # the date and duration of the run that made it
@@ -528,7 +569,7 @@ def main(argv=None) -> int:
         ttq_report.write(out, settings, command, machine(), execute(study, configs, seeds, factors, swept, validate))
         return 0
     n_quality = sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds) for c in configs)
-    study.planned = len(configs) * len(study.links) + n_quality + len(validate)
+    study.planned = (len(configs) + len(bound_configs(study, configs))) * len(study.links) + n_quality + len(validate)
     print(f"time to quality: {len(configs)} configs x links {settings['links']}; {args.steps} steps, seeds {seeds}, "
           f"lr x {factors} for {len(swept)} configs; ~{study.planned} runs (more where an auto plan differs by "
           f"link, and up to {args.sweep_extend} per swept config whose best lr is at the sweep's edge); "

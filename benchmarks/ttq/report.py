@@ -92,10 +92,45 @@ def analyse(settings: dict, runs: dict) -> dict:
                 if rec["lr"] == rows[config]["lr"] and seed[1] in rows[config]["per_seed"]:
                     b = ta.step_at_seconds(cum, budget)
                     rows[config]["per_seed"][seed[1]]["loss_at_budget"] = ta.at_step(curve(rec), b)
-        out["links"][link] = {"target": target, "own_targets": own, "budget_s": budget, "rows": rows}
+        bounds = {"": _bound(runs, link, steps, rows, REFERENCE, "")}
+        bounds.update({f: _bound(runs, link, steps, rows, OWN_REFERENCE[f], "own_") for f in own})
+        out["links"][link] = {"target": target, "own_targets": own, "budget_s": budget, "rows": rows,
+                              "bounds": {k: v for k, v in bounds.items() if v is not None}}
     for full in runs["full"]:
         out["validation"].append(validation(full, out["links"].get(full["link"], {}), runs, settings))
     return out
+
+
+def _bound(runs: dict, link: str, steps: int, rows: dict, reference: str, prefix: str) -> dict | None:
+    """The comm-free bound to a target on ``link``: ``reference``'s (DDP fp32's) steps to it in each
+    seed, priced at the step time of its family's comm-free timing run (:data:`benchmarks.ttq.driver.BOUND`:
+    the same computation, nothing on the wire). None without that run or the reference's rows."""
+    from benchmarks.ttq.driver import BOUND
+
+    timing = runs.get("bound", {}).get((BOUND.get(reference), link))
+    seeds = rows.get(reference, {}).get("per_seed")
+    if not timing or not seeds:
+        return None
+    pt = ta.phase_times(timing["step_s"], 0)
+    cum = ta.cumulative_seconds(steps, 0, pt)
+    per_seed = {}
+    for seed, r in seeds.items():
+        s_t = r.get(f"{prefix}steps_to_target")
+        per_seed[seed] = {f"{prefix}steps_to_target": s_t,
+                          f"{prefix}seconds_to_target": None if s_t is None else ta.seconds_at(cum, s_t)}
+    return {"config": BOUND[reference], "reference": reference, "prefix": prefix, "per_seed": per_seed,
+            "seconds_per_step": pt["main"]["mean"], "wire_bytes_per_step": phase_bytes(timing),
+            "timing_code": timing.get("code")}
+
+
+def of_bound(rows: dict, config: str, bound: dict | None) -> float | None:
+    """``config``'s fraction of the comm-free bound: the bound's mean seconds to the target over
+    ``config``'s (1.0: as fast as no communication at all), over the seeds both have; None where it
+    misses the target in one of them."""
+    if bound is None:
+        return None
+    field = f"{bound['prefix']}seconds_to_target"
+    return _ratio({config: rows[config], "bound": bound}, config, "bound", field)
 
 
 def _target(reference: str, link: str, runs: dict, steps: int) -> float | None:
@@ -145,12 +180,13 @@ def link_table(link: str, data: dict, settings: dict) -> str:
              f"{int(0.8 * settings['steps'])} of {settings['steps']} steps, mean over seeds); budget for the loss "
              f"column: **{_f(budget)} s** (the fastest configuration's whole run; the others are read part-way "
              f"through their {settings['steps']}-step schedule, not as runs tuned to that budget).\n",
-             f"| method | lr | steps to target | time to target (s) | × DDP bf16 | loss at {_f(budget, '{:.0f}')} s | "
-             "s/step (warm-up / main) | cross-node kB/step/node (warm-up / main) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| method | lr | steps to target | time to target (s) | × DDP bf16 | of bound | "
+             f"loss at {_f(budget, '{:.0f}')} s | s/step (warm-up / main) | cross-node kB/step/node (warm-up / main) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    bound = data.get("bounds", {}).get("")
     for config, r in rows.items():
         if "missing" in r:
-            lines.append(f"| {LABEL.get(config, config)} | – | missing: {r['missing']} |" + " – |" * 5)
+            lines.append(f"| {LABEL.get(config, config)} | – | missing: {r['missing']} |" + " – |" * 6)
             continue
         seeds = list(r["per_seed"].values())
         secs = [s["seconds_to_target"] for s in seeds]
@@ -160,16 +196,34 @@ def link_table(link: str, data: dict, settings: dict) -> str:
         lines.append(
             f"| {name} | {r['lr']:g} | "
             f"{ta.summary([s['steps_to_target'] for s in seeds], '{:.0f}')} | {ta.summary(secs)} | "
-            f"{_f(ratio, '{:.2f}×')} | {ta.summary([s.get('loss_at_budget') for s in seeds], '{:.3f}')} | "
+            f"{_f(ratio, '{:.2f}×')} | {_f(of_bound(rows, config, bound), '{:.2f}')} | "
+            f"{ta.summary([s.get('loss_at_budget') for s in seeds], '{:.3f}')} | "
             f"{_f(sps.get('warm-up'), '{:.3f}')} / {_f(sps.get('main'), '{:.3f}')} | "
             f"{_f(_k(wb.get('warm-up')))} / {_f(_k(wb.get('main')))} |")
+    if bound is not None:
+        lines.append(_bound_row(bound, rows, BF16["adamw"], ""))
     for fam, own in data.get("own_targets", {}).items():
-        lines += _own_table(fam, own, rows, settings)
+        lines += _own_table(fam, own, rows, settings, data.get("bounds", {}).get(fam))
     return "\n".join(lines) + "\n"
 
 
-def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[str]:
-    """The family's configurations against its own target (:data:`OWN_REFERENCE`)."""
+def _bound_row(bound: dict, rows: dict, bf16: str, prefix: str) -> str:
+    """The table row of the comm-free bound: its steps are its reference's, its seconds those
+    steps at the comm-free step time, nothing on the wire."""
+    seeds = list(bound["per_seed"].values())
+    ratio = _ratio({"bound": bound, bf16: rows.get(bf16, {})}, "bound", bf16, f"{prefix}seconds_to_target")
+    name = f"**comm-free bound** ({LABEL.get(bound['reference'], bound['reference'])}'s steps, nothing sent)"
+    head = (f"| {name} | " + ("– | " if not prefix else "") +
+            f"{ta.summary([s[f'{prefix}steps_to_target'] for s in seeds], '{:.0f}')} | "
+            f"{ta.summary([s[f'{prefix}seconds_to_target'] for s in seeds])} | {_f(ratio, '{:.2f}×')} | 1.00 |")
+    if prefix:
+        return head + " – |"
+    return head + f" – | {_f(bound['seconds_per_step'], '{:.3f}')} | 0 |"
+
+
+def _own_table(fam: str, own: float | None, rows: dict, settings: dict, bound: dict | None = None) -> list[str]:
+    """The family's configurations against its own target (:data:`OWN_REFERENCE`), and its
+    comm-free bound there."""
     members = [c for c, r in rows.items() if "per_seed" in r and _opt(c, settings) == fam]
     if own is None or not members:
         return []
@@ -177,14 +231,17 @@ def _own_table(fam: str, own: float | None, rows: dict, settings: dict) -> list[
     lines = [f"\n{LABEL.get(ref, ref)}'s own target for the {fam.capitalize()} family: validation loss "
              f"**{own:.4f}** (at {int(0.8 * settings['steps'])} steps, mean over seeds):\n",
              f"| method | steps to target | time to target (s) | × {LABEL.get(BF16[fam], BF16[fam])} | "
-             f"× {LABEL.get(ref, ref)} |", "|---|---:|---:|---:|---:|"]
+             f"of bound | × {LABEL.get(ref, ref)} |", "|---|---:|---:|---:|---:|---:|"]
     for c in members:
         seeds = list(rows[c]["per_seed"].values())
         lines.append(f"| {LABEL.get(c, c)}{_seed_note(rows[c], settings)} | "
                      f"{ta.summary([s['own_steps_to_target'] for s in seeds], '{:.0f}')} | "
                      f"{ta.summary([s['own_seconds_to_target'] for s in seeds])} | "
                      f"{_f(_ratio(rows, c, BF16[fam], 'own_seconds_to_target'), '{:.2f}×')} | "
+                     f"{_f(of_bound(rows, c, bound), '{:.2f}')} | "
                      f"{_f(_ratio(rows, c, ref, 'own_seconds_to_target'), '{:.2f}×')} |")
+    if bound is not None:
+        lines.append(_bound_row(bound, rows, BF16[fam], "own_"))
     return lines
 
 
@@ -247,6 +304,8 @@ def facts(result: dict, settings: dict) -> str:
         missed = sorted(c for c, r in data["rows"].items() if c not in done and "per_seed" in r)
         absent = sorted(c for c, r in data["rows"].items() if "per_seed" not in r)
         short = sum(1 for r in data["rows"].values() if "per_seed" in r and _seed_note(r, settings))
+        frac = of_bound(data["rows"], best, data.get("bounds", {}).get(""))
+        cmp += f"; it runs at {frac:.2f} of the comm-free bound" if frac is not None else ""
         lines.append(f"- {link}: fastest to the target: {LABEL.get(best, best)}, {done[best]:.1f} s{cmp}. "
                      f"Not reaching it in every seed: {', '.join(LABEL.get(c, c) for c in missed) or 'none'}."
                      + (f" Not run yet: {', '.join(LABEL.get(c, c) for c in absent)}." if absent else "")
@@ -300,7 +359,11 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            f"{settings.get('sweep_extend', 0)} times\n",
            "- baselines: " + "; ".join(f"{k}: {v}" for k, v in HOOKS.items() if k != "local") +
            f"; PowerSGD {settings['powersgd']}\n",
-           f"- compression warm-ups (steps at full precision): {settings['switch']}\n",
+           f"- compression warm-ups (uncompressed steps): {settings['switch']}; they and every `auto` fallback "
+           f"send `warmup_wire={settings.get('warmup_wire', 'fp32')}`\n",
+           "- **comm-free bound**: DDP whose hook keeps each rank's gradient (the same computation, nothing on "
+           "the wire; not a method), timed on each link; DDP fp32's steps to a target at its step time are the "
+           "bound, and **of bound** is the bound's time over a method's (1.00: as fast as no communication)\n",
            "- **how**: quality runs on loopback (2 x 2 ranks, no shaping) give the validation loss per step; "
            "timing runs on each emulated link time every step of each phase (start-up steps one by one, then "
            "each phase's first step and the mean of the rest); the time to a loss is the projected training "
@@ -341,7 +404,8 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
                 check = plan_check(config, r["timing_plan"], [s["plan"] for s in r["per_seed"].values()])
                 flag = "" if check == "same" else f" — quality runs' plan: {check}"
                 out.append(f"- {link} {config}: {r['topology']}; plan {r['timing_plan'] or '–'}{flag}\n")
-    stale = sorted(f"{c}@{link}" for link, data in result["links"].items() for c, r in data["rows"].items()
+    stale = sorted(f"{c}@{link}" for link, data in result["links"].items()
+                   for c, r in [*data["rows"].items(), *((b["config"], b) for b in data.get("bounds", {}).values())]
                    if "missing" not in r and r.get("timing_code") != settings.get("code"))
     if stale:
         out.append(f"\n**Timed by other code** than this report's ({settings.get('code')}): {len(stale)} timing "

@@ -202,8 +202,48 @@ def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
     assert "Lion family to its own target" in md and "fastest Lion Cub (auto)" in md
     fp32_s = [link["rows"]["ddp_lion"]["per_seed"][k]["own_seconds_to_target"] for k in (0, 1)]
     row = next(line for line in md.splitlines() if line.startswith("| Lion Cub (auto) | ") and line.count("×") == 2)
-    assert row.endswith(f"| {ratio:.2f}× | {sum(fp32_s) / sum(ours):.2f}× |")  # × DDP bf16 + Lion, × DDP fp32 + Lion
+    # × DDP bf16 + Lion, of the bound (no comm-free run here), × DDP fp32 + Lion
+    assert row.endswith(f"| {ratio:.2f}× | – | {sum(fp32_s) / sum(ours):.2f}× |")
     assert f"DDP bf16 + Lion {sum(bf16_s) / 2:.1f} s: {ratio:.2f}× slower" in md
+
+
+def test_the_comm_free_bound_prices_the_references_steps_at_the_comm_free_step(tmp_path):
+    """The bound to each target: DDP fp32's steps to it (per seed) at the comm-free run's step time;
+    every method's time as a fraction of it, in the table and the facts."""
+    configs = ["ddp_adamw", "ddp_bf16_adamw", "ddp_lion", "lowbit_lion"]
+    settings = {"configs": configs, "links": ["1gbit"], "steps": 100, "switch": dict.fromkeys(configs, 0),
+                "seeds": [0, 1], "lr_factors": [1.0], "swept": [],
+                "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}, "eval_every": 10,
+                "val_batches": 1, "lr_warmup": 1, "powersgd": {}, "default_lr": {}}
+    slopes = {"ddp_adamw": 2.0, "ddp_bf16_adamw": 2.0, "ddp_lion": 1.0, "lowbit_lion": 1.0}
+    step_s = {"ddp_adamw": 0.2, "ddp_bf16_adamw": 0.1, "ddp_lion": 0.2, "lowbit_lion": 0.08}
+    runs = {"timing": {(c, "1gbit"): _timing(c, step_s[c], 0, 100) for c in configs},
+            "bound": {("calib_adamw", "1gbit"): _timing("calib_adamw", 0.04, 0, 0),
+                      ("calib_lion", "1gbit"): _timing("calib_lion", 0.05, 0, 0)},
+            "keys": {(c, "1gbit"): c for c in configs}, "chosen": dict.fromkeys(configs, 1e-3),
+            "sweep": {c: {1e-3: 5.0 - slopes[c]} for c in configs},
+            "quality": {c: {(1e-3, s): _quality(c, 1e-3, s, slopes[c] + 0.1 * s) for s in (0, 1)}
+                        for c in configs}, "full": []}
+    result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
+    link = result["links"]["1gbit"]
+    bound, lion_bound = link["bounds"][""], link["bounds"]["lion"]
+    ref = link["rows"]["ddp_adamw"]["per_seed"]
+    for seed in (0, 1):  # the reference's steps, the comm-free step time (3 start-up steps of 1 s)
+        s_t = ref[seed]["steps_to_target"]
+        assert bound["per_seed"][seed]["steps_to_target"] == s_t
+        assert bound["per_seed"][seed]["seconds_to_target"] == pytest.approx(3.0 + (s_t - 3) * 0.04)
+    mean = lambda rows, c, f: sum(rows[c]["per_seed"][k][f] for k in (0, 1)) / 2  # noqa: E731
+    bf16 = ttq_report.of_bound(link["rows"], "ddp_bf16_adamw", bound)
+    expect = sum(bound["per_seed"][k]["seconds_to_target"] for k in (0, 1)) / 2 / mean(
+        link["rows"], "ddp_bf16_adamw", "seconds_to_target")
+    assert bf16 == pytest.approx(expect) and 0 < bf16 < 1
+    lion = ttq_report.of_bound(link["rows"], "lowbit_lion", lion_bound)
+    assert lion == pytest.approx(sum(lion_bound["per_seed"][k]["own_seconds_to_target"] for k in (0, 1)) / 2
+                                 / mean(link["rows"], "lowbit_lion", "own_seconds_to_target"))
+    assert ttq_report.of_bound(link["rows"], "lowbit_lion", bound) is None  # AdamW's target: out of reach
+    md = (tmp_path / "ttq.md").read_text()
+    assert md.count("| **comm-free bound**") == 2 and f"| {bf16:.2f} |" in md and f"| {lion:.2f} |" in md
+    assert "of the comm-free bound" in md
 
 
 def test_quality_runs_are_shared_across_links_only_for_one_recorded_plan():
@@ -333,10 +373,11 @@ def test_a_link_planned_plan_is_pinned_after_its_first_timing_run(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         ttq.pin("lowbit_lion", ["Plan(mode=lp)"])
     args = SimpleNamespace(links="1gbit,100mbit", model=[("d_model", 32)], max_minutes=1, val_batches=2,
-                           lr_warmup=0, steps=100, timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10)
+                           lr_warmup=0, steps=100, timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10,
+                           warmup_wire="bf16")
     study = ttq.Study(args, tmp_path)
     gbit = study.links[0]
-    told = "link_bandwidth_gbps=1,link_latency_us=50"
+    told = "warmup_wire=bf16,link_bandwidth_gbps=1,link_latency_us=50"
     assert study.timing_settings("lowbit_turboquant", gbit)["lowbit"] == told  # no run yet: auto resolves it
     study.path("timing", "lowbit_turboquant@1gbit").parent.mkdir(parents=True)
     study.path("timing", "lowbit_turboquant@1gbit").write_text(json.dumps({"plan": ["forms: fp32 x1"]}))
@@ -344,8 +385,27 @@ def test_a_link_planned_plan_is_pinned_after_its_first_timing_run(tmp_path):
     assert study.timing_settings("lowbit_turboquant", gbit)["lowbit"] == pinned
     assert study.quality_settings("lowbit_turboquant", gbit, 1e-3, 1)["lowbit"] == pinned
     assert study.quality_settings("lowbit_turboquant", study.links[1], 1e-3, 1)["lowbit"] == \
-        "link_bandwidth_gbps=0.1,link_latency_us=50"
+        "warmup_wire=bf16,link_bandwidth_gbps=0.1,link_latency_us=50"
     assert study.timing_settings("ddp_adamw", gbit)["lowbit"] == ""
+
+
+def test_runs_recorded_before_warmup_wire_are_its_fp32_runs(tmp_path):
+    """A run with an uncompressed phase recorded before ``warmup_wire`` (2026-11-29) ran it in fp32:
+    ``--warmup-wire fp32`` keeps it, the default (bf16) makes the run again; other runs are unaffected."""
+    base = dict(links="1gbit", model=[("d_model", 32)], max_minutes=1, val_batches=2, lr_warmup=0, steps=100,
+                timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10)
+    gbit = parse_link("1gbit")
+    old = {"lowbit_adam": "", "ddp_adamw": ""}
+    for wire in ("fp32", "bf16"):
+        study = ttq.Study(SimpleNamespace(**base, warmup_wire=wire), tmp_path)
+        for config, lowbit in old.items():
+            path = study.path("quality", f"{config}_{wire}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            wanted = study.quality_settings(config, gbit, 1e-3, 0)
+            path.write_text(json.dumps({"settings": {**wanted, "lowbit": lowbit}}))
+            kept = study.load(path, wanted) is not None
+            assert kept == (config == "ddp_adamw" or wire == "fp32"), (config, wire)
+    assert study.quality_settings("lowbit_adam", gbit, 1e-3, 0)["lowbit"] == "warmup_wire=bf16"
 
 
 def test_the_timing_run_that_chose_a_plan_is_kept_when_its_plan_is_pinned():
