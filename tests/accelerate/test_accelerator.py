@@ -239,8 +239,8 @@ def _check_resume(rank, world_size, tmp):
 #: ``measure_codec_seconds`` the communicator calls, the choice of the first runs, the choice a
 #: fresh measurement on resume would make)
 AUTO_PLANS = {
-    "lion": ("lowbit_strategy.algorithms.lion_cub.communicator", "lp8", "fp32"),
-    "turboquant": ("lowbit_strategy.algorithms.turboquant.communicator", "two_stage", "fp32"),
+    "lion": ("lowbit_strategy.algorithms.lion_cub.communicator", "lp8", "bf16"),
+    "turboquant": ("lowbit_strategy.algorithms.turboquant.communicator", "two_stage", "bf16"),
 }
 
 

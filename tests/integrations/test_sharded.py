@@ -398,7 +398,7 @@ def _check_bitdp(rank, world_size):
             p.data = p.data[slice(*_rows(p.shape[0], local))].clone()
         shards = list(shard_model.parameters())
         state = BitDPState(bits=2, process_group=inter, start_iter=2, form=form, error_feedback=feedback,
-                           model=shard_model)
+                           model=shard_model, warmup_wire="bf16")  # LowBitConfig.warmup_wire's default
         opt = adamw(shards)
         for step in range(1, STEPS + 1):
             replica.zero_grad()

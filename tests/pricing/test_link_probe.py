@@ -82,14 +82,14 @@ def _ranks(rank, world):
     gbps, us = sync.config.link_bandwidth_gbps, sync.config.link_latency_us
     assert isinstance(gbps, float) and gbps > 0 and isinstance(us, float)
     assert len(set(_agreed(gbps))) == 1 and sync.state.link == sync.config.link
-    # a fixed link is not probed; the figures drive Lion Cub's auto: compress when slow, exact when fast
+    # a fixed link is not probed; the figures drive Lion Cub's auto: compress when slow, bf16 when fast
     assert build_sync(LowBitConfig(algorithm="lion", link_bandwidth_gbps=2.0), model).config.link_bandwidth_gbps == 2.0
     modes = {}
     for figures in ("0.1,50", "1000,5"):
         os.environ[link_probe.ASSUME_ENV] = figures
         config = build_sync(LowBitConfig(algorithm="lion"), model).config
         modes[figures] = resolve_mode(config, world, 1 << 22, codec_seconds={"lp8": 1e-3}).mode
-    assert modes == {"0.1,50": "lp", "1000,5": "fp32"}, modes
+    assert modes == {"0.1,50": "lp", "1000,5": "bf16"}, modes  # the fallback: what DDP bf16 sends
     # lowbit-plan --measure: each rank its own node here, so the cross-node collectives are timed
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out = io.StringIO()
