@@ -169,21 +169,30 @@ def test_report_projects_loopback_losses_onto_link_step_times(tmp_path):
     assert "fastest to the target: DDP bf16 + AdamW" in md
 
 
-def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
-    """Lion never reaches AdamW's target here (as at this model's batch size): the Lion family is
-    also timed to DDP fp32 + Lion's own 80 % loss, and compared with DDP bf16 + Lion there."""
-    configs = ["ddp_adamw", "ddp_lion", "ddp_bf16_lion", "lowbit_lion"]
+def _one_link_study(configs, slopes, step_s, bound=None):
+    """(settings, runs) of a 100-step study on 1 Gbit/s, 2 seeds, every configuration without a
+    warm-up: straight loss lines of the given slopes, steady step times; ``bound``: the comm-free
+    runs' step times by configuration."""
     settings = {"configs": configs, "links": ["1gbit"], "steps": 100, "switch": dict.fromkeys(configs, 0),
                 "seeds": [0, 1], "lr_factors": [1.0], "swept": [],
                 "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}, "eval_every": 10,
                 "val_batches": 1, "lr_warmup": 1, "powersgd": {}, "default_lr": {}}
-    slopes = {"ddp_adamw": 2.0, "ddp_lion": 1.0, "ddp_bf16_lion": 1.0, "lowbit_lion": 1.0}
-    step_s = {"ddp_adamw": 0.2, "ddp_lion": 0.2, "ddp_bf16_lion": 0.1, "lowbit_lion": 0.05}
     runs = {"timing": {(c, "1gbit"): _timing(c, step_s[c], 0, 100) for c in configs},
+            "bound": {(c, "1gbit"): _timing(c, t, 0, 0) for c, t in (bound or {}).items()},
             "keys": {(c, "1gbit"): c for c in configs}, "chosen": dict.fromkeys(configs, 1e-3),
             "sweep": {c: {1e-3: 5.0 - slopes[c]} for c in configs},
             "quality": {c: {(1e-3, s): _quality(c, 1e-3, s, slopes[c] + 0.1 * s) for s in (0, 1)}
                         for c in configs}, "full": []}
+    return settings, runs
+
+
+def test_lion_family_gets_its_own_target_and_its_bf16_ratio(tmp_path):
+    """Lion never reaches AdamW's target here (as at this model's batch size): the Lion family is
+    also timed to DDP fp32 + Lion's own 80 % loss, and compared with DDP bf16 + Lion there."""
+    configs = ["ddp_adamw", "ddp_lion", "ddp_bf16_lion", "lowbit_lion"]
+    slopes = {"ddp_adamw": 2.0, "ddp_lion": 1.0, "ddp_bf16_lion": 1.0, "lowbit_lion": 1.0}
+    step_s = {"ddp_adamw": 0.2, "ddp_lion": 0.2, "ddp_bf16_lion": 0.1, "lowbit_lion": 0.05}
+    settings, runs = _one_link_study(configs, slopes, step_s)
     result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
     link = result["links"]["1gbit"]
     own = link["own_targets"]["lion"]
@@ -211,19 +220,9 @@ def test_the_comm_free_bound_prices_the_references_steps_at_the_comm_free_step(t
     """The bound to each target: DDP fp32's steps to it (per seed) at the comm-free run's step time;
     every method's time as a fraction of it, in the table and the facts."""
     configs = ["ddp_adamw", "ddp_bf16_adamw", "ddp_lion", "lowbit_lion"]
-    settings = {"configs": configs, "links": ["1gbit"], "steps": 100, "switch": dict.fromkeys(configs, 0),
-                "seeds": [0, 1], "lr_factors": [1.0], "swept": [],
-                "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 8, "batch": 1}, "eval_every": 10,
-                "val_batches": 1, "lr_warmup": 1, "powersgd": {}, "default_lr": {}}
     slopes = {"ddp_adamw": 2.0, "ddp_bf16_adamw": 2.0, "ddp_lion": 1.0, "lowbit_lion": 1.0}
     step_s = {"ddp_adamw": 0.2, "ddp_bf16_adamw": 0.1, "ddp_lion": 0.2, "lowbit_lion": 0.08}
-    runs = {"timing": {(c, "1gbit"): _timing(c, step_s[c], 0, 100) for c in configs},
-            "bound": {("calib_adamw", "1gbit"): _timing("calib_adamw", 0.04, 0, 0),
-                      ("calib_lion", "1gbit"): _timing("calib_lion", 0.05, 0, 0)},
-            "keys": {(c, "1gbit"): c for c in configs}, "chosen": dict.fromkeys(configs, 1e-3),
-            "sweep": {c: {1e-3: 5.0 - slopes[c]} for c in configs},
-            "quality": {c: {(1e-3, s): _quality(c, 1e-3, s, slopes[c] + 0.1 * s) for s in (0, 1)}
-                        for c in configs}, "full": []}
+    settings, runs = _one_link_study(configs, slopes, step_s, bound={"calib_adamw": 0.04, "calib_lion": 0.05})
     result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
     link = result["links"]["1gbit"]
     bound, lion_bound = link["bounds"][""], link["bounds"]["lion"]
