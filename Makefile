@@ -48,7 +48,7 @@ test-fast: $(STAMP)
 # Lion lr 5e-4: the better of the two measured in the README (Model quality: Lion Cub modes);
 # also writes the trained weights, which examples/finetune.ipynb fine-tunes when it finds them.
 # The link is given (a 1 Gbit/s cluster link): measured, this machine's loopback is fast enough
-# that Lion Cub's auto mode would rightly send fp32 and save nothing.
+# that Lion Cub's auto mode would rightly fall back to bf16 (what DDP bf16 sends) and save little.
 demo: $(STAMP)
 	$(PY) examples/gpt_lion.py --devices 2 --max-minutes 3 --lr 5e-4 --save-weights checkpoints/gpt_demo.pt \
 	    --lowbit link_bandwidth_gbps=1 link_latency_us=50

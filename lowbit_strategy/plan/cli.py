@@ -216,7 +216,7 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         + (
             setup.run.describe()
             if setup.run
-            else "steady state (warm-up steps send fp32 and are not counted: --steps prices a whole run)"
+            else "steady state (warm-up steps send bf16 or fp32 and are not counted: --steps prices a whole run)"
         ),
     ] + (
         [f"'!': does not fit {setup.gpu_memory / 1e9:.0f} GB per GPU with fp32 weights and gradients (8 B/param)"]

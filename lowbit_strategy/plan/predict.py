@@ -5,7 +5,7 @@ step time, and the optimizer + compression memory per GPU, from the exact byte f
 across nodes), timed by their α–β model on the given cluster.
 
 **Step time** = compute + exposed communication + codec time (steady state: warm-up steps,
-which send fp32, are priced only over a whole run, :mod:`~lowbit_strategy.plan.warmup`):
+which send bf16 (PowerSGD's fp32), are priced only over a whole run, :mod:`~lowbit_strategy.plan.warmup`):
 
 * DDP, PowerSGD and the overlapping methods start each bucket's collective during backward,
   taken as 2/3 of compute: ``exposed = max(comm - backward, the last bucket's comm)`` (the
