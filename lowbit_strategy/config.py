@@ -5,7 +5,7 @@
     LowBitConfig(algorithm="lion", lion={"mode": "lp", "bits": 8})
     LowBitConfig(algorithm="lion", mode="lp", bits=8)        # the same: shorthand for the active section
     LowBitConfig(algorithm="bitdp", bitdp_bits=1)            # <section>_<field> reaches any section
-    LowBitConfig.from_yaml("lowbit.yaml")                    # algorithm: bitdp / bitdp: {bits: 1}
+    LowBitConfig.from_yaml("lowbit.yaml")                    # algorithm: bitdp / bitdp: {bits: 1} (config_yaml)
     LowBitConfig.from_env()        # LOWBIT_CONFIG=path, LOWBIT_ALGORITHM, LOWBIT_BITDP_BITS, LOWBIT_BITS
 
 The shared fields (:data:`SHARED_FIELDS`) apply to every algorithm. Each algorithm in the
@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from lowbit_strategy import config_yaml
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
 from lowbit_strategy.collectives import emulation
 from lowbit_strategy.pricing import link_probe
@@ -281,34 +281,9 @@ class LowBitConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> LowBitConfig:
-        """From a YAML mapping, either at the top level or under a ``lowbit:`` key."""
-        import yaml
-
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError("<file>", str(path), f"cannot read the YAML file: {exc.strerror or exc}") from None
-        if len(text) > MAX_YAML_BYTES:
-            raise ConfigError(
-                "<file>",
-                str(path),
-                f"a config file of {len(text)} bytes is too long (at most {MAX_YAML_BYTES}): is it the right file?",
-            )
-        try:
-            data = yaml.load(text, Loader=_strict_loader())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError("<file>", str(path), f"not valid YAML{where}: {problem}") from None
-        data = {} if data is None else data
-        if isinstance(data, Mapping) and set(data) == {"lowbit"}:
-            data = data["lowbit"] or {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(
-                "<file>", str(path), f"expected a mapping of field names to values, got a {type(data).__name__}"
-            )
-        return cls.from_dict(data)
+        """From a YAML mapping, either at the top level or under a ``lowbit:`` key
+        (read strictly: :func:`~lowbit_strategy.config_yaml.read_mapping`)."""
+        return cls.from_dict(config_yaml.read_mapping(path))
 
     @classmethod
     def from_env(
@@ -323,7 +298,7 @@ class LowBitConfig:
         values: dict[str, Any] = dict(defaults)
         path = env.get(prefix + "CONFIG")
         if path:
-            values = _merge(values, cls.from_yaml(path).to_dict())
+            values = config_yaml.merge(values, cls.from_yaml(path).to_dict())
         known = {k.upper(): k for k in cls.known_keys()}
         for var in sorted(env):
             if not var.startswith(prefix) or var in (prefix + "CONFIG", emulation.ENV, link_probe.ASSUME_ENV):
@@ -357,51 +332,6 @@ class LowBitConfig:
 
     def replace(self, **changes: Any) -> LowBitConfig:
         return self.coerce(self, **changes)
-
-
-#: the longest config file read (a config is a few hundred bytes)
-MAX_YAML_BYTES = 1 << 20
-
-
-def _strict_loader():
-    """PyYAML's safe loader, refusing what a config file never needs and what silently goes
-    wrong: a key given twice (the last would win), and anchors/aliases (a few hundred bytes
-    of nested aliases expand to gigabytes)."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        def compose_node(self, parent, index):
-            if self.check_event(yaml.AliasEvent):
-                event = self.peek_event()
-                raise yaml.composer.ComposerError(
-                    None, None, "anchors and aliases (*name) are not supported in a lowbit config", event.start_mark
-                )
-            return super().compose_node(parent, index)
-
-        def construct_mapping(self, node, deep=False):
-            seen: dict[Any, Any] = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None,
-                        None,
-                        f"the key {key!r} is given twice (the first at line {seen[key] + 1})",
-                        key_node.start_mark,
-                    )
-                seen[key] = key_node.start_mark.line
-            return super().construct_mapping(node, deep=deep)
-
-    return StrictLoader
-
-
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = (
-            _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-        )
-    return out
 
 
 def _from_dict(values: Mapping[str, Any]) -> LowBitConfig:
