@@ -27,6 +27,7 @@ from typing import Any
 from lowbit_strategy import config_yaml
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
 from lowbit_strategy.collectives import emulation
+from lowbit_strategy.collectives.exact import WARMUP_WIRES
 from lowbit_strategy.pricing import link_probe
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import (
@@ -48,8 +49,6 @@ __all__ = ["ConfigError", "LowBitConfig", "Section", "SHARED_FIELDS"]
 MAX_BUCKET_MB = 65536.0
 #: the values of LowBitConfig.topology
 TOPOLOGIES = ("auto", "flat", "hierarchical")
-#: the values of LowBitConfig.warmup_wire
-WARMUP_WIRES = ("bf16", "fp32")
 #: the values of LowBitConfig.fsdp_shard
 FSDP_SHARDS = ("node", "world")
 #: the values of LowBitConfig.fsdp_reduce_scatter (fp32: FSDP's own reduce-scatter)

@@ -16,6 +16,10 @@ from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: each wire dtype's name in configs and traffic records
+WIRE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: the wires an uncompressed phase may send (``LowBitConfig.warmup_wire``)
+WARMUP_WIRES = ("bf16", "fp32")
 
 
 def full_allreduce(
@@ -53,7 +57,7 @@ def full_allreduce_start(
 
     g.validated(validate, x, group, "full_allreduce", check, traffic)  # with check, a bad rank never raises alone
     buf = x.reshape(-1).to(wire_dtype, copy=True)
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
+    name = WIRE_NAMES[wire_dtype]
     fut = g.all_reduce_sum_async(buf, group, f"full.allreduce.{name}", traffic)
     return g.Pending(fut, lambda: buf.to(x.dtype).view(x.shape))
 
@@ -80,7 +84,7 @@ def mean_allreduce_async(
 
 def wire_dtype_of(name: str) -> torch.dtype:
     """``"fp32"`` / ``"bf16"`` / ``"fp16"`` (a config's wire name) as a dtype."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return next(dtype for dtype, known in WIRE_NAMES.items() if known == name)
 
 
 class ExactMean:

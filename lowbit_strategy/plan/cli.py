@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--warmup-wire",
-        choices=("bf16", "fp32"),
+        choices=warmup.WARMUP_WIRES,
         help="with --steps: what this package's warm-ups send (LowBitConfig.warmup_wire; default bf16)",
     )
     ap.add_argument(

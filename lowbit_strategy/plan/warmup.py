@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lowbit_strategy.collectives.exact import WARMUP_WIRES
 from lowbit_strategy.plan.inputs import PlanError
 from lowbit_strategy.plan.rows import Row
 
@@ -59,7 +60,7 @@ class Run:
             raise PlanError("--steps", self.steps, "pass the run's optimizer steps, >= 1")
         # the optimizers' own bounds: torch's PowerSGDState wants start_powerSGD_iter > 1 with its
         # error feedback and warm start; OneBitAdam/OneBitLamb a freeze_step >= 1
-        if self.warmup_wire not in ("bf16", "fp32"):
+        if self.warmup_wire not in WARMUP_WIRES:
             raise PlanError("--warmup-wire", self.warmup_wire, "pass bf16 or fp32 (LowBitConfig.warmup_wire)")
         for option, value, least in (
             ("--powersgd-start", self.powersgd_start, 2),

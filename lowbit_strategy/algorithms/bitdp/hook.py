@@ -80,7 +80,7 @@ from lowbit_strategy.algorithms.bitdp.quantized_params import ParamInfo, classif
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
+from lowbit_strategy.collectives.exact import WARMUP_WIRES, mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.gathered import (
     DEFAULT_CHUNK_ROWS,
     REDUCTIONS,
@@ -187,7 +187,7 @@ class BitDPState:
                 "pass an int >= 2: as with PowerSGD's start_powerSGD_iter, at least the first two "
                 "iterations (DDP's provisional buckets, then their rebuild) run as a plain allreduce",
             )
-        if warmup_wire not in ("fp32", "bf16"):
+        if warmup_wire not in WARMUP_WIRES:
             raise _bad("warmup_wire", warmup_wire, "use 'fp32' (DDP's mean) or 'bf16' (torch's bf16_compress_hook's)")
         if reduction not in REDUCTIONS:
             raise _bad("reduction", reduction, "use 'mean' (exact mean of dequantized gradients) or 'paper' (Eq. 10)")
