@@ -5,10 +5,15 @@ emulates them: each node's ranks share a namespace (their FSDP traffic stays on 
 loopback), nodes are joined by shaped links (default 1 Gbit/s and 100 Mbit/s).
 
 Each run is one :mod:`benchmarks.nodes.sharded_worker` training run of the e2e GPT (same model,
-data, seed and optimizers as :mod:`benchmarks.e2e.driver`); configurations :data:`CONFIGS`:
+data, seed and optimizers as :mod:`benchmarks.e2e.driver`; ``--model mlp``:
+:mod:`benchmarks.nodes.sharded_mlp`'s MLP, whose exchange weighs more against its compute); configurations :data:`CONFIGS`:
 ``hsdp_fp32`` and ``hsdp_bf16`` (AdamW; the all-reduce of every unit's gradient shard across
 nodes from its all-reduce hook, as HSDP does), ``lion_1bit``, ``lion_auto`` (Lion Cub),
-``onebit_adam`` and ``turboquant`` (its ``auto`` form); and one FSDP group over all N·L
+``onebit_adam`` and ``turboquant`` (its ``auto`` form), their exchange started during backward
+(the default), and ``*_step`` the same with it in ``optimizer.step()`` (the section's
+``overlap=False``), side by side; ``node_only``, the comm-free bound (FSDP2 inside each node,
+nothing across nodes: not a method; every row's step time as a fraction of it, "of bound");
+and one FSDP group over all N·L
 ranks (``fsdp_fp32``: FSDP's exact reduce-scatter; ``fsdp_int8``, ``fsdp_int4``: the quantized
 one, one hop; ``fsdp_int4_2hop``: two hops, exact inside the node), where FSDP's all-gathers
 and reduce-scatter cross nodes (``--world`` runs these beside HSDP bf16 and the 1-bit rows).
@@ -26,7 +31,9 @@ training seconds per run (not equal steps).
 
 Usage (root needed for the runs; ``--project`` needs nothing)::
 
-    python -m benchmarks.nodes --sharded             # ~13 min: 12 runs of 40 s -> results/nodes/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded             # ~22 min: 20 runs of 40 s -> results/nodes/nodes_sharded.{json,md}
+    python -m benchmarks.nodes --sharded --model mlp --d-model 1024 --layers 3 --batch 16 \
+        --output benchmarks/results/nodes/nodes_sharded_mlp   # the 12.6M-parameter MLP
     python -m benchmarks.nodes --sharded --quick     # ~9 min: 20 s per run -> results/nodes/nodes_sharded_quick.*
     python -m benchmarks.nodes --sharded --world     # ~20 min: 14 runs of 60 s -> results/nodes/nodes_sharded_world.*
     python -m benchmarks.nodes --sharded --project   # cost-model projection -> results/nodes/nodes_sharded_projection.*
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -51,11 +59,15 @@ FULL = {"budget": 40.0, "warm": 40, "freeze_step": 30}
 #: the slowest row (FSDP fp32 at 100 Mbit/s, ~1 s/step) keeps ~20 steps after the warm-up
 WORLD = {"budget": 60.0, "warm": 35, "freeze_step": 30,
          "configs": ("hsdp_bf16", "lion_1bit", "onebit_adam", "fsdp_fp32", "fsdp_int8", "fsdp_int4", "fsdp_int4_2hop")}
-MODEL_ARGS = {"d_model": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0, "seed": 0}
+MODEL_ARGS = {"model": "gpt", "d_model": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8, "data_mb": 6.0, "seed": 0}
 BASELINES = ("hsdp_fp32", "hsdp_bf16")
+#: the comm-free bound's row: every row's step time as a fraction of it ("of bound")
+BOUND = "node_only"
 LABELS = {"hsdp_fp32": "HSDP fp32 all-reduce + AdamW", "hsdp_bf16": "HSDP bf16 all-reduce + AdamW",
           "lion_1bit": "Lion Cub 1-bit", "lion_auto": "Lion Cub auto", "onebit_adam": "1-bit Adam",
-          "turboquant": "TurboQuant-Adam (auto form)", "fsdp_fp32": "FSDP world, exact reduce-scatter + AdamW",
+          "turboquant": "TurboQuant-Adam (auto form)", "lion_1bit_step": "Lion Cub 1-bit, exchange at step()",
+          "onebit_adam_step": "1-bit Adam, exchange at step()", "turboquant_step": "TurboQuant-Adam, exchange at step()",
+          "node_only": "comm-free bound (FSDP2 in the node only)", "fsdp_fp32": "FSDP world, exact reduce-scatter + AdamW",
           "fsdp_int8": "FSDP world, int8 reduce-scatter + AdamW",
           "fsdp_int4": "FSDP world, int4 reduce-scatter + AdamW",
           "fsdp_int4_2hop": "FSDP world, int4 two-hop reduce-scatter + AdamW"}
@@ -94,22 +106,24 @@ def table(records: list[dict]) -> str:
     """One row per (link, configuration), with the ratios against the HSDP rows of its link."""
     lines = ["| configuration | plan | link | step ms | link kB/node/step | cost model kB (link) | logged kB | "
              "cost model kB (logged) | state kB/rank (errors) | vs HSDP fp32: bytes, speed | "
-             "vs HSDP bf16: bytes, speed | train loss | val loss | other load |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    base = {(r["link"], r["config"]): r for r in records if r["config"] in BASELINES and not r.get("failed")}
+             "vs HSDP bf16: bytes, speed | of bound | train loss | val loss | other load |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = {(r["link"], r["config"]): r for r in records
+            if r["config"] in (*BASELINES, BOUND) and not r.get("failed")}
     for r in records:
         label = LABELS.get(r["config"], r["config"])
         if r.get("failed"):
             why = "skipped" if r.get("skipped") else "timed out" if r.get("timed_out") else "FAILED"
-            lines.append(f"| {label} | – | {r['link']} | {why} |" + " – |" * 10)
+            lines.append(f"| {label} | – | {r['link']} | {why} |" + " – |" * 11)
             continue
         link = _mean(r["cross_node_bytes_per_node_per_step"])
         ratios = []
         for b in BASELINES:
             h = base.get((r["link"], b))
-            ratios.append("–" if h is None or h is r else
-                          f"{_mean(h['cross_node_bytes_per_node_per_step']) / link:.2f}×, "
-                          f"{h['step_s'] / r['step_s']:.2f}×")
+            fewer = f"{_mean(h['cross_node_bytes_per_node_per_step']) / link:.2f}×" if h and link else "–"
+            ratios.append("–" if h is None or h is r else f"{fewer}, {h['step_s'] / r['step_s']:.2f}×")
+        bound = base.get((r["link"], BOUND))
+        of_bound = "–" if bound is None else f"{bound['step_s'] / r['step_s']:.2f}"
         state = _mean(r["state_bytes_per_rank"]) / 1e3
         errors = _mean(r["state_error_bytes_per_rank"]) / 1e3
         val = r.get("val_loss")
@@ -117,7 +131,7 @@ def table(records: list[dict]) -> str:
             f"| {label} | {r.get('plan') or '–'} | {r['link']} | {r['step_s'] * 1e3:.1f} | {link / 1e3:,.1f} | "
             f"{r['model_bytes_per_node'] / 1e3:,.1f} | {_mean(r['logged_bytes_per_node_per_step']) / 1e3:,.1f} | "
             f"{r.get('model_logged_bytes_per_node', r['model_bytes_per_node']) / 1e3:,.1f} | "
-            f"{state:,.0f} ({errors:,.0f}) | {ratios[0]} | {ratios[1]} | {r['loss_reached']:.3f} | "
+            f"{state:,.0f} ({errors:,.0f}) | {ratios[0]} | {ratios[1]} | {of_bound} | {r['loss_reached']:.3f} | "
             f"{'–' if val is None else f'{val:.3f}'} | {100 * r.get('other_load', 0):.0f} % |")
     return "\n".join(lines) + "\n"
 
@@ -128,7 +142,7 @@ def markdown(data: dict) -> str:
         f"# Sharded multi-node end to end: {s['nodes']} nodes × {s['ranks_per_node']} ranks\n\n"
         f"`{data['command']}` — {data['date']}; {s.get('total_seconds', '?')} s in all.\n\n"
         f"Machine: {data['machine']}\n\n"
-        f"GPT {s['model']} ({s.get('params', '?')} parameters), FSDP2 inside each node (every block, then the "
+        f"{s['model'].get('model', 'gpt').upper()} {s['model']} ({s.get('params', '?')} parameters), FSDP2 inside each node (every block, then the "
         f"root, over the node's ranks; the FSDP world rows: over all {s['nodes'] * s['ranks_per_node']} ranks); "
         f"{s['budget_s']:g} s of training per run (equal budget, not equal steps), steady-state window after step "
         f"{s['warm_steps']}; 1-bit Adam freeze step and TurboQuant warm-up {s['freeze_step']}. Links between nodes: "
@@ -147,6 +161,10 @@ def markdown(data: dict) -> str:
         "mean over ranks: each rank holds ~1/L of the model's.\n"
         "- **vs HSDP**: the HSDP row's link bytes ÷ this row's (how many times fewer bytes), and its step time ÷ "
         "this row's (speed-up). HSDP and the Adam-family rows use AdamW's arithmetic; Lion Cub's are Lion's.\n"
+        "- **of bound**: the comm-free row's step time ÷ this row's (FSDP2 inside each node, nothing across nodes: "
+        "what no method can beat). The sharded algorithms start their exchange during backward; the rows "
+        "marked 'exchange at step()' run it in `optimizer.step()` (the section's `overlap=False`), side by side. "
+        "HSDP's rows all-reduce from FSDP2's hook, which on CPU (gloo, no streams) blocks backward.\n"
         "- **train loss**: mean of the last 20 steps' losses over ranks; **val loss**: the held-out 10 % of the "
         "data at the end (8 batches per rank).\n"
         "- **other load**: share of the machine's cores busy with anything but this benchmark during the run: "
@@ -187,8 +205,8 @@ def plot(data: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         if log:
             ax.set_yscale("log")
-        if title == "val loss":
-            lows = [value(r) for r in records]
+        lows = [v for v in (value(r) for r in records) if math.isfinite(v)]
+        if title == "val loss" and lows:
             ax.set_ylim(min(lows) - 0.2, max(lows) + 0.1)
     axes[0].legend(fontsize=8)
     s = data["settings"]

@@ -69,6 +69,7 @@ def step_sends(
     block: int | None = None,
     bits: int = 4,
     momentum_shapes: Sequence[Shape] = (),
+    overlap: bool = True,
 ) -> cs.ShardedSends:
     """One step of configuration ``kind`` (module docstring) on ``model``: ``warmup`` the
     staged optimizers' and Lion Cub's full-precision warm-up, sent as ``warmup_wire``
@@ -76,15 +77,22 @@ def step_sends(
     (:func:`lion_collective`) or TurboQuant's form per bucket (a name of
     :data:`~lowbit_strategy.pricing.sharded.TURBOQUANT`'s values, or a
     function of the bucket's elements); ``block``: 1-bit Adam's ``scale_block`` or
-    TurboQuant's; ``momentum_shapes``: Lion Cub's synchronized momenta on a step that syncs."""
+    TurboQuant's; ``momentum_shapes``: Lion Cub's synchronized momenta on a step that syncs;
+    ``overlap``: Lion Cub's exchange launched during backward, per FSDP unit (its default), or
+    at the step (the section's ``overlap=False``)."""
     n, per_node = nodes, ranks_per_node
     exact = cs.hsdp_sends(model.units, n, per_node, itemsize=2 if kind == "hsdp_bf16" else 4)
     if kind in ("hsdp_fp32", "hsdp_bf16"):
         return exact
     if kind == "lion":
-        sends = cs.agreement_sends(len(model.shapes), n, per_node) + cs.optimizer_sends(
-            warmup_wire if warmup else collective, model.shapes, n, per_node, bucket_numel=bucket_numel, last_first=False
-        )
+        mode = warmup_wire if warmup else collective
+        if overlap:
+            assert isinstance(mode, str)  # Lion Cub's mode is one name for every bucket
+            sends = cs.launched_sends(mode, model.units, n, per_node)
+        else:
+            sends = cs.agreement_sends(len(model.shapes), n, per_node) + cs.optimizer_sends(
+                mode, model.shapes, n, per_node, bucket_numel=bucket_numel, last_first=False
+            )
         return sends + cs.momentum_sync_sends(momentum_shapes, n, per_node) if momentum_shapes else sends
     if kind not in ("onebit_adam", "turboquant"):
         raise ValueError(f"unknown configuration kind {kind!r}; use one of {KINDS}")

@@ -62,6 +62,14 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
     "lion_auto": ("lion", "lion", {"algorithm": "lion", "mode": "auto"}),
     "onebit_adam": ("onebit_adam", "onebit_adam", {"algorithm": "onebit_adam"}),
     "turboquant": ("turboquant", "turboquant", {"algorithm": "turboquant"}),
+    # the same with the exchange in optimizer.step() (the section's overlap off): the form before
+    # the exchange started during backward, side by side with it
+    "lion_1bit_step": ("lion", "lion", {"algorithm": "lion", "mode": "1bit", "overlap": False}),
+    "onebit_adam_step": ("onebit_adam", "onebit_adam", {"algorithm": "onebit_adam", "overlap": False}),
+    "turboquant_step": ("turboquant", "turboquant", {"algorithm": "turboquant", "overlap": False}),
+    # the comm-free bound: FSDP2 inside each node and nothing across nodes (not a method: the
+    # nodes' replicas drift apart), the same computation as every row
+    "node_only": ("node_only", "adamw", {}),
     **{f"fsdp_{name}": ("fsdp_world", "adamw", {"algorithm": "bitdp", "fsdp_shard": "world",
                                                 "fsdp_reduce_scatter": rs, "topology": topology})
        for name, rs, topology in (("fp32", "fp32", "flat"), ("int8", "int8", "flat"), ("int4", "int4", "flat"),
@@ -144,6 +152,8 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
     from lowbit_strategy import buckets
     from lowbit_strategy.pricing.sharded import TURBOQUANT
 
+    if kind == "node_only":
+        return {"per_local_rank": [0] * per_node, "per_node": 0, "logged_per_node": 0}
     shape = sharded_cost.ShardedModel.of(model, [p for grp in opt.param_groups for p in grp["params"]])
     if kind == "fsdp_world" and cfg is not None:
         from lowbit_strategy.pricing.world import world_sends
@@ -158,6 +168,7 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
         kw["bucket_numel"] = buckets.bucket_numel(cfg.bucket_size_mb)
     if kind == "lion" and comm is not None and comm.plan is not None:
         kw["collective"] = sharded_cost.lion_collective(comm.plan)
+        kw["overlap"] = cfg is not None and cfg.lion.overlap
     elif kind == "onebit_adam" and cfg is not None:
         kw["block"] = cfg.onebit_adam.scale_block
     elif kind == "turboquant" and comm is not None:
@@ -205,6 +216,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     ap.add_argument("--warm", type=int, default=40, help="steps before the steady-state window")
     ap.add_argument("--freeze-step", type=int, default=30, help="1-bit Adam freeze step, TurboQuant warm-up")
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                    help="the e2e GPT, or benchmarks.nodes.sharded_mlp's MLP (--d-model wide, --layers blocks)")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -235,16 +248,23 @@ def main() -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", mesh["shard"].size()))  # the machines, not the mesh
     nodes = world // per_node
 
-    tokens = stdlib_bytes(int(args.data_mb * 2**20))
-    split = int(len(tokens) * 0.9)
-    data = Windows(tokens[:split], args.seq)
-    held_out = Windows(tokens[split:], args.seq)
+    lr = args.lr_lion if optimizer == "lion" else args.lr_adamw
+    if args.model == "mlp":
+        from benchmarks.nodes.sharded_mlp import MLP, datasets
+
+        # 50 steps an epoch: its held-out tenth gives each rank 5 validation batches
+        data, held_out = datasets(args.d_model, 50 * args.batch * world, args.seed)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = MLP(args.d_model, args.layers, lr=lr, optimizer=optimizer, freeze_step=args.freeze_step)
+    else:
+        tokens = stdlib_bytes(int(args.data_mb * 2**20))
+        split = int(len(tokens) * 0.9)
+        data, held_out = Windows(tokens[:split], args.seq), Windows(tokens[split:], args.seq)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=lr, optimizer=optimizer,
+                    freeze_step=args.freeze_step, warmup=20, total_steps=2000)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    lr = args.lr_lion if optimizer == "lion" else args.lr_adamw
-    model = GPT(seq=args.seq, d=args.d_model, layers=args.layers, heads=args.heads, lr=lr, optimizer=optimizer,
-                freeze_step=args.freeze_step, warmup=20, total_steps=2000)
     for block in model.blocks:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
@@ -254,6 +274,8 @@ def main() -> int:
     harness_log = wire.TrafficLog()  # what the harness itself records: HSDP's hooks, FSDP's own calls
     if kind.startswith("hsdp"):
         hsdp_hooks(model, mesh, torch.bfloat16 if kind == "hsdp_bf16" else torch.float32, harness_log)
+        logs = [harness_log]
+    elif kind == "node_only":  # FSDP2's node reduce-scatter and all-gather only
         logs = [harness_log]
     else:
         link_bps = float(os.environ.get("LBS_LINK_BPS", "0"))

@@ -128,6 +128,19 @@ class Sync:
         everywhere)."""
         return None
 
+    #: set by a launch site that hands gradients over before they are in ``p.grad`` (FSDP2's
+    #: all-reduce hook, which sees the unit's flat shard before FSDP assigns the gradients from
+    #: it): :meth:`gradients_ready` then only averages, and the launch site calls
+    #: :meth:`launch_ready` once the gradients are assigned
+    launch_after_assignment: bool = False
+
+    def launch_ready(self, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """The gradients of ``params`` are final and in ``p.grad`` (``flat``: the launch site's
+        buffer that held them, for a device-side NaN/Inf verdict): with :attr:`overlap`, start
+        their exchange now, while backward goes on. DDP's adapter gets this through
+        :meth:`gradients_ready`; the sharded path calls it from FSDP2's post-accumulate-grad
+        hooks, after FSDP assigned the unit's gradients. Nothing by default."""
+
     # ---- optimizers ----------------------------------------------------------------
     def attach(self, optimizers: Sequence[torch.optim.Optimizer], who: str = "") -> None:
         """Check and wire the run's optimizers (raise :class:`LowBitSetupError` naming the

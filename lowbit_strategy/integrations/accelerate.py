@@ -261,9 +261,7 @@ class LowBitAccelerator(ShardedModels, RankStateCheckpoints, Accelerator):
         ):
             sync = build_sync(self.lowbit_config, ddp, group=None)
             ddp.register_comm_hook(sync.hook_state, sync.comm_hook)
-            if not self.lowbit_overlap:
-                self.lowbit_overlap_turned_off |= sync.overlap
-                sync.disable_overlap(self.lowbit_overlap_reason)
+            self._apply_overlap(sync)
             self._lowbit_prepared.append(_Prepared(ddp, sync))
             self._attach_optimizers()
         elif not self.lowbit_syncs and self.num_processes == 1:
@@ -282,7 +280,14 @@ class LowBitAccelerator(ShardedModels, RankStateCheckpoints, Accelerator):
         self._attach_optimizers()
         return prepared
 
+    def _apply_overlap(self, sync: Sync) -> None:
+        """``overlap=False``: the algorithm synchronizes at the step, not during backward."""
+        if not self.lowbit_overlap:
+            self.lowbit_overlap_turned_off |= sync.overlap
+            sync.disable_overlap(self.lowbit_overlap_reason)
+
     def _record_sharded(self, model: torch.nn.Module, sync: Sync, nodes: int) -> None:
+        self._apply_overlap(sync)
         self._lowbit_prepared.append(_Prepared(model, sync, nodes=nodes))
 
     @contextlib.contextmanager

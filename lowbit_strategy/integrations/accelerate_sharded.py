@@ -31,8 +31,10 @@ the same path on GPUs and CPUs:
 * gradient accumulation (``accumulate`` / ``no_sync``): FSDP2's gradient sync is off on the
   non-final micro-batches (``set_requires_gradient_sync``), so the node reduce-scatter and
   the exchange across nodes run once per optimizer step.
-* ``clip_grad_norm_``: Accelerate's DTensor-aware clipping; the norm is the node's gradient's
-  (optimizer-level algorithms exchange in ``step()``, after clipping).
+* ``clip_grad_norm_``: Accelerate's DTensor-aware clipping; the norm is the node's gradient's.
+  Optimizer-level algorithms start their exchange during backward (FSDP2's post-accumulate-grad
+  hooks, :func:`~lowbit_strategy.attach_sharded`), before any clipping: as for DDP, clipping
+  needs ``LowBitAccelerator(..., overlap=False)``, which moves the exchange to ``step()``.
 * ``save_state`` / ``load_state``: each sharded model and its optimizers through
   ``torch.distributed.checkpoint`` (``sharded_model_<k>/``), Accelerate's own files for the
   rest (schedulers, RNG states, dataloaders, step), and every rank's low-bit state as for DDP.

@@ -51,6 +51,21 @@ def unwrap_optimizer(opt):
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
+def gradients_change_after_backward(trainer, module) -> str:
+    """Why ``module``'s gradients may change between backward and ``optimizer.step()`` under
+    ``trainer`` (clipping, a clipping override, manual optimization), or '': then an
+    optimizer-level algorithm must form what it sends at the step, not during backward."""
+    import lightning.pytorch as pl
+
+    if getattr(trainer, "gradient_clip_val", None):
+        return f"gradient_clip_val={trainer.gradient_clip_val}"
+    if type(module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping:
+        return f"{type(module).__name__}.configure_gradient_clipping"
+    if not module.automatic_optimization:
+        return "manual optimization"
+    return ""
+
+
 class LowBitStrategy(DDPStrategy):
     """DDP with low-bit synchronization driven by a :class:`LowBitConfig`.
 
@@ -119,18 +134,10 @@ class LowBitStrategy(DDPStrategy):
 
     def _gradients_change_after_backward(self, trainer) -> str:
         """Why gradients may change between backward and ``optimizer.step()``, or ''."""
-        import lightning.pytorch as pl
-
         module = self.lightning_module
-        if getattr(trainer, "gradient_clip_val", None):
-            return f"gradient_clip_val={trainer.gradient_clip_val}"
         if module is None:
             raise RuntimeError("LowBitStrategy.setup: no LightningModule is connected")
-        if type(module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping:
-            return f"{type(module).__name__}.configure_gradient_clipping"
-        if not module.automatic_optimization:
-            return "manual optimization"
-        return ""
+        return gradients_change_after_backward(trainer, module)
 
     def _registered_name(self) -> str:
         return f"'{getattr(self, '_lowbit_name', f'LowBitStrategy(algorithm={self.lowbit_config.algorithm!r})')}'"

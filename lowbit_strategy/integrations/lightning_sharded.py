@@ -205,6 +205,12 @@ class LowBitFSDPStrategy(ModelParallelStrategy):
                 mesh=self.device_mesh,
                 root=self.model,
             )
+            reason = _lightning.gradients_change_after_backward(trainer, self._module())
+            if reason:
+                self.sync.disable_overlap(
+                    f"{reason} may change the gradients after backward, so the synchronized "
+                    "update must be formed in optimizer.step()"
+                )
 
     def _module(self) -> nn.Module:
         module = self.lightning_module

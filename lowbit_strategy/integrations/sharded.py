@@ -18,10 +18,13 @@ replicate all-reduce replaced by the algorithm's own collective):
 2. across nodes, the algorithm's collective runs over ``mesh["replicate"]`` (the ranks that
    hold the same shard on every node) on this rank's shards only — from FSDP's per-unit
    all-reduce hook when it averages gradients (BitDP's 1/2-bit rows; the staged optimizers'
-   warm-up: the exact mean, as HSDP would), in ``optimizer.step()`` when it forms what it
-   sends from the node's gradient (Lion Cub's update vectors, the compressed momenta); the
-   optimizer steps the shard, so its state, and every error buffer, is 1/L of the
-   replicated form's;
+   warm-up: the exact mean, as HSDP would); when it forms what it sends from the node's
+   gradient (Lion Cub's update vectors, the compressed momenta), during backward too, once
+   FSDP has assigned the unit's gradients (its post-accumulate-grad hooks,
+   :class:`_UnitLaunch`), so the exchange hides behind the rest of backward as HSDP's
+   all-reduce does and ``step()`` waits and applies (with the section's ``overlap=False``, or
+   a front end that clips, it runs in ``step()``); the optimizer steps the shard, so its
+   state, and every error buffer, is 1/L of the replicated form's;
 3. FSDP2's all-gather of the parameters at the next forward replaces the node's all-gather.
 
 The node is the worker: the result is the flat algorithm's over N workers that see their
@@ -182,19 +185,67 @@ def _agreed_problem(problem: str | None) -> None:
         raise LowBitSetupError(f"attach_sharded (rank(s) {ranks[:8]}): {bad[0][1]}")
 
 
-def _unit_hook(sync: Sync, params: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+def _unit_hook(sync: Sync, params: list[torch.Tensor], launch: _UnitLaunch | None) -> Callable[[torch.Tensor], None]:
     """FSDP's all-reduce hook of one unit: ``reduce_output`` is the unit's flat padded
-    gradient shard, the node's mean, after the reduce-scatter. The launch site of the
-    algorithm interface (:meth:`Sync.gradients_ready`): when the algorithm averages now (a
-    warm-up) the cross-node mean is written into it in place, before FSDP makes the
-    gradients from it; else it stays the node's and the optimizer exchanges at the step."""
+    gradient shard, the node's mean, after the reduce-scatter. When the algorithm averages
+    now (:meth:`Sync.gradients_ready`: a warm-up, BitDP's rows) the cross-node mean is
+    written into it in place, before FSDP makes the gradients from it; else it stays the
+    node's, and ``launch`` (with overlap) starts the exchange once FSDP assigned them."""
 
     def hook(reduce_output: torch.Tensor) -> None:
         averaged = sync.gradients_ready(params, reduce_output)
         if averaged is not None:
             averaged.wait()  # FSDP reads the buffer when the hook returns
+        elif launch is not None:
+            launch.reduced(reduce_output)
 
     return hook
+
+
+def padded_shard_numel(p: torch.Tensor, shards: int) -> int:
+    """Elements of ``p``'s segment in its FSDP unit's flat reduce-scatter output with
+    ``shards`` ranks: dim 0 padded to a multiple of ``shards``, divided among them
+    (``Shard(0)``; FSDP2 requires even sharding on another dim, where it is numel / shards)."""
+    if p.dim() == 0:
+        return 1
+    return -(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1))
+
+
+class _UnitLaunch:
+    """Starts one unit's exchange during backward, once FSDP2 has assigned the unit's
+    gradients, so that it hides behind the rest of backward as HSDP's all-reduce does.
+
+    FSDP2 calls the all-reduce hook with the unit's flat shard, then divides, casts and views
+    it out into each parameter's ``.grad`` and runs that parameter's post-accumulate-grad
+    hooks (``foreach_reduce``, torch >= 2.5). The unit is complete when the parameters whose
+    hooks ran cover the flat shard (:func:`padded_shard_numel` each): the same on every rank
+    of the unit, and the same unit order on every node when every node's backward reaches
+    the same units (as HSDP's own all-reduce needs); then :meth:`Sync.launch_ready` forms
+    what the algorithm sends from ``p.grad``. A torch that runs no such hooks launches
+    nothing here: the exchange stays at ``step()``. On CUDA both hooks run on FSDP's
+    all-reduce stream, which FSDP's end of backward makes the compute stream wait for."""
+
+    def __init__(self, sync: Sync, params: list[torch.Tensor], shards: int):
+        self.sync, self.params = sync, params
+        self.numel = {id(p): padded_shard_numel(p, shards) for p in params}
+        self.flat: torch.Tensor | None = None
+        self.covered = 0
+
+    def reduced(self, flat: torch.Tensor) -> None:
+        self.flat, self.covered = flat, 0
+
+    def assigned(self, p: torch.Tensor) -> None:
+        if self.flat is None:
+            return
+        self.covered += self.numel[id(p)]
+        if self.covered >= self.flat.numel():
+            flat, self.flat = self.flat, None
+            self.sync.launch_ready(self.params, flat)
+
+    def register(self) -> None:
+        for p in self.params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.assigned)
 
 
 def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes: hierarchy.Topology) -> None:
@@ -245,6 +296,12 @@ def attach_sharded(
     the same configuration handshake and optimizer checks as :func:`~lowbit_strategy.attach`,
     registers each unit's all-reduce hook and wires the optimizers.
 
+    Optimizer-level algorithms start their exchange during backward, from the gradients as
+    FSDP assigns them (the section's ``overlap``, on by default): a gradient edited between
+    backward and ``step()`` (``clip_grad_norm_``, manual scaling) is not what was sent. Pass
+    ``overlap=False`` in the algorithm's section (or call ``sync.disable_overlap(reason)``
+    before the first backward) and the exchange runs in ``step()`` from the edited gradients.
+
     ``root``: the FSDP root when it is a wrapper holding ``model`` with no parameters of its
     own (a front end's entry point whose forward runs the user's step, as Lightning's
     :class:`~lowbit_strategy.integrations.lightning_sharded.LowBitFSDPStrategy` makes): its
@@ -286,15 +343,16 @@ def attach_sharded(
         inter=None,
     )
     sync.spec = LocalShard(mesh["replicate"].get_group(), mesh["shard"].get_group())
-    # what an optimizer-level algorithm sends is formed from p.grad, which FSDP assigns only
-    # after the hook returns: the exchange runs at the step
-    sync.disable_overlap(
-        "the sharded path forms what it sends in optimizer.step() (FSDP assigns gradients after its hook)"
-    )
+    # what an optimizer-level algorithm sends is formed from p.grad, which FSDP assigns after
+    # the all-reduce hook returns: launched from the post-accumulate-grad hooks (_UnitLaunch)
+    sync.launch_after_assignment = True
     units = sharded_units(root)
     for unit, params in units:
         if params:
-            unit.set_all_reduce_hook(_unit_hook(sync, params))  # type: ignore[operator]
+            launch = _UnitLaunch(sync, params, per_group) if sync.level == "optimizer" else None
+            unit.set_all_reduce_hook(_unit_hook(sync, params, launch))  # type: ignore[operator]
+            if launch is not None:
+                launch.register()
     if cfg.fsdp_reduce_scatter != "fp32":
         _quantize_reduce_scatters(units, cfg, mesh, sync, topology)
     attach_optimizers(sync, list(optimizers))

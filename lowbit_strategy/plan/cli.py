@@ -206,7 +206,8 @@ def assumptions(setup: predict.Setup, measured: str = "") -> list[str]:
         f"{c.inter_latency_us:g} us; inside {c.intra_gbps:g} Gbit/s per GPU, {c.intra_latency_us:g} us" + measured,
         setup.compute.note,
         f"overlap: collectives started in backward hide behind it (backward = {predict.BACKWARD_SHARE:.2f} of "
-        "compute) except the last bucket; the sharded rows exchange at the step, unhidden; the FSDP world rows' "
+        "compute) except the last bucket, the sharded rows' too (their exchange starts as FSDP assigns each unit's "
+        "gradients); the FSDP world rows' "
         "gathers and reduce-scatters hide behind forward and backward but one unit's each; the DiLoCo rows "
         f"exchange every {setup.diloco_sync_every} steps, amortized per step (streaming: behind its delay); the DeMo "
         "rows all-gather every worker's payload each step (delay 1: behind the next step's compute)",

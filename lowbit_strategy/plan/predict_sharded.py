@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 
 def _sharded(pr: Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
-    """A sharded row: the exchange across nodes at the optimizer step, none of it hidden
-    (``overlap``: HSDP's all-reduce hook, hidden behind backward unit by unit like DDP's)."""
+    """A sharded row: the exchange across nodes, hidden behind backward unit by unit like
+    DDP's buckets (``overlap``: HSDP's all-reduce hook; the sharded algorithms' exchange,
+    started from FSDP2's post-accumulate-grad hooks), or at the optimizer step, none of it
+    hidden (``overlap=False``: the sections' ``overlap=False``, a front end that clips)."""
     t = sh.sharded_seconds(sends, pr.c)
     units = max(1, len(pr.s.model.units))
     link = float(sends.network_per_node)
@@ -31,9 +33,10 @@ def _sharded(pr: Predictor, key, method, config, sends: sh.ShardedSends, codec_k
     return pr.row(key, method, "sharded", config, per, pr.codec(codec_key, local), memory / pr.per_node, overlap)
 
 
-def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
+def sharded_rows(pr: Predictor, lion_lane: str, overlap: bool = True) -> list[Row]:
     """HSDP bf16 and each low-bit exchange across nodes (Lion Cub at ``lion_lane``, 1-bit
-    Adam/LAMB, TurboQuant with its per-bucket ``auto`` form) on FSDP shards of 1/L."""
+    Adam/LAMB, TurboQuant with its per-bucket ``auto`` form) on FSDP shards of 1/L, the
+    algorithms' exchange overlapping backward (their default) or at the step (``overlap=False``)."""
     shapes, units = list(pr.s.model.shapes), pr.s.model.unit_shapes()
     nodes, per_node, bn, n = pr.nodes, pr.per_node, pr.s.bucket_numel, pr.n
 
@@ -47,8 +50,11 @@ def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
 
     pick: Callable[[int], str] = tq
     hsdp = sh.hsdp_sends(units, nodes, per_node, itemsize=2)
-    lion = sh.optimizer_sends(lion_lane, shapes, nodes, per_node, bucket_numel=bn, last_first=False)
-    lion = lion + sh.agreement_sends(len(shapes), nodes, per_node)
+    if overlap:  # one flagged bucket per FSDP unit, launched as FSDP assigns its gradients
+        lion = sh.launched_sends(lion_lane, units, nodes, per_node)
+    else:
+        lion = sh.optimizer_sends(lion_lane, shapes, nodes, per_node, bucket_numel=bn, last_first=False)
+        lion = lion + sh.agreement_sends(len(shapes), nodes, per_node)
     onebit = sh.optimizer_sends(
         "compensated", shapes, nodes, per_node, bucket_numel=bn, last_first=True, block=ONEBIT_BLOCK
     )
@@ -56,7 +62,16 @@ def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
     server = 4.0 * n / max(1, nodes)
     return [
         _sharded(pr, "hsdp_bf16", "HSDP bf16 (+ AdamW)", "FSDP2 + replicate, bf16 reduce", hsdp, None, 8.0 * n, True),
-        _sharded(pr, "lion_sharded", f"Lion Cub {lion_lane}", "attach_sharded(algorithm='lion')", lion, "lp", 4.0 * n),
+        _sharded(
+            pr,
+            "lion_sharded",
+            f"Lion Cub {lion_lane}",
+            "attach_sharded(algorithm='lion')",
+            lion,
+            "lp",
+            4.0 * n,
+            overlap,
+        ),
         _sharded(
             pr,
             "onebit_sharded",
@@ -65,6 +80,7 @@ def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
             onebit,
             "compensated",
             12.0 * n + server,
+            overlap,
         ),
         _sharded(
             pr,
@@ -74,6 +90,7 @@ def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
             turbo,
             "turboquant",
             12.0 * n + server,
+            overlap,
         ),
     ]
 

@@ -16,15 +16,18 @@ rank j, with :func:`~.nodes.bucket_sends` the flat bucket formula at P = N:
 * **the optimizer's exchange** (:func:`optimizer_sends`): buckets of rank j's non-empty
   local shards cut at ``bucket_numel`` (:func:`lowbit_strategy.buckets.partition`), in the
   optimizer's order — the staged optimizers' :class:`~lowbit_strategy.layout.Layout`
-  (last parameter first), Lion Cub's step (parameter order) — each bucket of n elements
-  sending ``bucket_sends(collective, n, N)`` with no non-finite flag (the sharded path
-  exchanges at the step, where none rides along): Lion Cub's mode (``1bit``, ``sign``,
-  ``lpB``, ``fp32``, ``bf16``; its warm-up ``fp32``), 1-bit Adam's ``compensated`` with
+  (last parameter first, launched during backward as each completes, or at the step),
+  Lion Cub's step (parameter order, with ``overlap=False``) — each bucket of n elements
+  sending ``bucket_sends(collective, n, N)`` with no non-finite flag; Lion Cub's default
+  launches one flagged bucket per FSDP unit during backward (:func:`launched_sends`).
+  ``collective``: Lion Cub's mode (``1bit``, ``sign``, ``lpB``, ``fp32``, ``bf16``; its
+  warm-up ``warmup_wire``), 1-bit Adam's ``compensated`` with
   ``block`` = its ``scale_block``, TurboQuant's ``turboquant_allgather`` /
   ``turboquant_two_stage`` / ``fp32`` with its ``block`` and ``bits``;
-* Lion Cub also agrees, every step, which parameters have a gradient and whether any rank
-  saw NaN/Inf: one int32 SUM allreduce over **every** rank (P = N·L) of k + 1 elements for k
-  parameters, ``ar(4(k+1))`` at P (:func:`agreement_sends`); with momentum sync, on the
+* Lion Cub also agrees, every step it exchanges at the step, which parameters have a
+  gradient and whether any rank saw NaN/Inf: one int32 SUM allreduce over **every** rank
+  (P = N·L) of k + 1 elements for k parameters, ``ar(4(k+1))`` at P (:func:`agreement_sends`;
+  launched during backward, the verdicts ride in the flags); with momentum sync, on the
   steps it runs, ``ar(4·m_j)`` at N for the m_j local elements of the selected momenta
   (nothing when m_j = 0; :func:`momentum_sync_sends`);
 * the staged optimizers agree their step's verdict with a one-element MAX allreduce over
@@ -36,7 +39,8 @@ step). FSDP's own reduce-scatter and all-gather stay inside the node and are not
 
 **Time** (:func:`sharded_seconds`): ``rounds·α + 8·bytes per node / bandwidth``; the local
 ranks' collectives run at once, so the latency is the longest rank's sum of its buckets'
-rounds at N (:meth:`~.nodes.Sends.rounds`). Codec time and overlap are not counted.
+rounds at N (:meth:`~.nodes.Sends.rounds`). Codec time and overlap are not counted (the planner
+hides the launched exchange behind backward unit by unit: :mod:`lowbit_strategy.plan.predict_sharded`).
 """
 
 from __future__ import annotations
@@ -155,6 +159,21 @@ def optimizer_sends(
     for j in range(ranks_per_node):
         sizes = local_buckets(shapes, ranks_per_node, j, bucket_numel, last_first)
         per_rank.append(tuple(bucket_sends(pick(n), n, nodes, flagged=False, block=block, bits=bits) for n in sizes))
+    return ShardedSends(tuple(per_rank))
+
+
+def launched_sends(
+    collective: str, units: Sequence[Sequence[Sequence[int]]], nodes: int, ranks_per_node: int
+) -> ShardedSends:
+    """Lion Cub's exchange started during backward (its ``overlap``, the default): one bucket
+    per FSDP unit of rank j's non-empty local shards of the unit's parameters, each sending
+    ``bucket_sends(collective, n, N)`` with its non-finite flag; the step then has no
+    parameter left to agree on (no :func:`agreement_sends`). The staged optimizers launch
+    their layout's buckets as they complete: :func:`optimizer_sends`' bytes either way."""
+    per_rank = []
+    for j in range(ranks_per_node):
+        sizes = [sum(_numel(local_shape(s, ranks_per_node, j)) for s in unit) for unit in units]
+        per_rank.append(tuple(bucket_sends(collective, n, nodes, flagged=True) for n in sizes if n))
     return ShardedSends(tuple(per_rank))
 
 

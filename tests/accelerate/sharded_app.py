@@ -66,7 +66,8 @@ def _accelerator(lowbit=None):
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return LowBitAccelerator(lowbit, gradient_accumulation_steps=ACCUMULATE)
+    # the script clips: the exchange is formed at the step, from the clipped gradients
+    return LowBitAccelerator(lowbit, gradient_accumulation_steps=ACCUMULATE, overlap=False)
 
 
 def _train_accelerate(acc, model, opt, schedule, first: int, last: int) -> None:
@@ -118,7 +119,8 @@ def run_plain(cfg) -> torch.Tensor:
     fully_shard(model, mesh=mesh["shard"])
     built = model.configure_optimizers()
     opt, schedule = built["optimizer"], built["lr_scheduler"]["scheduler"]
-    lowbit_strategy.attach_sharded(model, [opt], cfg, mesh=mesh)
+    sync = lowbit_strategy.attach_sharded(model, [opt], cfg, mesh=mesh)
+    sync.disable_overlap("clip_grad_norm_ below")  # as LowBitAccelerator(overlap=False)
     for step in range(1, STEPS + 1):
         for micro in range(ACCUMULATE):
             model.set_requires_gradient_sync(micro == ACCUMULATE - 1)

@@ -20,8 +20,12 @@ def test_table_gives_ratios_against_both_hsdp_rows_of_the_same_link():
                                                                 "failed": True, "timed_out": True}]
     text = nodes_sharded.table(records)
     row = next(line for line in text.splitlines() if line.startswith("| Lion Cub 1-bit"))
-    assert "| 20.00×, 2.00× | 10.00×, 1.50× |" in row
+    assert "| 20.00×, 2.00× | 10.00×, 1.50× | – |" in row  # no comm-free row: no fraction of it
     assert "| TurboQuant-Adam (auto form) | – | 1gbit | timed out |" in text
+    # with the comm-free row of the link: each row's step time as a fraction of its
+    text = nodes_sharded.table([*records, _rec("node_only", "1gbit", 0.16, 0)])
+    row = next(line for line in text.splitlines() if line.startswith("| Lion Cub 1-bit"))
+    assert "| 20.00×, 2.00× | 10.00×, 1.50× | 0.80 |" in row
 
 
 def test_projection_resolves_default_forms_and_orders_the_configurations():

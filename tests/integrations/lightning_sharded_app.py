@@ -197,7 +197,11 @@ def check_lion(workdir: Path) -> dict:
     units = sorted({type(m).__name__ for m in trainer.strategy.model.modules() if hasattr(m, "set_all_reduce_hook")})
     out = {"units": units, "finite": bool(torch.isfinite(straight).all()), "identical": _same_everywhere(straight),
            "bytes": sum(log.bytes_sent for log in trainer.strategy.traffic_logs()),
-           "loss": float(trainer.callback_metrics["train_loss"]), "global_step": trainer.global_step}
+           "loss": float(trainer.callback_metrics["train_loss"]), "global_step": trainer.global_step,
+           "overlap": trainer.strategy.sync.overlap}
+    # clipping changes gradients after backward: the exchange moves to optimizer.step()
+    clipped, _ = _fit(_strategy(name, mode="1bit"), "lion", epochs=1, gradient_clip_val=0.5)
+    out["overlap_when_clipping"] = clipped.strategy.sync.overlap
     out["equals_plain"] = torch.equal(straight, _plain("lion", cfg))
     # validate after fit: the same trainer sets the sharded module up again (its root is kept)
     metrics = trainer.validate(model, DataLoader(_data(), batch_size=BATCH), verbose=False)[0]

@@ -107,6 +107,8 @@ def test_lion_1bit_trains_like_plain_attach_sharded_and_resumes_bit_exact(tmp_pa
         assert r["units"] == ["FSDPBlock", "FSDPLinear", "FSDP_Root"], r["units"]
         assert r["finite"] and r["identical"] and r["global_step"] == 8 and r["bytes"] > 0, r
         assert r["equals_plain"], "the same data and steps through attach_sharded give other weights"
+        # the exchange starts during backward, unless gradient_clip_val edits the gradients after it
+        assert r["overlap"] is True and r["overlap_when_clipping"] is False, r
         assert r["val_loss_finite"] and r["unchanged_by_validate"], r
         assert r["resume_bit_exact"], "1 epoch + checkpoint + resume != 2 epochs straight"
         assert r["self_sharded_equal"], "a module sharded in configure_model trains otherwise"

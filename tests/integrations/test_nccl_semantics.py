@@ -1,6 +1,7 @@
 """The collectives' NCCL test mode (:mod:`lowbit_strategy.collectives.emulation`): it catches
 a read that does not wait for its collective, and code that follows the rules gives the same
-bits with it as on plain gloo, for every algorithm (2 ranks, plain DDP front end)."""
+bits with it as on plain gloo, for every algorithm (2 ranks, plain DDP front end) and for the
+sharded path's exchange started during backward (2 nodes x 2 ranks, FSDP2)."""
 
 import os
 
@@ -49,19 +50,34 @@ def _train_all(rank, world_size, out_dir):
     torch.save({"active": emulation.ACTIVE, "weights": results}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _run(tmp_path, mode: str) -> dict:
+def _train_sharded(rank, world_size, out_dir):
+    """The sharded path at 2 nodes x 2 ranks (FSDP2 inside the node), its exchange started
+    during backward from FSDP2's hooks and waited for at the step."""
+    from lowbit_strategy.collectives import emulation
+    from tests.integrations.test_sharded import CASES as SHARDED, PER_NODE, STEPS as SHARDED_STEPS, _full, _sharded
+
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    results = {}
+    for name in ("lion_1bit", "onebit_adam", "turboquant"):
+        cfg, make_opt, _ = SHARDED[name]
+        net, _, _ = _sharded(rank, cfg, make_opt, SHARDED_STEPS, mesh)
+        results[name] = torch.cat([t.reshape(-1) for t in _full(net)])
+    torch.save({"active": emulation.ACTIVE, "weights": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _run(tmp_path, mode: str, train=_train_all, ranks: int = 2) -> dict:
     out = tmp_path / mode
     out.mkdir()
     before = os.environ.get("LOWBIT_EMULATE_NCCL")
     os.environ["LOWBIT_EMULATE_NCCL"] = "1" if mode == "nccl" else "0"  # read by the spawned ranks
     try:
-        run_ranks(2, _train_all, str(out))
+        run_ranks(ranks, train, str(out))
     finally:
         if before is None:
             os.environ.pop("LOWBIT_EMULATE_NCCL")
         else:
             os.environ["LOWBIT_EMULATE_NCCL"] = before
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(ranks)}
 
 
 @pytest.mark.slow
@@ -74,6 +90,17 @@ def test_every_algorithm_gives_the_same_bits_with_nccl_semantics_as_on_gloo(tmp_
             assert torch.equal(nccl[r]["weights"][name], gloo[r]["weights"][name]), f"{name}, rank {r}"
         if not name.startswith("diloco"):  # (local updates: the workers differ between syncs)
             assert torch.equal(gloo[0]["weights"][name], gloo[1]["weights"][name]), f"{name}: replicas differ"
+
+
+@pytest.mark.slow
+def test_the_sharded_exchange_started_in_backward_gives_the_same_bits_with_nccl_semantics(tmp_path):
+    gloo = _run(tmp_path, "gloo", _train_sharded, 4)
+    nccl = _run(tmp_path, "nccl", _train_sharded, 4)
+    assert [nccl[r]["active"] for r in range(4)] == [True] * 4 and not any(gloo[r]["active"] for r in range(4))
+    for name, weights in gloo[0]["weights"].items():
+        for r in range(4):
+            assert torch.equal(nccl[r]["weights"][name], weights), f"{name}, rank {r}"
+            assert torch.equal(gloo[r]["weights"][name], weights), f"{name}: replicas differ"
 
 
 def _early_reads(rank, world_size):

@@ -12,6 +12,8 @@ nodes, as DDP's hook would), and all-gathers the node's row blocks back into the
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -341,7 +343,8 @@ def _check_clipping(rank, world_size):
     cfg, make_opt, _ = CASES["lion_1bit"]
     net = _sharded_model(mesh)
     opt = make_opt(net.parameters())
-    lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
+    # clipping after backward: the exchange must be formed at the step (overlap off), from clipped gradients
+    lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE, overlap=False), mesh=mesh)
     replica = model()  # the node's mean gradient, to check the norm clip_grad_norm_ sees
     for step in range(1, STEPS + 1):
         opt.zero_grad()
@@ -363,6 +366,69 @@ def _check_clipping(rank, world_size):
     every = [torch.empty_like(full) for _ in range(world_size)]
     dist.all_gather(every, full)
     assert all(torch.equal(every[0], e) for e in every) and bool(torch.isfinite(full).all())
+
+
+def _check_overlap(rank, world_size):
+    """The exchange starts during backward, unit by unit, and gives the step-time form's bits."""
+    mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
+    for name in ("lion_1bit", "onebit_adam", "turboquant"):
+        cfg, make_opt, _ = CASES[name]
+        # Lion Cub launches its warm-up's exchange the same way; the staged optimizers average
+        # their warm-up's gradients in FSDP's all-reduce hook (nothing in flight)
+        warmup = 0 if cfg["algorithm"] == "lion" else 2
+        finals, seen = [], {}
+        for overlap in (True, False):
+            net = _sharded_model(mesh)
+            opt = make_opt(net.parameters())
+            sync = lowbit_strategy.attach_sharded(
+                net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE, overlap=overlap), mesh=mesh
+            )
+            assert sync.overlap is overlap, name
+            probes: list[bool] = []
+            # the gradient of the embedding's output: both linear units have been reduced, the
+            # embedding's own unit not yet (backward is still running)
+            def probe(module, inputs, out, probes=probes, opt=opt):
+                out.register_hook(lambda g: probes.append(opt.communicator.pending()))
+
+            net[0].register_forward_hook(probe)
+            after = []
+            for step in range(1, STEPS + 1):
+                opt.zero_grad()
+                loss(net, rank, step).backward()
+                after.append(opt.communicator.pending())
+                if overlap and step > warmup and hasattr(opt, "_launched"):  # every bucket launched in backward
+                    assert opt._launched == set(opt.layout()), (name, step)
+                opt.step()
+            seen[overlap] = (probes, after)
+            finals.append(_full(net))
+        compressed = [False] * warmup + [True] * (STEPS - warmup)
+        assert seen[True] == (compressed, compressed), (name, seen[True])
+        assert seen[False] == ([False] * STEPS, [False] * STEPS), (name, seen[False])
+        assert all(torch.equal(a, b) for a, b in zip(*finals)), f"{name}: overlapped != step-time on rank {rank}"
+        # a NaN on one node's ranks, after the warm-up: the step is skipped on every rank, the
+        # launched exchanges finished and dropped (the next steps pair up), replicas stay identical
+        net = _sharded_model(mesh)
+        opt = make_opt(net.parameters())
+        lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            out = loss(net, rank, step)
+            (out * float("nan") if step == warmup + 2 and rank < PER_NODE else out).backward()
+            before = _full(net)
+            with pytest.warns(RuntimeWarning, match="non-finite") if step == warmup + 2 else nullcontext():
+                opt.step()
+            if step == warmup + 2:
+                assert all(torch.equal(a, b) for a, b in zip(before, _full(net))), (name, rank)
+        assert opt.skipped_steps == 1, (name, opt.skipped_steps)
+        full = torch.cat([t.reshape(-1) for t in _full(net)])
+        every = [torch.empty_like(full) for _ in range(world_size)]
+        dist.all_gather(every, full)
+        assert all(torch.equal(every[0], e) for e in every) and bool(torch.isfinite(full).all()), name
+
+
+@pytest.mark.slow
+def test_the_exchange_starts_during_backward_and_equals_the_step_time_form():
+    run_ranks(2 * PER_NODE, _check_overlap)
 
 
 @pytest.mark.slow

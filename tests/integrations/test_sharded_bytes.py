@@ -56,6 +56,7 @@ CASES = {
     "hsdp_fp32": ("hsdp_fp32", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "hsdp_bf16": ("hsdp_bf16", None, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     "lion_1bit": lion_section(mode="1bit"),
+    "lion_1bit_at_step": lion_section(mode="1bit", overlap=False),
     "lion_sign": lion_section(mode="sign"),
     "lion_lp8_momentum_sync": lion_section(mode="lp", bits=8, momentum_sync_every=2, momentum_sync_layers="all"),
     "lion_fp32": lion_section(mode="fp32"),
@@ -97,6 +98,7 @@ def _expected(kind, cfg, opt, net, step, nodes):
     if kind == "lion":
         kw["warmup"] = step <= cfg.warmup_steps
         kw["collective"] = sharded_cost.lion_collective(opt.communicator.plan)
+        kw["overlap"] = cfg.lion.overlap  # launched per FSDP unit during backward, or at the step
         every = cfg.lion.momentum_sync_every
         if every and step % every == 0:
             kw["momentum_shapes"] = model.shapes  # momentum_sync_layers="all"

@@ -141,10 +141,11 @@ def _sentence(*argv: str) -> str:
 
 
 def test_a_caveated_fastest_row_never_takes_the_choice():
-    # DDP does not fit an H100: the choice is against HSDP, not DDP bf16, caveat or not
+    # DDP does not fit an H100: the choice is against HSDP, not DDP bf16, caveat or not (the
+    # sharded 1-bit Adam row, its exchange hidden behind backward, is within 5 % of HSDP: HSDP)
     big = ["--params", "6.5e9", "--nodes", "2", "--gpus-per-node", "4", "--compute-s", "0.5", "--sharded", *PER_STEP]
     sentence = _sentence(*big, "--gpu", "h100", "--link", "400gbit")
-    assert sentence.startswith("Use HSDP") and "Lion Cub 1-bit (flat) is predicted faster" in sentence
+    assert sentence.startswith("Use HSDP") and "Lion Cub 1-bit" not in sentence
     # no row without a caveat beats DDP bf16 by the margin: DDP bf16, with the faster row named
     small = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "1", "--compute-s", "0.5", *PER_STEP]
     sentence = _sentence(*small, "--link", "150gbit")

@@ -49,18 +49,26 @@ class LionSync(Sync):
         self._names = parameter_names(module)
 
     def gradients_ready(self, params, flat):
-        """Keep the gradients local; with overlap, start the collective of ``params`` now."""
+        """Keep the gradients local; with overlap, start the collective of ``params`` now
+        (unless the launch site assigns gradients later: then at :meth:`launch_ready`)."""
+        if not self.launch_after_assignment:
+            self.launch_ready(params, flat)
+        return None
+
+    def launch_ready(self, params, flat):
+        """With overlap, form the update vectors of ``params`` from their gradients and start
+        their collective (:meth:`Lion.launch_bucket`)."""
         if self.overlap and self._owner:
             nonfinite = ~torch.isfinite(flat).all()  # stays on the device: no host sync here
             for opt in self.optimizers:  # the same order on every rank
-                mine = [p for p in params if self._owner.get(id(p)) is opt and p.numel()]
+                # local_view: a DTensor's shard (FSDP2); an empty shard has nothing to send
+                mine = [p for p in params if self._owner.get(id(p)) is opt and local_view(p).numel()]
                 if mine and opt.communicator is not None and opt.communicator.world_size > 1:
                     # p.grad, not views of the buffer: it holds this rank's gradient in the
                     # parameter's own layout (a channels_last weight's bucket view would not);
                     # a parameter unused on this rank counts as a zero gradient
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
                     opt.launch_bucket(mine, grads, nonfinite)
-        return None
 
     def disable_overlap(self, reason: str) -> None:
         if self.overlap:

@@ -126,6 +126,8 @@ class Lion(Optimizer):
             # the non-finite flags came with the payloads. Parameters DDP did not bucket
             # (the same on every rank) take the step-time path below.
             given, nonfinite = comm.collect(audit)
+            if self._global_of:  # launched with the DTensor parameters (FSDP2): keyed by their locals here
+                given = {lid: given[id(p)] for lid, p in self._global_of.items() if id(p) in given}
             rest = [p for p in params if id(p) not in given and p.requires_grad and p.numel()]
         has_grad = self._has_grad(rest)
         present = [p.grad for p, h in zip(rest, has_grad) if h]
@@ -179,7 +181,9 @@ class Lion(Optimizer):
         updates = []
         for i, p, gr in zip(key, params, grads):
             beta1 = slots[i].group["betas"][0]
-            updates.append(local_view(self.momentum(p).mul(beta1).add_(gr.view_as(p), alpha=1 - beta1)))
+            # on the local tensors (a DTensor's shard: the step's arithmetic, without DTensor dispatch)
+            m = local_view(self.momentum(p))
+            updates.append(m.mul(beta1).add_(local_view(gr).view_as(m), alpha=1 - beta1))
         self.communicator.launch(params, updates, self.global_step + 1, nonfinite, key=key)
 
     @staticmethod

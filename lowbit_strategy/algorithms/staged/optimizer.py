@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.staged import adam
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
-from lowbit_strategy.layout import Key, Layout, local_step
+from lowbit_strategy.layout import Key, Layout, is_dtensor, local_step
 from lowbit_strategy.validation import check_int, check_number
 
 
@@ -147,15 +147,27 @@ class StagedOptimizer(Optimizer):
         now all ready (DDP calls the hook in the same order on every rank, so every rank
         starts the same buckets in the same order); :meth:`step` finishes them and
         synchronizes the rest."""
-        layout, comm = self.layout(), self._attached()
+        layout = self.layout()
         now = cast(Layout, self.param_layout).indices(params)
         if now & self._ready:  # a second backward before step(): its gradients supersede the first's
             self._ready, self._launched = set(), set()
         self._ready |= now
-        for key in layout:  # layout order: the same on every rank
-            if key not in self._launched and all(i in self._ready for i in key):
-                self._launched.add(key)
-                comm.launch(key, self._momenta(key))
+        keys = [key for key in layout if key not in self._launched and all(i in self._ready for i in key)]
+        if not keys:
+            return
+        slots = cast(Layout, self.param_layout).slots
+        # DTensor parameters (FSDP2): the momenta from the local shards, as the step forms them
+        if not is_dtensor(slots[keys[0][0]].param):
+            self._launch(keys, None)
+            return
+        with local_step(self):
+            self._launch(keys, self._params())
+
+    def _launch(self, keys: list[Key], params: list[torch.Tensor] | None) -> None:
+        comm = self._attached()
+        for key in keys:  # layout order: the same on every rank
+            self._launched.add(key)
+            comm.launch(key, self._momenta(key, params))
 
     def _momenta(self, key: Key, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """This rank's momenta of bucket ``key``. ``params``: the step's ``param_groups``

@@ -63,11 +63,26 @@ class StagedSync(Sync):
         exact = [opt.communicator for opt in owners if opt.communicator is not None and opt.communicator.exact]
         if exact:  # a communicator whose every bucket is the exact mean: DDP's, in its wire
             return self._warmup_mean(flat, exact[0].exact_wire)
+        if not self.launch_after_assignment:
+            self._launch(owners, params)
+        return None
+
+    def launch_ready(self, params, flat):
+        """With overlap, in the compression stage, each owning optimizer starts the buckets of
+        its layout whose gradients are now all in ``p.grad`` (the sharded path: after FSDP
+        assigned them; warm-up and exact buckets were averaged at :meth:`gradients_ready`)."""
+        owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
+        if not owners or any(opt.stage == "warmup" for opt in owners):
+            return
+        if any(opt.communicator is not None and opt.communicator.exact for opt in owners):
+            return
+        self._launch(owners, params)
+
+    def _launch(self, owners: list[StagedOptimizer], params) -> None:
         if self.overlap:
             for opt in owners:  # the same order on every rank
                 if opt._distributed:
                     opt.grads_ready([p for p in params if self._owner.get(id(p)) is opt])
-        return None
 
     def _warmup_mean(self, buf: torch.Tensor, wire: str) -> torch.futures.Future:
         """The bucket's mean over ranks, as DDP computes it with ``wire`` on the wire (``fp32``:
