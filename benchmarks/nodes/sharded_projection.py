@@ -36,16 +36,14 @@ def compute_seconds(model: sharded_cost.ShardedModel) -> float:
 
 def step_seconds(kind: str, compute: float, comm: float | tuple[float, float]) -> float:
     """Compute plus the exposed cross-node time: HSDP's per-unit all-reduce runs during backward
-    (FSDP's all-reduce stream), so only what exceeds backward shows; the sharded algorithms
-    exchange in ``optimizer.step()``, after backward, so all of theirs shows; FSDP over the
+    (FSDP's all-reduce stream), and so does the sharded algorithms' exchange (started as FSDP
+    assigns each unit's gradients), so only what exceeds backward shows; FSDP over the
     world (``comm`` = its forward and backward seconds) prefetches its all-gathers and
     reduce-scatters per unit, so what exceeds forward (1/3 of compute) and backward shows."""
     if isinstance(comm, tuple):
         share = ASSUME["backward_share"]
         return compute + max(0.0, comm[0] - (1 - share) * compute) + max(0.0, comm[1] - share * compute)
-    if kind.startswith("hsdp"):
-        return compute + max(0.0, comm - ASSUME["backward_share"] * compute)
-    return compute + comm
+    return compute + max(0.0, comm - ASSUME["backward_share"] * compute)
 
 
 def gpt_model(d: int, layers: int, vocab: int, context: int) -> sharded_cost.ShardedModel:
@@ -169,8 +167,8 @@ def markdown(result: dict, plotted: str) -> str:
         "",
         "**step s**: compute (`6·params·tokens`, 8 × 1024 tokens per GPU at 40 % of an A100's 312 TFLOP/s) plus "
         "the cross-node time that shows: HSDP's all-reduce runs per unit during backward (taken as 2/3 of compute), "
-        "so only what exceeds it shows; the sharded algorithms exchange in `optimizer.step()`, after backward, so "
-        "all of it shows; FSDP world's all-gathers and reduce-scatters run per unit, prefetched, so only what exceeds "
+        "and so does the sharded algorithms' exchange (started as FSDP assigns each unit's gradients), so only "
+        "what exceeds backward shows; FSDP world's all-gathers and reduce-scatters run per unit, prefetched, so only what exceeds "
         "forward (1/3 of compute) and backward shows. "
         "**cross-node s** in brackets: HSDP fp32's ÷ this, HSDP bf16's ÷ this; **step s** in "
         "brackets: HSDP bf16's step ÷ this (above 1: faster than HSDP bf16).",
