@@ -242,10 +242,17 @@ class _UnitLaunch:
             flat, self.flat = self.flat, None
             self.sync.launch_ready(self.params, flat)
 
-    def register(self) -> None:
-        for p in self.params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.assigned)
+    @staticmethod
+    def register(unit: torch.nn.Module, launch: _UnitLaunch | None) -> None:
+        """Hook the unit's parameters to ``launch`` (None: no hooks), replacing the hooks an
+        earlier ``attach_sharded`` of the same model registered (a second ``fit``): two would
+        count each parameter twice."""
+        for handle in getattr(unit, "_lowbit_launch_hooks", ()):
+            handle.remove()
+        hooks = [] if launch is None else launch.params
+        unit._lowbit_launch_hooks = [  # type: ignore[assignment]
+            p.register_post_accumulate_grad_hook(cast(_UnitLaunch, launch).assigned) for p in hooks if p.requires_grad
+        ]
 
 
 def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes: hierarchy.Topology) -> None:
@@ -351,8 +358,7 @@ def attach_sharded(
         if params:
             launch = _UnitLaunch(sync, params, per_group) if sync.level == "optimizer" else None
             unit.set_all_reduce_hook(_unit_hook(sync, params, launch))  # type: ignore[operator]
-            if launch is not None:
-                launch.register()
+            _UnitLaunch.register(unit, launch)
     if cfg.fsdp_reduce_scatter != "fp32":
         _quantize_reduce_scatters(units, cfg, mesh, sync, topology)
     attach_optimizers(sync, list(optimizers))

@@ -379,10 +379,13 @@ def _check_overlap(rank, world_size):
         finals, seen = [], {}
         for overlap in (True, False):
             net = _sharded_model(mesh)
+            if overlap:  # attached twice (a second fit): the second attach's hooks replace the first's
+                lowbit_strategy.attach_sharded(net, [make_opt(net.parameters())], LowBitConfig(**cfg), mesh=mesh)
             opt = make_opt(net.parameters())
             sync = lowbit_strategy.attach_sharded(
                 net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE, overlap=overlap), mesh=mesh
             )
+            assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in net.parameters()), name
             assert sync.overlap is overlap, name
             probes: list[bool] = []
             # the gradient of the embedding's output: both linear units have been reduced, the
