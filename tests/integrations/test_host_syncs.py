@@ -73,14 +73,13 @@ def test_no_host_reads_during_backward_and_at_most_one_per_step():
 
 
 def _check_sharded(rank, world_size):
-    from tests.integrations.test_sharded import CASES as SHARDED, PER_NODE, _sharded_model
+    from tests.integrations.test_sharded import CASES as SHARDED
+    from tests.integrations.test_sharded import PER_NODE, _attached
 
     mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
     with HostReads() as reads:
         for name, (kw, make, _) in SHARDED.items():
-            net = _sharded_model(mesh)
-            opt = make(net.parameters())
-            lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**kw, ranks_per_node=PER_NODE), mesh=mesh)
+            net, opt, _ = _attached(kw, make, mesh)
             for step in range(1, STEPS + 1):
                 opt.zero_grad()
                 out = loss(net, rank, step)

@@ -135,10 +135,16 @@ def _oracle(rank, cfg, make_opt, steps, warmup, groups, micro=1, bf16=False):
     return [p.detach() for p in replica.parameters()], opt
 
 
-def _sharded(rank, cfg, make_opt, steps, mesh, micro=1, bf16=False):
+def _attached(cfg, make_opt, mesh, bf16=False, **overrides):
+    """``(net, optimizer, sync)``: the sharded model, its optimizer, ``attach_sharded`` under ``cfg``."""
     net = _sharded_model(mesh, bf16)
     opt = make_opt(net.parameters())
-    sync = lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
+    config = LowBitConfig(**cfg, ranks_per_node=PER_NODE, **overrides)
+    return net, opt, lowbit_strategy.attach_sharded(net, [opt], config, mesh=mesh)
+
+
+def _sharded(rank, cfg, make_opt, steps, mesh, micro=1, bf16=False):
+    net, opt, sync = _attached(cfg, make_opt, mesh, bf16)
     for step in range(1, steps + 1):
         opt.zero_grad()
         _backward(net, rank, step, micro, bf16)
@@ -410,9 +416,7 @@ def _check_overlap(rank, world_size):
         assert all(torch.equal(a, b) for a, b in zip(*finals)), f"{name}: overlapped != step-time on rank {rank}"
         # a NaN on one node's ranks, after the warm-up: the step is skipped on every rank, the
         # launched exchanges finished and dropped (the next steps pair up), replicas stay identical
-        net = _sharded_model(mesh)
-        opt = make_opt(net.parameters())
-        lowbit_strategy.attach_sharded(net, [opt], LowBitConfig(**cfg, ranks_per_node=PER_NODE), mesh=mesh)
+        net, opt, _ = _attached(cfg, make_opt, mesh)
         for step in range(1, STEPS + 1):
             opt.zero_grad()
             out = loss(net, rank, step)
