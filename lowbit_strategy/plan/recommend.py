@@ -89,7 +89,7 @@ def _choice(rows: list[Row], candidates: list[Row]) -> tuple[str, Row | None]:
         f"on the network){ties}."
     )
     if best.run_s is None and best.key.startswith(WARMUP_KEYS):
-        sentence += " Its full-precision warm-up is not priced: --steps prices a whole run."
+        sentence += " Its uncompressed warm-up (warmup_wire) is not priced: --steps prices a whole run."
     return sentence, best
 
 
