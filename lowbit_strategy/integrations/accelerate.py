@@ -59,6 +59,7 @@ from lowbit_strategy.algorithms.base import LowBitSetupError, Sync
 from lowbit_strategy.collectives import wire
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.accelerate_checkpoints import STATE_FILE, RankStateCheckpoints
+from lowbit_strategy.integrations.accelerate_launch import env_flag, has_device_backend, launched_world_size
 from lowbit_strategy.integrations.accelerate_sharded import (
     ShardedModels,
     fsdp_env_off,
@@ -80,43 +81,6 @@ __all__ = ["LowBitAccelerator", "LowBitSetupError", "PRECISIONS", "STATE_FILE"]
 PRECISIONS = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "fp8": "transformer-engine"}
 #: Accelerate modes that do not wrap the model in ``DistributedDataParallel``
 _NOT_DDP = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
-#: accelerate.utils probes of the device backends its launcher would use instead of gloo
-_DEVICE_PROBES = (
-    "is_xpu_available",
-    "is_npu_available",
-    "is_mlu_available",
-    "is_sdaa_available",
-    "is_musa_available",
-    "is_hpu_available",
-    "is_neuron_available",
-)
-
-
-def env_flag(value: str | None) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def launched_world_size() -> int:
-    """How many processes the launcher started (1 when not launched distributed)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
-        try:
-            size = int(os.environ.get(var, "") or 0)
-        except ValueError:
-            continue
-        if size:
-            return size
-    return 1
-
-
-def has_device_backend() -> bool:
-    """Whether Accelerate would find a device (and its collective backend) for several processes."""
-    if torch.cuda.is_available():
-        return True
-    import accelerate.utils as au
-
-    return any(getattr(au, name, lambda: False)() for name in _DEVICE_PROBES)
 
 
 def _unwrap_compiled(model: Any) -> Any:

@@ -71,7 +71,8 @@ from transformers.trainer_callback import ProgressCallback
 from lowbit_strategy import algorithms
 from lowbit_strategy.algorithms.base import LowBitSetupError
 from lowbit_strategy.config import LowBitConfig
-from lowbit_strategy.integrations.accelerate import LowBitAccelerator, env_flag, has_device_backend, launched_world_size
+from lowbit_strategy.integrations.accelerate import LowBitAccelerator
+from lowbit_strategy.integrations.accelerate_launch import env_flag, has_device_backend, launched_world_size
 from lowbit_strategy.integrations.hf_sharded import ShardedTrainerCheckpoints
 
 logger = logging.getLogger(__name__)

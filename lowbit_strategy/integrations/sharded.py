@@ -56,6 +56,7 @@ from lowbit_strategy.collectives.shards import LocalShard
 from lowbit_strategy.config import LowBitConfig
 from lowbit_strategy.integrations.ddp import attach_optimizers, build_sync
 from lowbit_strategy.layout import is_dtensor
+from lowbit_strategy.pricing.sharded import padded_shard_numel
 
 logger = logging.getLogger(__name__)
 
@@ -202,15 +203,6 @@ def _unit_hook(sync: Sync, params: list[torch.Tensor], launch: _UnitLaunch | Non
     return hook
 
 
-def padded_shard_numel(p: torch.Tensor, shards: int) -> int:
-    """Elements of ``p``'s segment in its FSDP unit's flat reduce-scatter output with
-    ``shards`` ranks: dim 0 padded to a multiple of ``shards``, divided among them
-    (``Shard(0)``; FSDP2 requires even sharding on another dim, where it is numel / shards)."""
-    if p.dim() == 0:
-        return 1
-    return -(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1))
-
-
 class _UnitLaunch:
     """Starts one unit's exchange during backward, once FSDP2 has assigned the unit's
     gradients, so that it hides behind the rest of backward as HSDP's all-reduce does.
@@ -227,7 +219,7 @@ class _UnitLaunch:
 
     def __init__(self, sync: Sync, params: list[torch.Tensor], shards: int):
         self.sync, self.params = sync, params
-        self.numel = {id(p): padded_shard_numel(p, shards) for p in params}
+        self.numel = {id(p): padded_shard_numel([tuple(p.shape)], shards) for p in params}
         self.flat: torch.Tensor | None = None
         self.covered = 0
 
@@ -244,15 +236,15 @@ class _UnitLaunch:
 
     @staticmethod
     def register(unit: torch.nn.Module, launch: _UnitLaunch | None) -> None:
-        """Hook the unit's parameters to ``launch`` (None: no hooks), replacing the hooks an
-        earlier ``attach_sharded`` of the same model registered (a second ``fit``): two would
-        count each parameter twice."""
+        """Hook the unit's parameters to ``launch`` (None: no hooks), removing the hooks an
+        earlier ``attach_sharded`` of the same model registered (a second ``fit``: inert once
+        its all-reduce hook is replaced, but still called on every step)."""
         for handle in getattr(unit, "_lowbit_launch_hooks", ()):
             handle.remove()
-        hooks = [] if launch is None else launch.params
-        unit._lowbit_launch_hooks = [  # type: ignore[assignment]
-            p.register_post_accumulate_grad_hook(cast(_UnitLaunch, launch).assigned) for p in hooks if p.requires_grad
-        ]
+        handles = []
+        if launch is not None:
+            handles = [p.register_post_accumulate_grad_hook(launch.assigned) for p in launch.params if p.requires_grad]
+        unit._lowbit_launch_hooks = handles  # type: ignore[assignment]
 
 
 def _quantize_reduce_scatters(units, cfg: LowBitConfig, mesh, sync: Sync, nodes: hierarchy.Topology) -> None:

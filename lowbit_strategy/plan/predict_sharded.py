@@ -20,23 +20,21 @@ if TYPE_CHECKING:
     from lowbit_strategy.plan.predict import Predictor
 
 
-def _sharded(pr: Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory, overlap=False) -> Row:
-    """A sharded row: the exchange across nodes, hidden behind backward unit by unit like
-    DDP's buckets (``overlap``: HSDP's all-reduce hook; the sharded algorithms' exchange,
-    started from FSDP2's post-accumulate-grad hooks), or at the optimizer step, none of it
-    hidden (``overlap=False``: the sections' ``overlap=False``, a front end that clips)."""
+def _sharded(pr: Predictor, key, method, config, sends: sh.ShardedSends, codec_key, memory) -> Row:
+    """A sharded row: the exchange across nodes hidden behind backward unit by unit like DDP's
+    buckets — HSDP's all-reduce hook, and the sharded algorithms' exchange, started from FSDP2's
+    post-accumulate-grad hooks (their sections' default ``overlap``)."""
     t = sh.sharded_seconds(sends, pr.c)
     units = max(1, len(pr.s.model.units))
     link = float(sends.network_per_node)
-    per = [(t / units, link / units)] * units if overlap else [(t, link)]
     local = pr.n / pr.per_node
-    return pr.row(key, method, "sharded", config, per, pr.codec(codec_key, local), memory / pr.per_node, overlap)
+    per = [(t / units, link / units)] * units
+    return pr.row(key, method, "sharded", config, per, pr.codec(codec_key, local), memory / pr.per_node, True)
 
 
-def sharded_rows(pr: Predictor, lion_lane: str, overlap: bool = True) -> list[Row]:
+def sharded_rows(pr: Predictor, lion_lane: str) -> list[Row]:
     """HSDP bf16 and each low-bit exchange across nodes (Lion Cub at ``lion_lane``, 1-bit
-    Adam/LAMB, TurboQuant with its per-bucket ``auto`` form) on FSDP shards of 1/L, the
-    algorithms' exchange overlapping backward (their default) or at the step (``overlap=False``)."""
+    Adam/LAMB, TurboQuant with its per-bucket ``auto`` form) on FSDP shards of 1/L."""
     shapes, units = list(pr.s.model.shapes), pr.s.model.unit_shapes()
     nodes, per_node, bn, n = pr.nodes, pr.per_node, pr.s.bucket_numel, pr.n
 
@@ -50,28 +48,15 @@ def sharded_rows(pr: Predictor, lion_lane: str, overlap: bool = True) -> list[Ro
 
     pick: Callable[[int], str] = tq
     hsdp = sh.hsdp_sends(units, nodes, per_node, itemsize=2)
-    if overlap:  # one flagged bucket per FSDP unit, launched as FSDP assigns its gradients
-        lion = sh.launched_sends(lion_lane, units, nodes, per_node)
-    else:
-        lion = sh.optimizer_sends(lion_lane, shapes, nodes, per_node, bucket_numel=bn, last_first=False)
-        lion = lion + sh.agreement_sends(len(shapes), nodes, per_node)
+    lion = sh.launched_sends(lion_lane, units, nodes, per_node)  # one flagged bucket per FSDP unit
     onebit = sh.optimizer_sends(
         "compensated", shapes, nodes, per_node, bucket_numel=bn, last_first=True, block=ONEBIT_BLOCK
     )
     turbo = sh.optimizer_sends(pick, shapes, nodes, per_node, bucket_numel=bn, last_first=True)
     server = 4.0 * n / max(1, nodes)
     return [
-        _sharded(pr, "hsdp_bf16", "HSDP bf16 (+ AdamW)", "FSDP2 + replicate, bf16 reduce", hsdp, None, 8.0 * n, True),
-        _sharded(
-            pr,
-            "lion_sharded",
-            f"Lion Cub {lion_lane}",
-            "attach_sharded(algorithm='lion')",
-            lion,
-            "lp",
-            4.0 * n,
-            overlap,
-        ),
+        _sharded(pr, "hsdp_bf16", "HSDP bf16 (+ AdamW)", "FSDP2 + replicate, bf16 reduce", hsdp, None, 8.0 * n),
+        _sharded(pr, "lion_sharded", f"Lion Cub {lion_lane}", "attach_sharded(algorithm='lion')", lion, "lp", 4.0 * n),
         _sharded(
             pr,
             "onebit_sharded",
@@ -80,7 +65,6 @@ def sharded_rows(pr: Predictor, lion_lane: str, overlap: bool = True) -> list[Ro
             onebit,
             "compensated",
             12.0 * n + server,
-            overlap,
         ),
         _sharded(
             pr,
@@ -90,7 +74,6 @@ def sharded_rows(pr: Predictor, lion_lane: str, overlap: bool = True) -> list[Ro
             turbo,
             "turboquant",
             12.0 * n + server,
-            overlap,
         ),
     ]
 
@@ -100,7 +83,7 @@ def hsdp_warmup_step(pr: Predictor, wire: str = "bf16") -> float:
     (``LowBitConfig.warmup_wire``), reduced unit by unit during backward as HSDP does
     (:mod:`lowbit_strategy.integrations.sharded`)."""
     sends = sh.hsdp_sends(pr.s.model.unit_shapes(), pr.nodes, pr.per_node, itemsize=2 if wire == "bf16" else 4)
-    return _sharded(pr, f"hsdp_{wire}", f"HSDP {wire}", "", sends, None, 0.0, True).step_s
+    return _sharded(pr, f"hsdp_{wire}", f"HSDP {wire}", "", sends, None, 0.0).step_s
 
 
 def world_rows(pr: Predictor) -> list[Row]:

@@ -56,13 +56,10 @@ class StagedSync(Sync):
         """During warm-up (or when every bucket is exact) the mean of ``flat``; afterwards the
         gradients stay local and, with ``overlap``, each owning optimizer starts the buckets
         of its layout that are now complete."""
-        owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
-        if not owners or any(opt.stage == "warmup" for opt in owners):
-            # DDP's mean, sent as the config's warmup_wire (torch's bf16_compress_hook's mean by default)
-            return self._warmup_mean(flat, self.config.warmup_wire)
-        exact = [opt.communicator for opt in owners if opt.communicator is not None and opt.communicator.exact]
-        if exact:  # a communicator whose every bucket is the exact mean: DDP's, in its wire
-            return self._warmup_mean(flat, exact[0].exact_wire)
+        owners = self._owners(params)
+        wire = self._averaged_in(owners)
+        if wire is not None:
+            return self._warmup_mean(flat, wire)
         if not self.launch_after_assignment:
             self._launch(owners, params)
         return None
@@ -71,12 +68,22 @@ class StagedSync(Sync):
         """With overlap, in the compression stage, each owning optimizer starts the buckets of
         its layout whose gradients are now all in ``p.grad`` (the sharded path: after FSDP
         assigned them; warm-up and exact buckets were averaged at :meth:`gradients_ready`)."""
-        owners = [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
+        owners = self._owners(params)
+        if self._averaged_in(owners) is None:
+            self._launch(owners, params)
+
+    def _owners(self, params) -> list[StagedOptimizer]:
+        return [opt for opt in self.optimizers if any(self._owner.get(id(p)) is opt for p in params)]
+
+    def _averaged_in(self, owners: list[StagedOptimizer]) -> str | None:
+        """The wire the launch site averages these gradients in, or None (they stay local):
+        during warm-up (or with no owner) the config's ``warmup_wire`` (torch's
+        ``bf16_compress_hook``'s mean by default); for a communicator whose every bucket is
+        the exact mean, DDP's mean in that communicator's wire."""
         if not owners or any(opt.stage == "warmup" for opt in owners):
-            return
-        if any(opt.communicator is not None and opt.communicator.exact for opt in owners):
-            return
-        self._launch(owners, params)
+            return self.config.warmup_wire
+        exact = [opt.communicator for opt in owners if opt.communicator is not None and opt.communicator.exact]
+        return exact[0].exact_wire if exact else None
 
     def _launch(self, owners: list[StagedOptimizer], params) -> None:
         if self.overlap:
