@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -74,24 +75,41 @@ def pending() -> int:
     return _live
 
 
-#: after the count reaches zero: the worker thread still drops its collective's objects
-#: (no GIL needed for those this package holds, which outlive it in Python); a few
-#: milliseconds more cover that tail
+#: after the count reaches zero and no foreign thread runs Python: what a worker thread still
+#: does then (drop its collective's objects) needs no GIL; a few milliseconds more cover it
 _TAIL_S = 0.02
+
+
+def _foreign_python() -> list[int]:
+    """Threads not started by :mod:`threading` (gloo's workers) that are running Python code
+    now: a callback, or a destructor its release triggered (``sys._current_frames`` lists
+    every thread state with a frame; ``_DummyThread`` entries are such foreign threads that
+    happened to ask for ``threading.current_thread()``)."""
+    ours = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    return [ident for ident in sys._current_frames() if ident not in ours]
 
 
 def settle(timeout_s: float = 10.0) -> bool:
     """Wait, with the GIL released, until every callback chained by :func:`then` has been
-    released by the thread that ran it (at most ``timeout_s``); whether that happened.
+    released by the thread that ran it and no foreign thread is still running Python code
+    (at most ``timeout_s``); whether that happened.
+
+    The count alone is not enough: it drops inside the callback's ``__del__``, on the worker
+    thread, and that thread may still run Python afterwards (the rest of the destructor, the
+    destructors of what the callback held) and, preempted there, needs the GIL once more. A
+    thread preempted inside Python keeps its frame, so :func:`_foreign_python` sees it until it
+    is done; after its last frame it holds the GIL until it lets go of the interpreter for good.
 
     Registered at exit; also safe to call at any time (e.g. before a fork)."""
     deadline = time.monotonic() + timeout_s
-    while _live > 0:
+    while _live > 0 or (_ever and _foreign_python()):
         if time.monotonic() > deadline:
             logger.warning(
-                "lowbit: %d collective callbacks still held by torch's worker threads after %.0f s at exit "
-                "(a collective that never completed?); the process may abort while the interpreter finalizes",
+                "lowbit: %d collective callbacks still held by torch's worker threads (%d running Python) "
+                "after %.0f s at exit (a collective that never completed?); the process may abort while "
+                "the interpreter finalizes",
                 _live,
+                len(_foreign_python()),
                 timeout_s,
             )
             return False

@@ -43,7 +43,17 @@ SCRIPT = textwrap.dedent(
             time.sleep(0.3)
         return t
 
+    class SlowRelease:  # what a callback holds: its destructor runs on the worker thread
+        def __del__(self):
+            time.sleep(0.3)  # the GIL released: the count is already down, the thread not done
+            print("released", flush=True)
+
+    if sys.argv[1].endswith("release"):  # the callback runs past the script's end; releasing it takes long
+        if sys.argv[1] == "count-only-release":  # settle as it was: the count alone
+            chain._foreign_python = lambda: []
+        slow = lambda f, held=SlowRelease(): (time.sleep(0.1), t)[1]
     chained = chain.then(dist.all_reduce(t, async_op=True).get_future(), slow)
+    del slow
     keep = dist.group.WORLD  # held to the end, as a DDP model holds its group
     print("script done", flush=True)
     """
@@ -70,6 +80,21 @@ def test_a_callback_still_on_a_gloo_thread_at_exit_breaks_the_exit_unless_settle
     except subprocess.TimeoutExpired:
         return  # hung in finalization
     assert raw.returncode < 0 and "script done" in raw.stdout, (raw.returncode, raw.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_settle_waits_for_the_worker_thread_to_finish_releasing_a_callback():
+    """The count drops inside the callback's ``__del__``; what the callback held is destroyed
+    after it, on the same worker thread, in Python. settle waits until no foreign thread runs
+    Python; by the count alone (settle as it was) the process does not exit cleanly."""
+    settled = _run("release")
+    assert settled.returncode == 0, settled.stderr[-2000:]
+    assert settled.stdout.index("released") < settled.stdout.index("pending at finalization: 0"), settled.stdout
+    try:
+        raw = _run("count-only-release", timeout=15)
+    except subprocess.TimeoutExpired:
+        return  # hung in finalization
+    assert raw.returncode != 0, (raw.stdout, raw.stderr[-2000:])  # SIGABRT here: CI's "terminate called"
 
 
 def test_settle_waits_until_torch_releases_each_callback():
