@@ -6,8 +6,9 @@ complete before the data may be read unless the stream rules are kept).
 
 Launches :mod:`.ranks_worker` as 2 processes (flat) and 4 processes (flat, and 2 nodes x 2),
 backend ``cpu:gloo,cuda:gloo``, on CUDA and, at the same time, the same runs on CPU; checks
-every run of every algorithm through plain DDP and Lightning (the worker's docstring says
-what each check means) and compares each CUDA run with its CPU twin:
+every run of every algorithm through plain DDP and Lightning, and sharded (FSDP2 inside each
+node, the 2 x 2 layout only: a flat layout has one node and nothing to exchange across), the
+worker's docstring says what each check means, and compares each CUDA run with its CPU twin:
 
 * the loss at every step within :data:`LOSS_TOL` (relative), and
 * the final parameters: ``|cuda - cpu| / |cpu - init|`` (the disagreement over the size of
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_check import ROOT, Part, table
-from benchmarks.gpu_check.ranks_worker import LAYOUTS, RUNS, mlp
+from benchmarks.gpu_check.ranks_worker import FRONTS, LAYOUTS, RUNS, mlp, runs_on
 
 LOSS_TOL = 0.05
 UPDATE_TOL = 0.5
@@ -179,7 +180,8 @@ def run(args) -> Part:
                     failures.append(f"cuda {' '.join(map(str, _key(r)))}: CPU twin differs (loss gap "
                                     f"{g['loss_gap']:.3g} > {LOSS_TOL} or update gap {g['update_gap']:.3g} > "
                                     f"{UPDATE_TOL})")
-    expected = sum(len(RUNS) * 2 * len(lay.split(",")) for _, lay in launches) * len(devices)
+    expected = len(RUNS) * len(devices) * sum(
+        runs_on(front, lay) for _, lays in launches for lay in lays.split(",") for front in FRONTS)
     if len(records) != expected:
         failures.append(f"{len(records)} runs reported, {expected} expected")
     part.failures = failures

@@ -1,6 +1,8 @@
-"""One rank of part 3 (:mod:`.ranks` launches P of these): every algorithm through plain DDP
-and through Lightning, on CUDA tensors (or CPU), over one ``cpu:gloo,cuda:gloo`` process
-group; rank 0 prints one ``RANKCHECK {json}`` line per run and saves its final parameters.
+"""One rank of part 3 (:mod:`.ranks` launches P of these): every algorithm through plain DDP,
+through Lightning and sharded (FSDP2 inside each node, ``attach_sharded``, the exchange
+started from FSDP's hooks during backward), on CUDA tensors (or CPU), over one
+``cpu:gloo,cuda:gloo`` process group; rank 0 prints one ``RANKCHECK {json}`` line per run and
+saves its final parameters.
 
 Each run trains a 3-layer MLP (0.4M parameters, several DDP buckets, so the defer-one rule
 and the side stream have a next bucket to start from) for ``--steps`` steps and checks, at
@@ -61,11 +63,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into
                "broadcast", "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list")
 
 
-def config(run: str, layout: str) -> lb.LowBitConfig:
+def config(run: str, layout: str, sharded: bool = False) -> lb.LowBitConfig:
+    """``run``'s configuration on ``layout``; ``sharded``: the layout's nodes without its
+    topology (across nodes is the mesh's replicate dimension)."""
     fields, _ = RUNS[run]
+    nodes = {k: v for k, v in LAYOUTS[layout].items() if not (sharded and k == "topology")}
     # a fixed link, so the CUDA and the CPU run pick the same forms (no probe, no timing)
     return lb.LowBitConfig(bucket_size_mb=0.25, warmup_steps=2, link_bandwidth_gbps=1.0, link_latency_us=50.0,
-                           **LAYOUTS[layout], **fields)
+                           **nodes, **fields)
 
 
 def optimizer(name: str, params, steps: int):
@@ -163,6 +168,29 @@ def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
+def _sharded_flat(params, per_node: int) -> torch.Tensor:
+    """Every parameter of an FSDP2 model (dim-0 shards over the ``per_node`` ranks of each node)
+    flattened whole, from this rank's node's shards: collective (every rank calls it). Plain
+    ``all_gather`` rather than ``full_tensor()``, whose functional collective crashed with a
+    segmentation fault over gloo on CUDA tensors (torch 2.11, H200)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = rank // per_node
+    whole = []
+    for p in params:
+        local = p.to_local().detach()
+        rows = -(-p.shape[0] // per_node)
+        block = local.new_zeros((rows, *p.shape[1:]))
+        block[: local.shape[0]] = local
+        every = [torch.empty_like(block) for _ in range(world)]
+        dist.all_gather(every, block)
+        whole.append(torch.cat(every[node * per_node:(node + 1) * per_node])[: p.shape[0]].reshape(-1))
+    return torch.cat(whole)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _identical(flat: torch.Tensor, world: int) -> bool:
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
@@ -252,6 +280,56 @@ def ddp_run(run: str, layout: str, args, device, counters: Counters) -> None:
     sync.detach()
 
 
+def sharded_run(run: str, layout: str, args, device, counters: Counters) -> None:
+    """The DDP run's loop on the model ``fully_shard``-ed inside each node of ``layout`` (each
+    linear a unit, the root too) through :func:`lowbit_strategy.attach_sharded`: the
+    optimizer-level algorithms start their exchange from FSDP's post-accumulate-grad hooks,
+    on FSDP's streams; BitDP sends its rows in the unit's all-reduce hook."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data()
+    nan_step = args.steps // 2
+    counters.side = 0
+    cfg = config(run, layout, sharded=True)
+    per_node = cfg.ranks_per_node
+    mesh = lb.node_mesh(device.type, cfg)
+    net = mlp().to(device)
+    for i in (0, 2, 4):
+        fully_shard(net[i], mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    opt = optimizer(RUNS[run][1], net.parameters(), args.steps)
+    sync = lb.attach_sharded(net, [opt], cfg, mesh=mesh)
+    rec = Record("sharded", run, layout, device, world, nan_step)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        idx = torch.arange(BATCH) + BATCH * ((step * world + rank) % (SAMPLES // BATCH))
+        out = nn.functional.cross_entropy(net(x[idx].to(device)), y[idx].to(device))
+        if step == nan_step and rank == 1:
+            out = out * float("nan")
+        before = _sharded_flat(net.parameters(), per_node) if step == nan_step else None
+        opt.zero_grad()
+        _, n, syncs, where = counters.run("backward", out.backward)
+        rec.reads("backward", n, syncs, where)
+        skip = False
+        if RUNS[run][1] == "adamw" and step == nan_step:  # BitDP: AMP's skip, as with DDP
+            finite = all(bool(torch.isfinite(_local(p.grad)).all()) for p in net.parameters() if p.grad is not None)
+            skip = _all_ranks(not finite, device)
+        if not skip:
+            _, n, syncs, where = counters.run("step", opt.step)
+            rec.reads("step", n, syncs, where)
+        rec.losses.append(float(out.detach()))
+        flat = _sharded_flat(net.parameters(), per_node)  # (each node's own shards: compared across nodes)
+        rec.identical = rec.identical and _identical(flat, world)
+        if before is not None:
+            rec.nan_skipped = _all_ranks(torch.equal(before, flat) and bool(torch.isfinite(flat).all()), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    rec.emit(counters, sync, [flat], args.out, seconds, rank, flat.numel())
+    sync.detach()
+
+
 def lightning_run(run: str, layout: str, args, device, counters: Counters) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -321,13 +399,23 @@ def lightning_run(run: str, layout: str, args, device, counters: Counters) -> No
              rank, sum(p.numel() for p in module.parameters()))
 
 
+#: front end -> its run (``--fronts``)
+FRONTS = {"ddp": ddp_run, "lightning": lightning_run, "sharded": sharded_run}
+
+
+def runs_on(front: str, layout: str) -> bool:
+    """Whether ``front`` runs on ``layout``: the sharded runs need nodes of several ranks
+    (a flat layout is one node, with nothing to exchange across nodes)."""
+    return front != "sharded" or "ranks_per_node" in LAYOUTS[layout]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--layouts", default="flat")
     parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--fronts", default="ddp,lightning")
+    parser.add_argument("--fronts", default=",".join(FRONTS))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -341,10 +429,10 @@ def main() -> None:
 
     with Counters(cuda) as counters:
         for layout in args.layouts.split(","):
-            for front in args.fronts.split(","):
+            for front in (f for f in args.fronts.split(",") if runs_on(f, layout)):
                 for run in args.runs.split(","):
                     try:
-                        (ddp_run if front == "ddp" else lightning_run)(run, layout, args, device, counters)
+                        FRONTS[front](run, layout, args, device, counters)
                     except Exception as exc:  # one line per failed run; the group may be unusable after it
                         said = {"front_end": front, "run": run, "layout": layout, "rank": rank,
                                 "error": f"{type(exc).__name__}: {exc}"[:800]}

@@ -29,14 +29,16 @@ def test_gpu_check_without_a_gpu_and_its_cpu_parts(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["parts"]) == {"ranks", "time"} and all(p["passed"] for p in report["parts"].values())
     records = report["parts"]["ranks"]["data"]["records"]
-    # every algorithm through both front ends, 2 ranks flat and 2 nodes x 2
+    # every algorithm through both front ends, 2 ranks flat and 2 nodes x 2, and sharded on 2 nodes x 2
     assert {(r["run"], r["front_end"], r["world_size"], r["layout"]) for r in records} == {
-        (run_, front, w, lay) for run_ in RUNS for front in ("ddp", "lightning") for w, lay in ((2, "flat"), (4, "2x2"))}
+        (run_, front, w, lay) for run_ in RUNS for front in ("ddp", "lightning") for w, lay in ((2, "flat"), (4, "2x2"))
+    } | {(run_, "sharded", 4, "2x2") for run_ in RUNS}
     for r in records:
         assert r["identical"] and r["nan_skipped"] and r["backward_reads"] == 0, r
         assert r["bytes_per_step"] > 0 and r["losses"][-1] < r["losses"][0], r
     md = (tmp_path / "report.md").read_text()
     assert "--cpu: checks the script, not CUDA" in md and "| lion_1bit | ddp | cpu | 4 | 2x2 | yes |" in md
+    assert "| onebit_adam | sharded | cpu | 4 | 2x2 | yes |" in md
 
 
 def _record(**kw):
