@@ -45,42 +45,60 @@ class OneBitAdam(OneBitOptimizer):
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
-        #: per parameter: (its exp_avg_sq, that tensor's version, where it is 0)
-        self._zero_cache: dict[torch.Tensor, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        #: per parameter: the compression stage's constants of its frozen variance (:meth:`_frozen`)
+        self._frozen_cache: dict[torch.Tensor, tuple] = {}
+
+    def _frozen(self, p: torch.Tensor, v: torch.Tensor, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v == 0, sqrt(v̂) + eps)`` of ``p``'s frozen variance ``v`` (v̂ with its freeze-time
+        bias correction): constants of the compression stage (Algorithm 1 of the 1-bit Adam
+        paper, arXiv:2102.02888, freezes v), so they are computed once, not at every step: a
+        comparison and three passes over the parameter fewer per step, for one more
+        parameter-sized buffer and a bool per element. Recomputed when ``v`` is another tensor
+        or was written (its version: a loaded state), or the group's ``eps``/``betas`` changed;
+        the same floats as computing them each step (:func:`~.staged.adam.adam_denominator`)."""
+        hit = self._frozen_cache.get(p)
+        if hit is None or hit[0] is not v or hit[1] != v._version or hit[2] != (beta2, eps):
+            denom = adam.adam_denominator(v, beta2=beta2, eps=eps, v_step=self.freeze_step)
+            hit = self._frozen_cache[p] = (v, v._version, (beta2, eps), v == 0, denom)
+        return hit[3], hit[4]
 
     def _compressed(self, group, p, mean, step):
+        """One parameter's compression-stage update (Algorithm 1 of the 1-bit Adam paper,
+        line 12, with the choices of :mod:`.optimizer`): ``m`` ← the mean momentum (0 where the
+        frozen variance is), then the direction ``d = m / (sqrt(v̂) + eps)``, clamped to
+        ``± update_clip · (1 - β1^t)`` (so ``|m̂ / (sqrt(v̂) + eps)| ≤ update_clip``), and
+        ``p -= lr / (1 - β1^t) · d``. ``d`` is formed once and serves the clamp (scalar
+        bounds, in place), the update and the guard's norm: four passes over the parameter
+        with the denominator kept (:meth:`_frozen`)."""
         state = self._state(p)
         beta1, beta2 = group["betas"]
         m = state["exp_avg"]
-        new = self._masked(mean, state)
+        zero, denom = self._frozen(p, state["exp_avg_sq"], beta2, group["eps"])
         if self.track_variance:
+            new = mean.to(m.dtype).masked_fill_(zero, 0)
             self._track(state, new, beta1, beta2, group["eps"], step)
-        m.copy_(new)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        used, denom = adam.adam_apply_(
-            p,
-            m,
-            state["exp_avg_sq"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            step=step,
-            v_step=self.freeze_step,
-            clip=self.update_clip,
-        )
-        self._note_directions([used], [denom], 1 - beta1**step)
+            m.copy_(new)
+        else:
+            _masked_into(m, mean, zero)
+        if group["weight_decay"]:  # (a multiplication by 1 changes no float: skipped)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        bias1 = 1 - beta1**step
+        d = torch.div(m, denom)
+        if self.update_clip is not None:
+            d.clamp_(-self.update_clip * bias1, self.update_clip * bias1)
+        p.add_(d, alpha=-(group["lr"] / bias1))
+        self._note_directions([d], bias1)
 
     def _compressed_all(self, items, step):
         """Every compression-stage update of a step. On CUDA parameters (or with
         :attr:`multi_tensor`) as multi-tensor (``torch._foreach_*``) ops per parameter group and
-        dtype: the mask of :meth:`_masked` per parameter (``v == 0`` kept, as 1-bit LAMB keeps it)
-        and a handful of launches for all parameters instead of ~9 per parameter (on an H100
-        the per-parameter loop cost ~20 ms a step on GPT-2 small, launch-bound). Elsewhere,
-        and while the variance is tracked, :meth:`_compressed` on each parameter (on CPU each
-        parameter's chain then runs in cache). The same operations on the same values in the
-        same order, so the same floats: on CPU a ``_foreach_`` op runs the single-tensor kernel
-        on every tensor, and the test holds the two forms to each other bit for bit."""
+        dtype: :meth:`_compressed`'s operations, a handful of launches for all parameters
+        instead of several per parameter (on an H100 the per-parameter loop cost ~20 ms a step
+        on GPT-2 small, launch-bound). Elsewhere, and while the variance is tracked,
+        :meth:`_compressed` on each parameter (on CPU each parameter's chain then runs in
+        cache). The same operations on the same values in the same order, so the same floats:
+        on CPU a ``_foreach_`` op runs the single-tensor kernel on every tensor, and the test
+        holds the two forms to each other bit for bit."""
         if not self._multi_tensor_on([p for _, p, _ in items]) or self.track_variance:
             return super()._compressed_all(items, step)
         batches: dict = {}
@@ -91,29 +109,25 @@ class OneBitAdam(OneBitOptimizer):
             beta1, beta2 = group["betas"]
             states = [self._state(p) for _, p, _ in batch]
             ms = [s["exp_avg"] for s in states]
-            vs = [s["exp_avg_sq"] for s in states]
             ps = [p for _, p, _ in batch]
-            zeros = self._zeros(ps, vs)
-            news = [mean.to(m.dtype).masked_fill_(zero, 0) for (_, _, mean), m, zero in zip(batch, ms, zeros)]
-            torch._foreach_copy_(ms, news)
-            torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
-            denom = torch._foreach_sqrt(vs)  # adam_apply_ with v_step = freeze_step
-            torch._foreach_div_(denom, (1 - beta2**self.freeze_step) ** 0.5)
-            torch._foreach_add_(denom, group["eps"])
+            frozen = [self._frozen(p, s["exp_avg_sq"], beta2, group["eps"]) for p, s in zip(ps, states)]
+            for (_, _, mean), m, (zero, _) in zip(batch, ms, frozen):
+                _masked_into(m, mean, zero)
+            if group["weight_decay"]:
+                torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
             bias1 = 1 - beta1**step
-            used = ms if self.update_clip is None else adam.clip_momentum_foreach(ms, denom, self.update_clip * bias1)
-            torch._foreach_addcdiv_(ps, used, denom, value=-(group["lr"] / bias1))
-            self._note_directions(used, denom, bias1)
+            ds = torch._foreach_div(ms, [denom for _, denom in frozen])
+            if self.update_clip is not None:
+                torch._foreach_clamp_min_(ds, -self.update_clip * bias1)
+                torch._foreach_clamp_max_(ds, self.update_clip * bias1)
+            torch._foreach_add_(ps, ds, alpha=-(group["lr"] / bias1))
+            self._note_directions(ds, bias1)
 
-    def _zeros(self, ps: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``v == 0`` of each parameter's frozen variance ``vs[i]``: a constant of the
-        compression stage, kept per parameter for that tensor and its version (a loaded state
-        or a write recomputes it), as 1-bit LAMB keeps it (a bool per element; no host read)."""
-        cache = self._zero_cache
-        out = []
-        for p, v in zip(ps, vs):
-            hit = cache.get(p)
-            if hit is None or hit[0] is not v or hit[1] != v._version:
-                hit = cache[p] = (v, v._version, v == 0)
-            out.append(hit[2])
-        return out
+
+def _masked_into(m: torch.Tensor, mean: torch.Tensor, zero: torch.Tensor) -> None:
+    """``m`` ← ``mean``, 0 where ``zero`` (the frozen variance is 0: :mod:`.optimizer`): one
+    pass when the dtypes agree (a selection: the same floats as the fill and the copy)."""
+    if m.dtype == mean.dtype:
+        torch.where(zero, mean.new_zeros(()), mean, out=m)
+    else:
+        m.copy_(mean.masked_fill_(zero, 0))

@@ -28,7 +28,7 @@ communication: the compression stage uses the exact momentum.
 Choices where the papers and DeepSpeed are silent or differ (each documented where made):
 
 * bias correction: Adam's, in both stages; the frozen variance keeps the correction it had
-  when frozen (:func:`~lowbit_strategy.algorithms.staged.adam.adam_apply_`). DeepSpeed drops it;
+  when frozen (:func:`~lowbit_strategy.algorithms.staged.adam.adam_denominator`). DeepSpeed drops it;
 * coordinates whose frozen variance is exactly 0 (never had a gradient during warm-up, e.g.
   embedding rows of unseen tokens) get no momentum in the compression stage: m/(sqrt(0)+eps)
   would be a step of size lr/eps. This is what DeepSpeed's hand-made ``exp_avg_mask`` is
@@ -183,13 +183,12 @@ class OneBitOptimizer(StagedOptimizer):
     def _before_compressed_update(self, compressing: bool) -> None:
         self._directions = [] if compressing and self.guard is not None else None
 
-    def _note_directions(self, ms: Sequence[torch.Tensor], denoms: Sequence[torch.Tensor], bias1: float) -> None:
-        """The compressed step's directions ``ms[i] / (1 - β1^t) / denoms[i]`` (guard); a no-op
-        when not guarding this step."""
-        if self._directions is None or not ms:
+    def _note_directions(self, ds: Sequence[torch.Tensor], bias1: float) -> None:
+        """The compressed step's directions ``ds[i] / (1 - β1^t)``, ``ds[i] = m / (sqrt(v̂) + eps)``
+        as the update used them (guard); a no-op when not guarding this step."""
+        if self._directions is None or not ds:
             return
-        norms = torch._foreach_norm(torch._foreach_div(list(ms), list(denoms)))
-        self._directions += [n.float().div(bias1).square() for n in norms]
+        self._directions += [n.float().div(bias1).square() for n in torch._foreach_norm(list(ds))]
 
     def _note_updates(self, us: Sequence[torch.Tensor]) -> None:
         """The compressed step's directions, formed already (1-bit LAMB's ``u`` before weight

@@ -8,8 +8,6 @@ averaged gradient or from a single process, and the tests call them to build ref
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
@@ -46,44 +44,23 @@ def adam_apply_(
     eps: float,
     step: int,
     v_step: int,
-    clip: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``p -= lr · m̂ / (sqrt(v̂) + eps)`` with m̂ = m / (1 - β1^step) and v̂ = v / (1 - β2^v_step);
-    returns the momentum used (``m``, or its clipped copy) and the denominator.
-
-    In 1-bit Adam's compression stage ``v`` is the variance frozen at ``v_step =
-    freeze_step`` ("1-bit Adam", Tang et al., arXiv:2102.02888, Algorithm 1: the frozen
-    variance preconditions momentum SGD), so its bias correction stays the one it had when
-    it was frozen, and the first compressed step continues the warm-up's arithmetic without
-    a jump. TurboQuant-Adam passes its live variance with ``v_step = step``.
-
-    ``clip``: every coordinate's ``|m̂ / (sqrt(v̂) + eps)|`` at most ``clip`` (its step at most
-    ``lr · clip``; :func:`clip_momentum`). None (the warm-up, TurboQuant): no bound, the same
-    operations as without it."""
-    denom = (v.sqrt() / (1 - beta2**v_step) ** 0.5).add_(eps)
-    if clip is not None:
-        m = clip_momentum(m, denom, clip * (1 - beta1**step))
+) -> torch.Tensor:
+    """``p -= lr · m̂ / (sqrt(v̂) + eps)`` with m̂ = m / (1 - β1^step) and v̂ = v / (1 - β2^v_step)
+    (torch's AdamW operations: ``addcdiv_``); returns the denominator. The warm-up stage and
+    TurboQuant-Adam pass their live variance with ``v_step = step``. (1-bit Adam's compression
+    stage divides by its frozen variance's denominator, kept: :mod:`..onebit.adam`.)"""
+    denom = adam_denominator(v, beta2=beta2, eps=eps, v_step=v_step)
     p.addcdiv_(m, denom, value=-(lr / (1 - beta1**step)))
-    return m, denom
+    return denom
 
 
-def clip_momentum(m: torch.Tensor, denom: torch.Tensor, bound: float) -> torch.Tensor:
-    """``m`` clamped to ``[-bound·denom, bound·denom]`` per coordinate, in a new tensor: with
-    ``bound = clip · (1 - β1^step)`` the direction ``m̂ / denom`` is at most ``clip`` in size.
-    One multiplication, then selections, so :func:`clip_momentum_foreach` (the same
-    multiplication, then clamp_min / clamp_max) gives the same floats."""
-    lim = denom * bound
-    return torch.clamp(m, min=-lim, max=lim)
-
-
-def clip_momentum_foreach(
-    ms: Sequence[torch.Tensor], denoms: Sequence[torch.Tensor], bound: float
-) -> list[torch.Tensor]:
-    """:func:`clip_momentum` on lists of tensors (multi-tensor ops), bit for bit."""
-    lims = torch._foreach_mul(list(denoms), bound)
-    out = torch._foreach_clamp_min(list(ms), torch._foreach_neg(lims))
-    torch._foreach_clamp_max_(out, lims)
-    return list(out)
+def adam_denominator(v: torch.Tensor, *, beta2: float, eps: float, v_step: int) -> torch.Tensor:
+    """Adam's denominator ``sqrt(v̂) + eps``, ``v̂ = v / (1 - β2^v_step)``, as
+    :func:`adam_apply_` computes it (a new tensor). For 1-bit Adam's frozen variance,
+    ``v_step = freeze_step``: its bias correction stays the one it had when frozen ("1-bit
+    Adam", Tang et al., arXiv:2102.02888, Algorithm 1), so the first compressed step
+    continues the warm-up's arithmetic without a jump."""
+    return (v.sqrt() / (1 - beta2**v_step) ** 0.5).add_(eps)
 
 
 def adamw_foreach_(

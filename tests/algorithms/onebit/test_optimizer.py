@@ -412,6 +412,45 @@ def test_multi_tensor_adam_step_is_the_per_parameter_step_bit_for_bit(weight_dec
     assert torch.equal(ours[6], torch.zeros(5))
 
 
+@pytest.mark.parametrize("multi", [False, True], ids=["chains", "multi_tensor"])
+def test_frozen_variance_constants_are_computed_once_and_follow_every_change(monkeypatch, multi):
+    """The mask (``v == 0``) and denominator 1-bit Adam keeps for its frozen variance give the
+    floats computed afresh at every step, through a loaded state, an in-place write of the
+    variance and a changed eps; and they are computed once per change, not per step."""
+    from lowbit_strategy.algorithms.onebit import adam as onebit_adam
+
+    real = onebit_adam.adam.adam_denominator
+    runs = []
+    for fresh in (True, False):
+        calls = []
+        monkeypatch.setattr(onebit_adam.adam, "adam_denominator", lambda v, **kw: (calls.append(1), real(v, **kw))[1])
+        params = _lamb_zoo()
+        opt = OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=4)
+        opt.multi_tensor = multi
+        for step in range(1, 12):
+            _lamb_zoo_grads(step, params)
+            if fresh:  # the reference: nothing kept from one step to the next
+                opt._frozen_cache.clear()
+            opt.step()
+            if step == 5:  # a loaded state: new variance tensors
+                state = copy.deepcopy(opt.state_dict())
+                for st in state["state"].values():
+                    st["exp_avg_sq"] = st["exp_avg_sq"] * 2
+                opt.load_state_dict(state)
+            elif step == 7:  # written in place (its version moves)
+                with torch.no_grad():
+                    for st in opt.state.values():
+                        st["exp_avg_sq"].mul_(3)
+            elif step == 9:
+                opt.param_groups[0]["eps"] = EPS * 100
+        runs.append((params, len(calls), len(opt._frozen_cache)))
+    (ref, fresh_calls, _), (ours, kept_calls, kept) = runs
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ref, ours))
+    # kept: computed at compression steps 5, 6 (loaded), 8 (written) and 10 (eps) only; afresh:
+    # at each of the 7 compression steps where the parameter has a gradient
+    assert kept > 0 and kept_calls == 4 * kept and fresh_calls > 6 * kept, (fresh_calls, kept_calls, kept)
+
+
 def test_any_nonfinite_is_isfinite_all():
     """The staged optimizers' NaN/Inf test (a sum per tensor, max/min when a sum is not
     finite) answers as ``isfinite(t).all()`` does: NaN and ±Inf anywhere (the vectorized
