@@ -1,0 +1,121 @@
+"""1-bit Adam's and Lion Cub 1-bit's step against the comm-free bound: 2 ranks, one shaped link.
+
+The same bytes on the wire (1 bit per parameter and a few scales), so what separates the two
+optimizers' fraction of the bound is their CPU work: the compensated allreduce's compress,
+server step and decode, and the optimizer's pass, against Lion Cub's sign vote. Each rank is
+its own network namespace (:mod:`benchmarks.harness.netem`), a 3-block MLP of ``--width``
+(3.1M parameters at 1024) under DDP on gloo, one thread per rank, a fixed batch:
+
+* ``adamw_local`` / ``lion_local``: the bound of each: plain ``torch.optim.AdamW`` /
+  ``lowbit_strategy.Lion`` with a DDP hook that keeps each rank's gradient (the same
+  computation, nothing on the wire);
+* ``onebit_adam`` (freeze after 5 steps) and ``lion_1bit`` through :func:`lowbit_strategy.attach`.
+
+Per configuration: the median step (forward, backward, ``step()``) over the steps after
+``--warm``; "of bound" = the bound of its optimizer over it (1.00: communication and
+compression cost nothing). Configurations run one after another in the same namespaces.
+
+    python -m benchmarks.codecs.step_bound [--link 1gbit] [--steps 60] [--warm 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+CONFIGS = ("adamw_local", "onebit_adam", "lion_local", "lion_1bit")
+BOUND = {"onebit_adam": "adamw_local", "lion_1bit": "lion_local", "adamw_local": "adamw_local",
+         "lion_local": "lion_local"}
+
+
+def _rank(config: str, steps: int, warm: int, width: int) -> None:
+    """One rank's run (inside its namespace); rank 0 prints ``STEPBOUND {json}``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import lowbit_strategy as lb
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(width // 2, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                        nn.Linear(width, width), nn.GELU(), nn.Linear(width, width // 2))
+    ddp = nn.parallel.DistributedDataParallel(net)
+    if config.endswith("_local"):
+        def keep(_, bucket):  # the rank's own gradient: nothing on the wire
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, keep)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4) if config == "adamw_local" else lb.Lion(ddp.parameters(),
+                                                                                                     lr=1e-5)
+    elif config == "onebit_adam":
+        opt = lb.OneBitAdam(ddp.parameters(), lr=1e-4, freeze_step=5)
+        lb.attach(ddp, [opt], lb.LowBitConfig(algorithm="onebit_adam"))
+    else:
+        opt = lb.Lion(ddp.parameters(), lr=1e-5)
+        lb.attach(ddp, [opt], lb.LowBitConfig(algorithm="lion", mode="1bit"))
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, width // 2, generator=gen), torch.randn(64, width // 2, generator=gen)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        (ddp(x) - y).square().mean().backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        params = sum(p.numel() for p in net.parameters())
+        print("STEPBOUND " + json.dumps({"config": config, "step_s": statistics.median(times[warm:]),
+                                         "params": params}), flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.codecs.step_bound", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--link", default="1gbit")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warm", type=int, default=20)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rank", help=argparse.SUPPRESS)  # (internal: one rank's run)
+    args = parser.parse_args(argv)
+    if args.rank is not None:
+        _rank(args.rank, args.steps, args.warm, args.width)
+        return 0
+    from benchmarks.harness.netem import Link, Network
+
+    got: dict[str, dict] = {}
+    with Network(2, Link(args.link)) as net:
+        for config in args.configs.split(","):
+            print(f"  {config} at {args.link} ...", flush=True)
+            cmd = [sys.executable, "-m", "benchmarks.codecs.step_bound", "--rank", config, "--steps", str(args.steps),
+                   "--warm", str(args.warm), "--width", str(args.width)]
+            result = net.run(cmd, timeout=600, echo=(), env={"OMP_NUM_THREADS": "1",
+                                                             "PYTHONPATH": os.getcwd()}).check()
+            line = next(ln for ln in result.ranks[0].output.splitlines() if ln.startswith("STEPBOUND "))
+            got[config] = json.loads(line[len("STEPBOUND "):])
+    print(f"\n2 ranks, {args.link}, MLP of {next(iter(got.values()))['params']:,} parameters, "
+          f"median step over steps {args.warm + 1}-{args.steps}\n")
+    print("| configuration | step ms | of bound |\n|---|---:|---:|")
+    for config, r in got.items():
+        bound = got.get(BOUND[config])
+        frac = f"{bound['step_s'] / r['step_s']:.2f}" if bound else "–"
+        print(f"| {config} | {1e3 * r['step_s']:.1f} | {frac} |")
+    if all(c in got for c in CONFIGS):
+        ratio = (got["adamw_local"]["step_s"] / got["onebit_adam"]["step_s"]) / (
+            got["lion_local"]["step_s"] / got["lion_1bit"]["step_s"])
+        print(f"\n1-bit Adam's fraction of its bound / Lion Cub 1-bit's: {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
