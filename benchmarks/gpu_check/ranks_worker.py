@@ -241,58 +241,61 @@ class Record:
         print("RANKCHECK " + json.dumps(record), flush=True)
 
 
-def ddp_run(run: str, layout: str, args, device, counters: Counters) -> None:
+def _train(front: str, run: str, layout: str, args, device, counters: Counters, model: nn.Module, opt, sync,
+           whole) -> None:
+    """The plain loop of the DDP and sharded runs, checked at every step (module docstring);
+    ``whole()``: every parameter flattened whole (collective), compared across ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = data()
     nan_step = args.steps // 2
-    counters.side = 0
-    net = mlp().to(device)
-    ddp = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = optimizer(RUNS[run][1], ddp.parameters(), args.steps)
-    sync = lb.attach(ddp, [opt], config(run, layout))
-    rec = Record("ddp", run, layout, device, world, nan_step)
+    rec = Record(front, run, layout, device, world, nan_step)
     start = time.perf_counter()
     for step in range(args.steps):
         idx = torch.arange(BATCH) + BATCH * ((step * world + rank) % (SAMPLES // BATCH))
-        out = nn.functional.cross_entropy(ddp(x[idx].to(device)), y[idx].to(device))
+        out = nn.functional.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
         if step == nan_step and rank == 1:
             out = out * float("nan")
-        before = _flat(ddp.parameters()).clone() if step == nan_step else None
+        before = whole().clone() if step == nan_step else None
         opt.zero_grad()
         _, n, syncs, where = counters.run("backward", out.backward)
         rec.reads("backward", n, syncs, where)
         skip = False
         if RUNS[run][1] == "adamw" and step == nan_step:  # BitDP: AMP's skip, as with DDP
-            finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters() if p.grad is not None)
-            skip = _all_ranks(not finite, device)
+            grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+            skip = _all_ranks(not all(bool(torch.isfinite(g).all()) for g in grads), device)
         if not skip:
             _, n, syncs, where = counters.run("step", opt.step)
             rec.reads("step", n, syncs, where)
         rec.losses.append(float(out.detach()))
-        flat = _flat(ddp.parameters())
+        flat = whole()
         rec.identical = rec.identical and _identical(flat, world)
         if before is not None:
             rec.nan_skipped = _all_ranks(torch.equal(before, flat) and bool(torch.isfinite(flat).all()), device)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    rec.emit(counters, sync, list(ddp.parameters()), args.out, (time.perf_counter() - start) / args.steps, rank,
-             sum(p.numel() for p in ddp.parameters()))
+    rec.emit(counters, sync, [flat], args.out, (time.perf_counter() - start) / args.steps, rank, flat.numel())
     sync.detach()
+
+
+def ddp_run(run: str, layout: str, args, device, counters: Counters) -> None:
+    counters.side = 0
+    net = mlp().to(device)
+    ddp = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = optimizer(RUNS[run][1], ddp.parameters(), args.steps)
+    sync = lb.attach(ddp, [opt], config(run, layout))
+    _train("ddp", run, layout, args, device, counters, ddp, opt, sync, lambda: _flat(ddp.parameters()))
 
 
 def sharded_run(run: str, layout: str, args, device, counters: Counters) -> None:
     """The DDP run's loop on the model ``fully_shard``-ed inside each node of ``layout`` (each
     linear a unit, the root too) through :func:`lowbit_strategy.attach_sharded`: the
     optimizer-level algorithms start their exchange from FSDP's post-accumulate-grad hooks,
-    on FSDP's streams; BitDP sends its rows in the unit's all-reduce hook."""
+    on FSDP's streams; BitDP sends its rows in the unit's all-reduce hook. Each rank compares
+    the parameters its own node's shards make up (across nodes: the replicas)."""
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = data()
-    nan_step = args.steps // 2
     counters.side = 0
     cfg = config(run, layout, sharded=True)
-    per_node = cfg.ranks_per_node
     mesh = lb.node_mesh(device.type, cfg)
     net = mlp().to(device)
     for i in (0, 2, 4):
@@ -300,34 +303,8 @@ def sharded_run(run: str, layout: str, args, device, counters: Counters) -> None
     fully_shard(net, mesh=mesh["shard"])
     opt = optimizer(RUNS[run][1], net.parameters(), args.steps)
     sync = lb.attach_sharded(net, [opt], cfg, mesh=mesh)
-    rec = Record("sharded", run, layout, device, world, nan_step)
-    start = time.perf_counter()
-    for step in range(args.steps):
-        idx = torch.arange(BATCH) + BATCH * ((step * world + rank) % (SAMPLES // BATCH))
-        out = nn.functional.cross_entropy(net(x[idx].to(device)), y[idx].to(device))
-        if step == nan_step and rank == 1:
-            out = out * float("nan")
-        before = _sharded_flat(net.parameters(), per_node) if step == nan_step else None
-        opt.zero_grad()
-        _, n, syncs, where = counters.run("backward", out.backward)
-        rec.reads("backward", n, syncs, where)
-        skip = False
-        if RUNS[run][1] == "adamw" and step == nan_step:  # BitDP: AMP's skip, as with DDP
-            finite = all(bool(torch.isfinite(_local(p.grad)).all()) for p in net.parameters() if p.grad is not None)
-            skip = _all_ranks(not finite, device)
-        if not skip:
-            _, n, syncs, where = counters.run("step", opt.step)
-            rec.reads("step", n, syncs, where)
-        rec.losses.append(float(out.detach()))
-        flat = _sharded_flat(net.parameters(), per_node)  # (each node's own shards: compared across nodes)
-        rec.identical = rec.identical and _identical(flat, world)
-        if before is not None:
-            rec.nan_skipped = _all_ranks(torch.equal(before, flat) and bool(torch.isfinite(flat).all()), device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.steps
-    rec.emit(counters, sync, [flat], args.out, seconds, rank, flat.numel())
-    sync.detach()
+    _train("sharded", run, layout, args, device, counters, net, opt, sync,
+           lambda: _sharded_flat(net.parameters(), cfg.ranks_per_node))
 
 
 def lightning_run(run: str, layout: str, args, device, counters: Counters) -> None:
