@@ -45,21 +45,31 @@ class OneBitAdam(OneBitOptimizer):
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
-        #: per parameter: the compression stage's constants of its frozen variance (:meth:`_frozen`)
-        self._frozen_cache: dict[torch.Tensor, tuple] = {}
+        #: the compression stage's constants of each frozen variance (:meth:`_frozen`), by where
+        #: the variance's values live; those a step did not use are dropped at its end
+        self._frozen_cache: dict[tuple, tuple] = {}
+        self._frozen_used: set[tuple] = set()
 
     def _frozen(self, p: torch.Tensor, v: torch.Tensor, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(v == 0, sqrt(v̂) + eps)`` of ``p``'s frozen variance ``v`` (v̂ with its freeze-time
         bias correction): constants of the compression stage (Algorithm 1 of the 1-bit Adam
         paper, arXiv:2102.02888, freezes v), so they are computed once, not at every step: a
         comparison and three passes over the parameter fewer per step, for one more
-        parameter-sized buffer and a bool per element. Recomputed when ``v`` is another tensor
-        or was written (its version: a loaded state), or the group's ``eps``/``betas`` changed;
-        the same floats as computing them each step (:func:`~.staged.adam.adam_denominator`)."""
-        hit = self._frozen_cache.get(p)
-        if hit is None or hit[0] is not v or hit[1] != v._version or hit[2] != (beta2, eps):
+        parameter-sized buffer and a bool per element. Recomputed when ``v`` was written (its
+        version: a loaded state copied in place) or the group's ``eps``/``betas`` changed; the
+        same floats as computing them each step (:func:`~.staged.adam.adam_denominator`).
+
+        Keyed by where ``v``'s values live (storage, offset, shape, strides), not by the tensor
+        objects: on the sharded path every step sees new local views of the same parameter and
+        state (:func:`~lowbit_strategy.layout.local_step`). The entry holds ``v``, so its
+        storage cannot be freed and its address reused by another tensor while the entry lives;
+        :meth:`_compressed_all` drops the entries a step did not use (a replaced state's)."""
+        key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        hit = self._frozen_cache.get(key)
+        if hit is None or hit[1] != v._version or hit[2] != (beta2, eps):
             denom = adam.adam_denominator(v, beta2=beta2, eps=eps, v_step=self.freeze_step)
-            hit = self._frozen_cache[p] = (v, v._version, (beta2, eps), v == 0, denom)
+            hit = self._frozen_cache[key] = (v, v._version, (beta2, eps), v == 0, denom)
+        self._frozen_used.add(key)
         return hit[3], hit[4]
 
     def _compressed(self, group, p, mean, step):
@@ -99,6 +109,14 @@ class OneBitAdam(OneBitOptimizer):
         cache). The same operations on the same values in the same order, so the same floats:
         on CPU a ``_foreach_`` op runs the single-tensor kernel on every tensor, and the test
         holds the two forms to each other bit for bit."""
+        self._frozen_used = set()
+        try:
+            self._compressed_items(items, step)
+        finally:  # (the constants of a state replaced since: released)
+            for key in [k for k in self._frozen_cache if k not in self._frozen_used]:
+                del self._frozen_cache[key]
+
+    def _compressed_items(self, items, step):
         if not self._multi_tensor_on([p for _, p, _ in items]) or self.track_variance:
             return super()._compressed_all(items, step)
         batches: dict = {}

@@ -451,6 +451,30 @@ def test_frozen_variance_constants_are_computed_once_and_follow_every_change(mon
     assert kept > 0 and kept_calls == 4 * kept and fresh_calls > 6 * kept, (fresh_calls, kept_calls, kept)
 
 
+def test_frozen_variance_constants_follow_the_values_not_the_tensor_objects():
+    """On the sharded path every step hands the optimizer new local views of the same
+    parameters and state (``layout.local_step``): the kept constants are found again through
+    new views (one computation, no entry per step), a view of other values gets its own, and
+    an entry no step uses any more is dropped."""
+    (p,) = [nn.Parameter(torch.randn(6, 4))]
+    opt = OneBitAdam([p], lr=LR, freeze_step=1)
+    v = torch.rand(6, 4)
+    v[0, 0] = 0
+    first = opt._frozen(p, v, 0.999, EPS)
+    for _ in range(3):  # new view objects of the same values
+        again = opt._frozen(p.view(6, 4), v.view(6, 4), 0.999, EPS)
+        assert again[0] is first[0] and again[1] is first[1]
+    assert len(opt._frozen_cache) == 1 and bool(first[0][0, 0]) and int(first[0].sum()) == 1
+    other = opt._frozen(p[3:], v[3:], 0.999, EPS)  # other values of the same storage: their own
+    assert len(opt._frozen_cache) == 2 and other[1].shape == (3, 4)
+    assert torch.equal(other[1], first[1][3:])
+    # a step that uses only the first: the second is dropped at its end
+    opt._frozen_used = set()
+    opt._compressed_items = lambda items, step: opt._frozen(p, v.view(6, 4), 0.999, EPS)
+    opt._compressed_all([], 2)
+    assert len(opt._frozen_cache) == 1
+
+
 def test_any_nonfinite_is_isfinite_all():
     """The staged optimizers' NaN/Inf test (a sum per tensor, max/min when a sum is not
     finite) answers as ``isfinite(t).all()`` does: NaN and ±Inf anywhere (the vectorized
