@@ -9,7 +9,6 @@ from collections.abc import Iterable
 import torch
 
 from lowbit_strategy.algorithms.onebit.optimizer import OneBitOptimizer
-from lowbit_strategy.algorithms.staged import adam
 
 
 class OneBitAdam(OneBitOptimizer):
@@ -45,32 +44,6 @@ class OneBitAdam(OneBitOptimizer):
         #: more buffer per parameter) and its ratio r to the frozen one, as 1-bit LAMB does, for
         #: diagnostics only: ``callbacks.DivergenceMonitor`` turns it on. The update never uses it.
         self.track_variance = False
-        #: the compression stage's constants of each frozen variance (:meth:`_frozen`), by where
-        #: the variance's values live; those a step did not use are dropped at its end
-        self._frozen_cache: dict[tuple, tuple] = {}
-        self._frozen_used: set[tuple] = set()
-
-    def _frozen(self, p: torch.Tensor, v: torch.Tensor, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(v == 0, sqrt(v̂) + eps)`` of ``p``'s frozen variance ``v`` (v̂ with its freeze-time
-        bias correction): constants of the compression stage (Algorithm 1 of the 1-bit Adam
-        paper, arXiv:2102.02888, freezes v), so they are computed once, not at every step: a
-        comparison and three passes over the parameter fewer per step, for one more
-        parameter-sized buffer and a bool per element. Recomputed when ``v`` was written (its
-        version: a loaded state copied in place) or the group's ``eps``/``betas`` changed; the
-        same floats as computing them each step (:func:`~.staged.adam.adam_denominator`).
-
-        Keyed by where ``v``'s values live (storage, offset, shape, strides), not by the tensor
-        objects: on the sharded path every step sees new local views of the same parameter and
-        state (:func:`~lowbit_strategy.layout.local_step`). The entry holds ``v``, so its
-        storage cannot be freed and its address reused by another tensor while the entry lives;
-        :meth:`_compressed_all` drops the entries a step did not use (a replaced state's)."""
-        key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
-        hit = self._frozen_cache.get(key)
-        if hit is None or hit[1] != v._version or hit[2] != (beta2, eps):
-            denom = adam.adam_denominator(v, beta2=beta2, eps=eps, v_step=self.freeze_step)
-            hit = self._frozen_cache[key] = (v, v._version, (beta2, eps), v == 0, denom)
-        self._frozen_used.add(key)
-        return hit[3], hit[4]
 
     def _compressed(self, group, p, mean, step):
         """One parameter's compression-stage update (Algorithm 1 of the 1-bit Adam paper,
@@ -83,7 +56,7 @@ class OneBitAdam(OneBitOptimizer):
         state = self._state(p)
         beta1, beta2 = group["betas"]
         m = state["exp_avg"]
-        zero, denom = self._frozen(p, state["exp_avg_sq"], beta2, group["eps"])
+        zero, denom = self._frozen(state["exp_avg_sq"], beta2, group["eps"])
         if self.track_variance:
             new = mean.to(m.dtype).masked_fill_(zero, 0)
             self._track(state, new, beta1, beta2, group["eps"], step)
@@ -109,14 +82,6 @@ class OneBitAdam(OneBitOptimizer):
         cache). The same operations on the same values in the same order, so the same floats:
         on CPU a ``_foreach_`` op runs the single-tensor kernel on every tensor, and the test
         holds the two forms to each other bit for bit."""
-        self._frozen_used = set()
-        try:
-            self._compressed_items(items, step)
-        finally:  # (the constants of a state replaced since: released)
-            for key in [k for k in self._frozen_cache if k not in self._frozen_used]:
-                del self._frozen_cache[key]
-
-    def _compressed_items(self, items, step):
         if not self._multi_tensor_on([p for _, p, _ in items]) or self.track_variance:
             return super()._compressed_all(items, step)
         batches: dict = {}
@@ -128,7 +93,7 @@ class OneBitAdam(OneBitOptimizer):
             states = [self._state(p) for _, p, _ in batch]
             ms = [s["exp_avg"] for s in states]
             ps = [p for _, p, _ in batch]
-            frozen = [self._frozen(p, s["exp_avg_sq"], beta2, group["eps"]) for p, s in zip(ps, states)]
+            frozen = [self._frozen(s["exp_avg_sq"], beta2, group["eps"]) for s in states]
             for (_, _, mean), m, (zero, _) in zip(batch, ms, frozen):
                 _masked_into(m, mean, zero)
             if group["weight_decay"]:

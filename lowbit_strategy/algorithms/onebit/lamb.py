@@ -232,7 +232,7 @@ class OneBitLamb(OneBitOptimizer):
             beta2, eps = group["betas"][1], group["eps"]
             ps, means = [p for _, p, _ in batch], [mean for _, _, mean in batch]
             states = [self._state(p) for p in ps]
-            frozen, zeros = zip(*(self._frozen(p, s["exp_avg_sq"], beta2, eps) for p, s in zip(ps, states)))
+            zeros, frozen = zip(*(self._frozen(s["exp_avg_sq"], beta2, eps) for s in states))
             chain = lamb_foreach.compressed if self._multi_tensor_on(ps) else self._compressed_chain
             us, rs = chain(
                 ps, means, states, list(frozen), list(zeros), group, step, self.update_clip, self._note_updates
@@ -283,21 +283,6 @@ class OneBitLamb(OneBitOptimizer):
                 u.add_(p, alpha=group["weight_decay"])
             us.append(u)
         return us, rs
-
-    def _frozen(self, p, v, beta2, eps):
-        """``(sqrt(v̂_frozen) + eps, v == 0)`` of parameter ``p``: constants of the compression
-        stage (``v`` is frozen, Algorithm 1 line 3), computed once instead of every step (a
-        sqrt, two passes and a comparison per parameter and step) at the cost of one
-        parameter-sized buffer and a mask. Kept outside the state dict (checkpoints are
-        unchanged) and recomputed whenever ``v`` is another tensor (a loaded state) or has
-        been written since (its version counter), or beta2/eps changed."""
-        cache = self.__dict__.setdefault("_frozen_cache", {})
-        key = (v._version, beta2, eps, self.freeze_step)
-        hit = cache.get(p)
-        if hit is None or hit[0] is not v or hit[1] != key:
-            denom = v.sqrt().div_((1 - beta2**self.freeze_step) ** 0.5).add_(eps)
-            hit = cache[p] = (v, key, denom, v == 0)
-        return hit[2], hit[3]
 
     # ---- the same, one parameter at a time --------------------------------------------------
     def _warmup(self, group, p, grad, step):

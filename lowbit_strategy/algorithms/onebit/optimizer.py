@@ -67,7 +67,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lowbit_strategy.algorithms.staged import StagedOptimizer
+from lowbit_strategy.algorithms.staged import StagedOptimizer, adam
 from lowbit_strategy.validation import check_number
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,10 @@ class OneBitOptimizer(StagedOptimizer):
         #: per compressed step: the squared norms of the parameters' directions (guard)
         self._directions: list[torch.Tensor] | None = None
         self._alarm_info: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        #: the compression stage's constants of each frozen variance (:meth:`_frozen`), and the
+        #: keys the current compressed step used
+        self._frozen_cache: dict[tuple, tuple] = {}
+        self._frozen_used: set[tuple] = set()
         #: the per-parameter tensor chains as multi-tensor (``torch._foreach_*``) ops: True,
         #: False, or ``None`` = on CUDA parameters only (there a dozen small launches per
         #: parameter cost more than the arithmetic; on CPU each parameter's chain runs in cache)
@@ -182,6 +186,36 @@ class OneBitOptimizer(StagedOptimizer):
 
     def _before_compressed_update(self, compressing: bool) -> None:
         self._directions = [] if compressing and self.guard is not None else None
+        self._frozen_used = set()
+
+    # ---- the frozen variance's constants -----------------------------------------------------
+    def _frozen(self, v: torch.Tensor, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v == 0, sqrt(v̂) + eps)`` of a frozen variance ``v`` (v̂ with its freeze-time bias
+        correction, :func:`~lowbit_strategy.algorithms.staged.adam.adam_denominator`): constants of
+        the compression stage (Algorithm 1 of both papers freezes v), so computed once, not at
+        every step: a comparison and three passes over the parameter fewer per step, for one
+        more parameter-sized buffer and a bool per element, kept outside the state dict
+        (checkpoints are unchanged). Recomputed when ``v`` was written (its version: a state
+        copied in place) or ``eps``/``beta2`` changed; the same floats as computing them each step.
+
+        Keyed by where ``v``'s values live (device, storage, offset, shape, strides), not by
+        tensor objects: on the sharded path every step sees new local views of the same
+        parameters and state (:func:`~lowbit_strategy.layout.local_step`), and a cache keyed by
+        objects missed every step and grew by a mask and a denominator per parameter and step.
+        The entry holds ``v``, so its storage cannot be freed and its address reused while the
+        entry lives; the entries a compressed step did not use (a replaced state's) are dropped
+        at its end (:meth:`_after_compressed_update`)."""
+        key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        hit = self._frozen_cache.get(key)
+        if hit is None or hit[1] != v._version or hit[2] != (beta2, eps):
+            denom = adam.adam_denominator(v, beta2=beta2, eps=eps, v_step=self.freeze_step)
+            hit = self._frozen_cache[key] = (v, v._version, (beta2, eps), v == 0, denom)
+        self._frozen_used.add(key)
+        return hit[3], hit[4]
+
+    def _drop_unused_frozen(self) -> None:
+        for key in [k for k in self._frozen_cache if k not in self._frozen_used]:
+            del self._frozen_cache[key]
 
     def _note_directions(self, ds: Sequence[torch.Tensor], bias1: float) -> None:
         """The compressed step's directions ``ds[i] / (1 - β1^t)``, ``ds[i] = m / (sqrt(v̂) + eps)``
@@ -198,6 +232,7 @@ class OneBitOptimizer(StagedOptimizer):
         self._directions += [n.float().square() for n in torch._foreach_norm(list(us))]
 
     def _after_compressed_update(self, step: int) -> None:
+        self._drop_unused_frozen()
         directions, self._directions = self._directions, None
         if not directions or self.guard is None:
             return

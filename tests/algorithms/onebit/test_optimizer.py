@@ -417,13 +417,13 @@ def test_frozen_variance_constants_are_computed_once_and_follow_every_change(mon
     """The mask (``v == 0``) and denominator 1-bit Adam keeps for its frozen variance give the
     floats computed afresh at every step, through a loaded state, an in-place write of the
     variance and a changed eps; and they are computed once per change, not per step."""
-    from lowbit_strategy.algorithms.onebit import adam as onebit_adam
+    from lowbit_strategy.algorithms.staged import adam
 
-    real = onebit_adam.adam.adam_denominator
+    real = adam.adam_denominator
     runs = []
     for fresh in (True, False):
         calls = []
-        monkeypatch.setattr(onebit_adam.adam, "adam_denominator", lambda v, **kw: (calls.append(1), real(v, **kw))[1])
+        monkeypatch.setattr(adam, "adam_denominator", lambda v, **kw: (calls.append(1), real(v, **kw))[1])
         params = _lamb_zoo()
         opt = OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=4)
         opt.multi_tensor = multi
@@ -451,27 +451,25 @@ def test_frozen_variance_constants_are_computed_once_and_follow_every_change(mon
     assert kept > 0 and kept_calls == 4 * kept and fresh_calls > 6 * kept, (fresh_calls, kept_calls, kept)
 
 
-def test_frozen_variance_constants_follow_the_values_not_the_tensor_objects():
+@pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
+def test_frozen_variance_constants_follow_the_values_not_the_tensor_objects(cls):
     """On the sharded path every step hands the optimizer new local views of the same
     parameters and state (``layout.local_step``): the kept constants are found again through
     new views (one computation, no entry per step), a view of other values gets its own, and
-    an entry no step uses any more is dropped."""
-    (p,) = [nn.Parameter(torch.randn(6, 4))]
-    opt = OneBitAdam([p], lr=LR, freeze_step=1)
+    an entry a compressed step did not use is dropped at its end."""
+    opt = cls([nn.Parameter(torch.randn(6, 4))], lr=LR, freeze_step=1)
     v = torch.rand(6, 4)
     v[0, 0] = 0
-    first = opt._frozen(p, v, 0.999, EPS)
+    first = opt._frozen(v, 0.999, EPS)
     for _ in range(3):  # new view objects of the same values
-        again = opt._frozen(p.view(6, 4), v.view(6, 4), 0.999, EPS)
+        again = opt._frozen(v.view(6, 4), 0.999, EPS)
         assert again[0] is first[0] and again[1] is first[1]
     assert len(opt._frozen_cache) == 1 and bool(first[0][0, 0]) and int(first[0].sum()) == 1
-    other = opt._frozen(p[3:], v[3:], 0.999, EPS)  # other values of the same storage: their own
-    assert len(opt._frozen_cache) == 2 and other[1].shape == (3, 4)
-    assert torch.equal(other[1], first[1][3:])
-    # a step that uses only the first: the second is dropped at its end
-    opt._frozen_used = set()
-    opt._compressed_items = lambda items, step: opt._frozen(p, v.view(6, 4), 0.999, EPS)
-    opt._compressed_all([], 2)
+    other = opt._frozen(v[3:], 0.999, EPS)  # other values of the same storage: their own
+    assert len(opt._frozen_cache) == 2 and torch.equal(other[1], first[1][3:])
+    opt._before_compressed_update(True)  # a step that uses only the first: the second is dropped
+    opt._frozen(v.view(6, 4), 0.999, EPS)
+    opt._after_compressed_update(2)
     assert len(opt._frozen_cache) == 1
 
 
