@@ -9,11 +9,14 @@ its own network namespace (:mod:`benchmarks.harness.netem`), a 3-block MLP of ``
 * ``adamw_local`` / ``lion_local``: the bound of each: plain ``torch.optim.AdamW`` /
   ``lowbit_strategy.Lion`` with a DDP hook that keeps each rank's gradient (the same
   computation, nothing on the wire);
+* ``adamw_bf16`` / ``lion_bf16``: what users would otherwise run, DDP with torch's
+  ``bf16_compress_hook``;
 * ``onebit_adam`` (freeze after 5 steps) and ``lion_1bit`` through :func:`lowbit_strategy.attach`.
 
 Per configuration: the median step (forward, backward, ``step()``) over the steps after
 ``--warm``; "of bound" = the bound of its optimizer over it (1.00: communication and
-compression cost nothing). Configurations run one after another in the same namespaces.
+compression cost nothing); "× DDP bf16" = DDP bf16's step with the same optimizer over it.
+Configurations run one after another in the same namespaces.
 
     python -m benchmarks.codecs.step_bound [--link 1gbit] [--steps 60] [--warm 20]
 """
@@ -27,9 +30,10 @@ import statistics
 import sys
 import time
 
-CONFIGS = ("adamw_local", "onebit_adam", "lion_local", "lion_1bit")
-BOUND = {"onebit_adam": "adamw_local", "lion_1bit": "lion_local", "adamw_local": "adamw_local",
-         "lion_local": "lion_local"}
+CONFIGS = ("adamw_local", "adamw_bf16", "onebit_adam", "lion_local", "lion_bf16", "lion_1bit")
+#: configuration -> its optimizer family's (comm-free bound, DDP bf16) configurations
+OF = {c: ("adamw_local", "adamw_bf16") if c.startswith(("adamw", "onebit")) else ("lion_local", "lion_bf16")
+      for c in CONFIGS}
 
 
 def _rank(config: str, steps: int, warm: int, width: int) -> None:
@@ -37,6 +41,7 @@ def _rank(config: str, steps: int, warm: int, width: int) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import lowbit_strategy as lb
 
@@ -47,15 +52,18 @@ def _rank(config: str, steps: int, warm: int, width: int) -> None:
     net = nn.Sequential(nn.Linear(width // 2, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
                         nn.Linear(width, width), nn.GELU(), nn.Linear(width, width // 2))
     ddp = nn.parallel.DistributedDataParallel(net)
-    if config.endswith("_local"):
+    if config.endswith(("_local", "_bf16")):
         def keep(_, bucket):  # the rank's own gradient: nothing on the wire
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(bucket.buffer())
             return fut
 
-        ddp.register_comm_hook(None, keep)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4) if config == "adamw_local" else lb.Lion(ddp.parameters(),
-                                                                                                     lr=1e-5)
+        def bf16(state, bucket):  # torch's own hook, under another name: DDP refuses it by name on
+            return default_hooks.bf16_compress_hook(state, bucket)  # gloo (benchmarks.harness.baselines)
+
+        ddp.register_comm_hook(None, keep if config.endswith("_local") else bf16)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4) if config.startswith("adamw") else lb.Lion(ddp.parameters(),
+                                                                                                        lr=1e-5)
     elif config == "onebit_adam":
         opt = lb.OneBitAdam(ddp.parameters(), lr=1e-4, freeze_step=5)
         lb.attach(ddp, [opt], lb.LowBitConfig(algorithm="onebit_adam"))
@@ -65,7 +73,7 @@ def _rank(config: str, steps: int, warm: int, width: int) -> None:
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(64, width // 2, generator=gen), torch.randn(64, width // 2, generator=gen)
     times = []
-    for step in range(steps):
+    for _ in range(steps):
         start = time.perf_counter()
         opt.zero_grad()
         (ddp(x) - y).square().mean().backward()
@@ -105,11 +113,12 @@ def main(argv=None) -> int:
             got[config] = json.loads(line[len("STEPBOUND "):])
     print(f"\n2 ranks, {args.link}, MLP of {next(iter(got.values()))['params']:,} parameters, "
           f"median step over steps {args.warm + 1}-{args.steps}\n")
-    print("| configuration | step ms | of bound |\n|---|---:|---:|")
+    print("| configuration | step ms | × DDP bf16 | of bound |\n|---|---:|---:|---:|")
     for config, r in got.items():
-        bound = got.get(BOUND[config])
+        bound, bf16 = (got.get(c) for c in OF[config])
         frac = f"{bound['step_s'] / r['step_s']:.2f}" if bound else "–"
-        print(f"| {config} | {1e3 * r['step_s']:.1f} | {frac} |")
+        speed = f"{bf16['step_s'] / r['step_s']:.2f}×" if bf16 else "–"
+        print(f"| {config} | {1e3 * r['step_s']:.1f} | {speed} | {frac} |")
     if all(c in got for c in CONFIGS):
         ratio = (got["adamw_local"]["step_s"] / got["onebit_adam"]["step_s"]) / (
             got["lion_local"]["step_s"] / got["lion_1bit"]["step_s"])
