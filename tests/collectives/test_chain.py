@@ -8,10 +8,12 @@ running when the interpreter finalizes and the process exits 0; a callback that 
 finalization never lets the process exit cleanly (SIGABRT, SIGSEGV or a hang, by how far
 finalization got).
 """
+import hashlib
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,33 @@ def test_settle_waits_until_torch_releases_each_callback():
     worker.join()
     assert chained.wait() == 2
     assert chain.settle(timeout_s=5) is True and chain.pending() == before
+
+
+def test_settle_waits_for_threads_busy_without_the_gil_or_a_python_frame():
+    """What a gloo worker still releases after the count dropped runs without a Python frame
+    and needs the GIL once more; preempted there, the thread is runnable. sha256 of a large
+    buffer runs in C with the GIL released: such a thread is seen and waited for; a sleeping
+    one is not."""
+    data = bytes(64 << 20)
+    done = threading.Event()
+
+    def busy():
+        for _ in range(4):
+            hashlib.sha256(data).digest()
+        done.set()
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    time.sleep(0.02)
+    assert worker.native_id in chain._runnable_threads()
+    assert chain._quiet(max_s=60) is True and done.is_set()
+    worker.join()
+    sleeper = threading.Thread(target=time.sleep, args=(0.5,))
+    sleeper.start()
+    time.sleep(0.05)
+    assert sleeper.native_id not in chain._runnable_threads()
+    assert chain._quiet(max_s=0.3) is True and sleeper.is_alive()  # asleep: quiet at once
+    sleeper.join()
 
 
 def test_every_callback_of_the_library_is_counted():

@@ -29,7 +29,10 @@ def _torchrun(tmp: Path, name: str, procs: int, *args: str, restarts: int = 0, c
     # torchrun shares its rendezvous store with the workers by default; after a restart gloo then
     # reads the previous attempt's addresses and hangs (pytorch/pytorch#135712): users restarting
     # jobs set this too (README, "Failure behaviour")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # a 1 Mbit/s link: every auto plan compresses, decisively (a near tie between measured codec
+    # times would let two separate runs plan differently, and "bit for bit" compares two runs)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "LOWBIT_LINK_ASSUME": "0.001,50"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {**json.loads(out.read_text()), "stderr": proc.stderr}

@@ -125,6 +125,8 @@ def measure_codec_seconds(
     def work(name: str):
         if name == "fp32":
             return torch.sign(x.clone())
+        if name == "bf16":  # the cast out and back (bf16_compress_hook's), no code levels
+            return torch.sign(x.to(torch.bfloat16).float())
         if name == "1bit":
             packed = sign_bits_packed(x, 1, check_nan=False)
             return signs_from_bits(majority_bits(packed.view(1, -1), 1), m)

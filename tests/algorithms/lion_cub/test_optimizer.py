@@ -407,6 +407,20 @@ def test_auto_counts_measured_codec_time_and_never_plans_slower_than_bf16():
     assert auto_candidates(fast.replace(warmup_wire="fp32"), 4) == ("lp8", "fp32")
     measured = measure_codec_seconds(auto_candidates(fast, 4, 10), 4, n, 1.0, sample=1 << 16, repeat=1)
     assert set(measured) == {"lp8", "sign", "1bit", "bf16"} and all(t > 0 for t in measured.values())
+    # bf16 is timed as its cast, not as a 16-bit code lane (which costs what lp8 costs: two near
+    # equal codec times made auto's choice a coin toss between runs)
+    import lowbit_strategy.algorithms.lion_cub.mode as mode_module
+
+    quantized = []
+    real_quantize = mode_module.lp_quantize_levels
+    mode_module.lp_quantize_levels = lambda *a, **k: quantized.append(a[1]) or real_quantize(*a, **k)
+    try:
+        measure_codec_seconds(("bf16", "fp32"), 4, 4096, 1.0, sample=4096, repeat=1)
+        assert quantized == []
+        measure_codec_seconds(("lp8",), 4, 4096, 1.0, sample=4096, repeat=1)
+        assert quantized and set(quantized) == {max_levels(4, 8)}
+    finally:
+        mode_module.lp_quantize_levels = real_quantize
     # a codec slower than the bytes it saves: bf16 (what DDP's bf16 hook sends) wins ...
     slow_codec = {"lp8": 1.0, "bf16": 0.001, "fp32": 0.001}
     assert resolve_mode(fast, 4, n, slow_codec) == SyncMode("bf16", 16)
