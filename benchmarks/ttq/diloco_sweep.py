@@ -1,8 +1,11 @@
 """DiLoCo's outer optimizer swept with H: quality runs of the time-to-quality study's model, one
-per point ``H:outer_lr:outer_momentum``, each the recorded int4 H = 50 run (same model, data,
-inner lr, schedule, seed) with only those three fields changed, and a table of where each ends.
+per point ``H:outer_lr:outer_momentum`` (or ``H:outer_lr:outer_momentum:F:tau`` for the streaming
+form: F fragments, each exchange applied tau inner steps late), each the recorded int4 H = 50 run
+(same model, data, inner lr, schedule, seed) with only those fields changed, and a table of where
+each ends.
 
     python -m benchmarks.ttq.diloco_sweep 50:1.0:0 50:0.7:0.5 10:1.0:0 --seeds 0
+    python -m benchmarks.ttq.diloco_sweep 10:0.7:0.5:2:1 --seeds 0       # Streaming DiLoCo
 
 Why a sweep of its own: the outer optimizer multiplies each round's mean pseudo-gradient by about
 ``outer_lr / (1 - outer_momentum)`` once its momentum has built up (DiLoCo's 0.7 and 0.9: 7x). At
@@ -36,25 +39,42 @@ OUT = RESULTS / "ttq" / "diloco" / "sweep"
 PAPER = (0.7, 0.9)
 
 
-def parse_point(text: str) -> tuple[int, float, float]:
-    """``"50:0.7:0.9"`` -> (50, 0.7, 0.9), refused naming the form when malformed."""
+Point = tuple[int, float, float, int, int]  # H, outer lr, outer momentum, fragments, delay
+
+
+def parse_point(text: str) -> Point:
+    """``"50:0.7:0.9"`` -> (50, 0.7, 0.9, 1, 0); ``"10:0.7:0.5:2:1"`` -> (10, 0.7, 0.5, 2, 1);
+    refused naming the form when malformed."""
     try:
-        h, lr, momentum = text.split(":")
-        return int(h), float(lr), float(momentum)
+        fields = text.split(":")
+        if len(fields) not in (3, 5):
+            raise ValueError
+        f, tau = (int(fields[3]), int(fields[4])) if len(fields) == 5 else (1, 0)
+        return int(fields[0]), float(fields[1]), float(fields[2]), f, tau
     except ValueError:
-        raise argparse.ArgumentTypeError(f"point {text!r}: expected H:outer_lr:outer_momentum, e.g. 50:0.7:0.9")
+        raise argparse.ArgumentTypeError(
+            f"point {text!r}: expected H:outer_lr:outer_momentum[:fragments:delay], e.g. 50:0.7:0.9 or 10:0.7:0.5:2:1")
 
 
-def settings_of(base: dict, point: tuple[int, float, float], seed: int, compression: str) -> dict:
-    h, lr, momentum = point
+def settings_of(base: dict, point: Point, seed: int, compression: str) -> dict:
+    h, lr, momentum, fragments, delay = point
     lowbit = (f"diloco_compression={compression},diloco_sync_every={h},"
               f"diloco_outer_lr={lr:g},diloco_outer_momentum={momentum:g}")
+    if fragments > 1:
+        lowbit += f",diloco_fragments={fragments},diloco_delay={delay}"
     return {**base, "seed": seed, "lowbit": lowbit}
 
 
-def name_of(point: tuple[int, float, float], seed: int, compression: str) -> str:
-    h, lr, momentum = point
-    return f"{compression}_h{h}_olr{lr:g}_om{momentum:g}_seed{seed}"
+def name_of(point: Point, seed: int, compression: str) -> str:
+    h, lr, momentum, fragments, delay = point
+    stream = f"_f{fragments}_d{delay}" if fragments > 1 else ""
+    return f"{compression}_h{h}_olr{lr:g}_om{momentum:g}{stream}_seed{seed}"
+
+
+def timing_name(compression: str, point: Point) -> str:
+    """The study's timing run (:data:`benchmarks.ttq.driver.DILOCO`) of a point's compression, H
+    and form: the outer lr and momentum change no byte and no step."""
+    return f"lowbit_diloco_{'stream_' if point[3] > 1 else ''}{compression}_h{point[0]}"
 
 
 def run(settings: dict, path: Path) -> dict:
@@ -90,14 +110,15 @@ def table(rows: list[tuple[str, tuple, int, dict]], reference: dict[int, dict]) 
     loss against DDP + AdamW's of the same seed (the issue's goal: within 2 %)."""
     steps = rows[0][3]["steps"]
     marks = [steps // 4, steps // 2, steps]
-    out = ["| compression | H | outer lr | outer momentum | lr x 1/(1-m) | seed | "
+    out = ["| compression | H | F | τ | outer lr | outer momentum | lr x 1/(1-m) | seed | "
            + " | ".join(f"val @ {m}" for m in marks) + " | vs DDP + AdamW |",
-           "|---|---:|---:|---:|---:|---:|" + "---:|" * len(marks) + "---:|"]
-    for compression, (h, lr, momentum), seed, rec in rows:
+           "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(marks) + "---:|"]
+    for compression, (h, lr, momentum, fragments, delay), seed, rec in rows:
         final = rec["evals"][-1][2]
         ref = reference.get(seed)
         gap = f"{100 * (final / ref['evals'][-1][2] - 1):+.1f} %" if ref else "–"
-        out.append(f"| {compression} | {h} | {lr:g} | {momentum:g} | {lr / (1 - momentum):.2g} | {seed} | "
+        out.append(f"| {compression} | {h} | {fragments} | {delay} | {lr:g} | {momentum:g} | "
+                   f"{lr / (1 - momentum):.2g} | {seed} | "
                    + " | ".join(f"{val_at(rec, m):.3f}" for m in marks) + f" | {gap} |")
     return "\n".join(out)
 
@@ -120,8 +141,9 @@ def projected(rows: list[tuple[str, tuple, int, dict]]) -> str:
                    "seconds_to_target") is not None}
         bf16 = per.get("ddp_bf16_adamw")
         best_key = min((k for k in per if k.startswith("lowbit")), key=per.get, default=None)
-        for compression, (h, lr, momentum), seed, rec in rows:
-            f = timing_dir / f"lowbit_diloco_{compression}_h{h}@{link}.json"
+        for compression, point, seed, rec in rows:
+            h, lr, momentum, fragments, delay = point
+            f = timing_dir / f"{timing_name(compression, point)}@{link}.json"
             if seed != 0 or not f.exists():
                 continue
             timing = ta.phase_times(json.loads(f.read_text())["step_s"], 0)
@@ -133,18 +155,20 @@ def projected(rows: list[tuple[str, tuple, int, dict]]) -> str:
                 sec = ta.seconds_at(ta.cumulative_seconds(rec["steps"], 0, timing), step)
                 cells = [f"{sec:,.0f}", f"{bf16 / sec:.2f}×" if bf16 else "–",
                          f"{per[best_key] / sec:.2f}×" if best_key else "–"]
-            lines.append(f"| {link} | {compression} | {h} | {lr:g} | {momentum:g} | {timing['main']['mean']:.3f} | "
+            lines.append(f"| {link} | {compression} | {h} | {fragments} | {delay} | {lr:g} | {momentum:g} | "
+                         f"{timing['main']['mean']:.3f} | "
                          + " | ".join(cells) + " |")
-        lines.append(f"| {link} | DDP bf16 + AdamW; fastest per-step: {best_key} | | | | | "
-                     f"{bf16:,.0f}; {per[best_key]:,.0f} | | |" if bf16 and best_key else f"| {link} | | | | | | | | |")
-    head = ("| link | compression | H | outer lr | outer momentum | s/step | time to target (s) | × DDP bf16 | "
-            "× fastest per-step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append(f"| {link} | DDP bf16 + AdamW; fastest per-step: {best_key} | | | | | | | "
+                     f"{bf16:,.0f}; {per[best_key]:,.0f} | | |" if bf16 and best_key else f"| {link} |" + " |" * 10)
+    head = ("| link | compression | H | F | τ | outer lr | outer momentum | s/step | time to target (s) | × DDP bf16 | "
+            "× fastest per-step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     return head + "\n" + "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("points", nargs="+", type=parse_point, help="H:outer_lr:outer_momentum")
+    p.add_argument("points", nargs="*", type=parse_point, help="H:outer_lr:outer_momentum[:fragments:delay]; "
+                   "none: only the table of the recorded runs")
     p.add_argument("--seeds", default="0")
     p.add_argument("--compression", default="int4")
     p.add_argument("--output", default=str(OUT))
@@ -152,8 +176,6 @@ def main(argv=None) -> int:
     out = Path(args.output)
     base = json.loads(BASE.read_text())["settings"]
     seeds = [int(s) for s in args.seeds.split(",")]
-    reference = {s: json.loads(f.read_text()) for s in seeds
-                 if (f := REFERENCE / f"ddp_adamw_lr{base['lr']:g}_seed{s}.json").exists()}
     rows = []
     for i, point in enumerate(args.points):
         for seed in seeds:
@@ -170,12 +192,14 @@ def main(argv=None) -> int:
     for f in sorted((out / "runs").glob("*.json")) + study:
         rec = json.loads(f.read_text())
         fields = dict(kv.split("=") for kv in rec["settings"]["lowbit"].split(","))
-        if int(fields.get("diloco_fragments", 1)) != 1:
-            continue  # (the streaming form: another table)
         point = (int(fields["diloco_sync_every"]), float(fields.get("diloco_outer_lr", PAPER[0])),
-                 float(fields.get("diloco_outer_momentum", PAPER[1])))
+                 float(fields.get("diloco_outer_momentum", PAPER[1])), int(fields.get("diloco_fragments", 1)),
+                 int(fields.get("diloco_delay", 0)))
         kept.append((fields["diloco_compression"], point, rec["settings"]["seed"], rec))
-    kept.sort(key=lambda r: (r[0], r[1][0], -r[1][1], r[1][2], r[2]))
+    kept.sort(key=lambda r: (r[0], r[1][0], r[1][3], -r[1][1], r[1][2], r[2]))
+    # DDP + AdamW of every seed in the table, whichever seeds this call ran
+    reference = {s: json.loads(f.read_text()) for s in sorted({r[2] for r in kept})
+                 if (f := REFERENCE / f"ddp_adamw_lr{base['lr']:g}_seed{s}.json").exists()}
     command = "python -m benchmarks.ttq.diloco_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# DiLoCo's outer optimizer swept with H\n\n`{command}` (every point recorded in "
             f"`{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/runs`), "
@@ -185,6 +209,7 @@ def main(argv=None) -> int:
             "final loss of the same seed is the reference.\n\n" + table(kept, reference) + "\n\n"
             "Projected time to the study's target (its timing runs of the same compression and H; seed 0):\n\n"
             + projected(kept) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.md").write_text(text)
     print(text)
     return 0

@@ -70,7 +70,7 @@ from benchmarks.harness.baselines import POWERSGD
 from benchmarks.harness.host import ROOT, cpu_busy_s, machine, own_cpu_s, parse_link
 from benchmarks.e2e.worker import CONFIGS, available
 from benchmarks.harness.netem import NetemError, Network, require_root
-from benchmarks.ttq.analysis import STARTUP, best_lr
+from benchmarks.ttq.analysis import STARTUP, best_lr, phase_times
 
 RESULTS = ROOT / "benchmarks" / "results" / "ttq"
 BASELINES = ["ddp_adamw", "ddp_lion", "ddp_bf16_adamw", "ddp_bf16_lion", "ddp_powersgd_adamw", "ddp_powersgd_lion"]
@@ -83,6 +83,10 @@ DILOCO = {
     "lowbit_diloco_int4_h150": "diloco_compression=int4,diloco_sync_every=150",
     "lowbit_diloco_int4_h10": "diloco_compression=int4,diloco_sync_every=10",
     "lowbit_diloco_stream_int4_h50": "diloco_compression=int4,diloco_sync_every=50,diloco_fragments=2,diloco_delay=1",
+    # the outer settings the sweep chose at this scale (benchmarks.ttq.diloco_sweep): lr 0.7, momentum 0.5
+    "lowbit_diloco_sign_h10": "diloco_compression=sign,diloco_sync_every=10,diloco_outer_lr=0.7,diloco_outer_momentum=0.5",
+    "lowbit_diloco_stream_int4_h10": "diloco_compression=int4,diloco_sync_every=10,diloco_fragments=2,diloco_delay=1,"
+                                     "diloco_outer_lr=0.7,diloco_outer_momentum=0.5",
 }
 #: DeMo's forms: configuration -> (its LowBitConfig overrides, compression_topk): the paper's fp32
 #: values, 1-bit values at top-32 and top-8 of 64 x 64 chunks, and top-8 applied a step late
@@ -438,6 +442,8 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
             for calib in bound_configs(study, configs):
                 runs["bound"][(calib, link.name)] = study.run("timing", f"{calib}@{link.name}",
                                                               study.timing_settings(calib, link), link, net)
+        if getattr(study.args, "timing_only", False):
+            return runs
         keys = quality_keys(study, configs, runs["timing"])
         runs["keys"] = {k: v[0] for k, v in keys.items()}
         # the references first (their chosen lr centres the others' sweeps), then in the given order
@@ -517,6 +523,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="folder (default results/ttq, --quick results/ttq/quick)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and stop")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="only the timing runs (and comm-free bounds) of --configs on --links, kept in the "
+                             "output's runs/timing; no quality run, no report (a form whose quality runs are made "
+                             "elsewhere, e.g. benchmarks.ttq.diloco_sweep)")
     parser.add_argument("--quiet", action="store_true", help="no live output of rank 0")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -568,7 +578,8 @@ def main(argv=None) -> int:
             command = before["command"]
         ttq_report.write(out, settings, command, machine(), execute(study, configs, seeds, factors, swept, validate))
         return 0
-    n_quality = sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds) for c in configs)
+    n_quality = 0 if args.timing_only else sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds)
+                                               for c in configs)
     study.planned = (len(configs) + len(bound_configs(study, configs))) * len(study.links) + n_quality + len(validate)
     print(f"time to quality: {len(configs)} configs x links {settings['links']}; {args.steps} steps, seeds {seeds}, "
           f"lr x {factors} for {len(swept)} configs; ~{study.planned} runs (more where an auto plan differs by "
@@ -593,6 +604,12 @@ def main(argv=None) -> int:
         print("benchmarks.ttq.driver: interrupted; ranks killed, namespaces removed", file=sys.stderr)
         return 130
     settings["total_seconds"] = round(time.monotonic() - study.start, 1)
+    if args.timing_only:
+        for (config, link), rec in runs["timing"].items():
+            if rec:
+                step = phase_times(rec["step_s"], 0)["main"]["mean"]
+                print(f"{config}@{link}: {step:.3f} s/step (main phase)", flush=True)
+        return 0
     ttq_report.write(out, settings, command, machine(), runs)
     print(f"[{time.monotonic() - study.start:7.1f}s] wrote {out}/ttq.json, ttq.md, ttq_loss.png", flush=True)
     return 0
