@@ -81,6 +81,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "ddp_powersgd_adamw": ("powersgd", "adamw"),
     "lowbit_lion": ("lowbit_lion", "lion"),
     "lowbit_lion_1bit": ("lowbit_lion_1bit", "lion"),
+    "lowbit_lion_1bit_sync10": ("lowbit_lion_1bit", "lion"),
     "lowbit_lion_4bit": ("lowbit_lion_4bit", "lion"),
     "lowbit_lion_8bit": ("lowbit_lion_8bit", "lion"),
     "lowbit_lion_fp32": ("lowbit_lion_fp32", "lion"),

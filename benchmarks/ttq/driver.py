@@ -96,9 +96,13 @@ DEMO = {
     "lowbit_demo_sign_k8": ("demo_values=sign", 8),
     "lowbit_demo_sign_k8_d1": ("demo_values=sign,demo_delay=1", 8),
 }
+#: other forms of an algorithm: configuration -> its LowBitConfig overrides. Lion Cub 1-bit with the
+#: momentum sync its paper pairs with the 1-bit vote (the input and output layers' momenta averaged
+#: every 10 steps, Sec. 5, Fig. 8's "sync head")
+FORMS = {"lowbit_lion_1bit_sync10": "lion_momentum_sync_every=10"}
 #: every algorithm's default and its 1-bit form (TurboQuant has none: 2..8 bits)
 ALGORITHMS = ["lowbit_lion", "lowbit_lion_1bit", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam",
-              "lowbit_lamb", "lowbit_turboquant", *DILOCO, *DEMO]
+              "lowbit_lamb", "lowbit_turboquant", *DILOCO, *DEMO, *FORMS]
 #: the comm-free bound of each target's optimizer family (:mod:`benchmarks.e2e.worker`'s calibration
 #: configurations: DDP whose hook keeps every rank's gradient, the same computation with nothing on the
 #: wire; not a method): timed on every link, priced at the family's DDP fp32 steps to the target
@@ -177,6 +181,8 @@ class Study:
             return DILOCO[config]
         if config in DEMO:
             return DEMO[config][0]
+        if config in FORMS:
+            return FORMS[config]
         wire = f"warmup_wire={getattr(self.args, 'warmup_wire', 'bf16')}" if config in WIRED else ""
         if config not in LINK_PLANNED:
             return wire

@@ -22,6 +22,7 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
          "ddp_bf16_lion": "DDP bf16 + Lion", "ddp_powersgd_adamw": "DDP PowerSGD r4 + AdamW",
          "ddp_powersgd_lion": "DDP PowerSGD r4 + Lion", "ddp_fp16_adamw": "DDP fp16 + AdamW",
          "ddp_fp16_lion": "DDP fp16 + Lion", "lowbit_lion": "Lion Cub (auto)", "lowbit_lion_1bit": "Lion Cub 1-bit",
+         "lowbit_lion_1bit_sync10": "Lion Cub 1-bit, momentum sync every 10",
          "lowbit_bitdp_adamw": "BitDP 2-bit + AdamW", "lowbit_bitdp_1bit_adamw": "BitDP 1-bit + AdamW",
          "lowbit_adam": "1-bit Adam", "lowbit_lamb": "1-bit LAMB", "lowbit_turboquant": "TurboQuant-Adam (auto)",
          "lowbit_diloco_fp32_h50": "DiLoCo fp32 H=50 + AdamW", "lowbit_diloco_int4_h50": "DiLoCo int4 H=50 + AdamW",
