@@ -99,6 +99,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lowbit_diloco_stream_int4_h50": ("lowbit_diloco", "adamw"),
     "lowbit_diloco_sign_h10": ("lowbit_diloco", "adamw"),
     "lowbit_diloco_stream_int4_h10": ("lowbit_diloco", "adamw"),
+    "lowbit_diloco_stream_int4_h10_d4": ("lowbit_diloco", "adamw"),
     # DeMo's forms (their LowBitConfig overrides and top-k: benchmarks.ttq.driver.DEMO)
     "lowbit_demo_fp32_k32": ("lowbit_demo", "demo"),
     "lowbit_demo_sign_k32": ("lowbit_demo", "demo"),

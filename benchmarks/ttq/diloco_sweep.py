@@ -74,7 +74,8 @@ def name_of(point: Point, seed: int, compression: str) -> str:
 def timing_name(compression: str, point: Point) -> str:
     """The study's timing run (:data:`benchmarks.ttq.driver.DILOCO`) of a point's compression, H
     and form: the outer lr and momentum change no byte and no step."""
-    return f"lowbit_diloco_{'stream_' if point[3] > 1 else ''}{compression}_h{point[0]}"
+    name = f"lowbit_diloco_{'stream_' if point[3] > 1 else ''}{compression}_h{point[0]}"
+    return name + (f"_d{point[4]}" if point[3] > 1 and point[4] != 1 else "")
 
 
 def run(settings: dict, path: Path) -> dict:

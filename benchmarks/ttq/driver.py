@@ -87,6 +87,9 @@ DILOCO = {
     "lowbit_diloco_sign_h10": "diloco_compression=sign,diloco_sync_every=10,diloco_outer_lr=0.7,diloco_outer_momentum=0.5",
     "lowbit_diloco_stream_int4_h10": "diloco_compression=int4,diloco_sync_every=10,diloco_fragments=2,diloco_delay=1,"
                                      "diloco_outer_lr=0.7,diloco_outer_momentum=0.5",
+    # the longest delay H = 10 and F = 2 allow (τ·F < H): 4 inner steps to hide each exchange behind
+    "lowbit_diloco_stream_int4_h10_d4": "diloco_compression=int4,diloco_sync_every=10,diloco_fragments=2,"
+                                        "diloco_delay=4,diloco_outer_lr=0.7,diloco_outer_momentum=0.5",
 }
 #: DeMo's forms: configuration -> (its LowBitConfig overrides, compression_topk): the paper's fp32
 #: values, 1-bit values at top-32 and top-8 of 64 x 64 chunks, and top-8 applied a step late

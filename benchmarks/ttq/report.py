@@ -31,6 +31,7 @@ LABEL = {"ddp_adamw": "DDP fp32 + AdamW", "ddp_lion": "DDP fp32 + Lion", "ddp_bf
          "lowbit_diloco_stream_int4_h50": "Streaming DiLoCo int4 H=50 F=2 τ=1 + AdamW",
          "lowbit_diloco_sign_h10": "DiLoCo 1-bit H=10 (outer 0.7, 0.5) + AdamW",
          "lowbit_diloco_stream_int4_h10": "Streaming DiLoCo int4 H=10 F=2 τ=1 (outer 0.7, 0.5) + AdamW",
+         "lowbit_diloco_stream_int4_h10_d4": "Streaming DiLoCo int4 H=10 F=2 τ=4 (outer 0.7, 0.5) + AdamW",
          "lowbit_demo_fp32_k32": "DeMo fp32 top-32", "lowbit_demo_sign_k32": "DeMo 1-bit top-32",
          "lowbit_demo_sign_k8": "DeMo 1-bit top-8", "lowbit_demo_sign_k8_d1": "DeMo 1-bit top-8, delay 1"}
 

@@ -19,6 +19,7 @@ def test_points_name_the_streaming_form_and_reach_the_config():
     # its step time is the study's timing run of the same form, which the driver knows
     assert sweep.timing_name("int4", stream) == "lowbit_diloco_stream_int4_h10" in DILOCO
     assert sweep.timing_name("sign", sweep.parse_point("10:0.7:0.5")) == "lowbit_diloco_sign_h10" in DILOCO
+    assert sweep.timing_name("int4", sweep.parse_point("10:0.7:0.5:2:4")) == "lowbit_diloco_stream_int4_h10_d4" in DILOCO
     for bad in ("10:0.7", "10:0.7:0.5:2", "x:0.7:0.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="H:outer_lr:outer_momentum"):
             sweep.parse_point(bad)
