@@ -56,19 +56,21 @@ def parse_point(text: str) -> Point:
             f"point {text!r}: expected H:outer_lr:outer_momentum[:fragments:delay], e.g. 50:0.7:0.9 or 10:0.7:0.5:2:1")
 
 
-def settings_of(base: dict, point: Point, seed: int, compression: str) -> dict:
+def settings_of(base: dict, point: Point, seed: int, compression: str, inner_lr: float | None = None) -> dict:
+    """The recorded base run's settings with the point's fields (and the inner lr, when given)."""
     h, lr, momentum, fragments, delay = point
     lowbit = (f"diloco_compression={compression},diloco_sync_every={h},"
               f"diloco_outer_lr={lr:g},diloco_outer_momentum={momentum:g}")
     if fragments > 1:
         lowbit += f",diloco_fragments={fragments},diloco_delay={delay}"
-    return {**base, "seed": seed, "lowbit": lowbit}
+    return {**base, "seed": seed, "lowbit": lowbit, **({"lr": inner_lr} if inner_lr else {})}
 
 
-def name_of(point: Point, seed: int, compression: str) -> str:
+def name_of(point: Point, seed: int, compression: str, inner_lr: float | None = None) -> str:
     h, lr, momentum, fragments, delay = point
     stream = f"_f{fragments}_d{delay}" if fragments > 1 else ""
-    return f"{compression}_h{h}_olr{lr:g}_om{momentum:g}{stream}_seed{seed}"
+    inner = f"_ilr{inner_lr:g}" if inner_lr else ""
+    return f"{compression}_h{h}_olr{lr:g}_om{momentum:g}{stream}{inner}_seed{seed}"
 
 
 def timing_name(compression: str, point: Point) -> str:
@@ -111,14 +113,14 @@ def table(rows: list[tuple[str, tuple, int, dict]], reference: dict[int, dict]) 
     loss against DDP + AdamW's of the same seed (the issue's goal: within 2 %)."""
     steps = rows[0][3]["steps"]
     marks = [steps // 4, steps // 2, steps]
-    out = ["| compression | H | F | τ | outer lr | outer momentum | lr x 1/(1-m) | seed | "
+    out = ["| compression | H | F | τ | inner lr | outer lr | outer momentum | lr x 1/(1-m) | seed | "
            + " | ".join(f"val @ {m}" for m in marks) + " | vs DDP + AdamW |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(marks) + "---:|"]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(marks) + "---:|"]
     for compression, (h, lr, momentum, fragments, delay), seed, rec in rows:
         final = rec["evals"][-1][2]
         ref = reference.get(seed)
         gap = f"{100 * (final / ref['evals'][-1][2] - 1):+.1f} %" if ref else "–"
-        out.append(f"| {compression} | {h} | {fragments} | {delay} | {lr:g} | {momentum:g} | "
+        out.append(f"| {compression} | {h} | {fragments} | {delay} | {rec['settings']['lr']:g} | {lr:g} | {momentum:g} | "
                    f"{lr / (1 - momentum):.2g} | {seed} | "
                    + " | ".join(f"{val_at(rec, m):.3f}" for m in marks) + f" | {gap} |")
     return "\n".join(out)
@@ -156,13 +158,14 @@ def projected(rows: list[tuple[str, tuple, int, dict]]) -> str:
                 sec = ta.seconds_at(ta.cumulative_seconds(rec["steps"], 0, timing), step)
                 cells = [f"{sec:,.0f}", f"{bf16 / sec:.2f}×" if bf16 else "–",
                          f"{per[best_key] / sec:.2f}×" if best_key else "–"]
-            lines.append(f"| {link} | {compression} | {h} | {fragments} | {delay} | {lr:g} | {momentum:g} | "
+            lines.append(f"| {link} | {compression} | {h} | {fragments} | {delay} | {rec['settings']['lr']:g} | "
+                         f"{lr:g} | {momentum:g} | "
                          f"{timing['main']['mean']:.3f} | "
                          + " | ".join(cells) + " |")
-        lines.append(f"| {link} | DDP bf16 + AdamW; fastest per-step: {best_key} | | | | | | | "
-                     f"{bf16:,.0f}; {per[best_key]:,.0f} | | |" if bf16 and best_key else f"| {link} |" + " |" * 10)
-    head = ("| link | compression | H | F | τ | outer lr | outer momentum | s/step | time to target (s) | × DDP bf16 | "
-            "× fastest per-step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append(f"| {link} | DDP bf16 + AdamW; fastest per-step: {best_key} | | | | | | | | "
+                     f"{bf16:,.0f}; {per[best_key]:,.0f} | | |" if bf16 and best_key else f"| {link} |" + " |" * 11)
+    head = ("| link | compression | H | F | τ | inner lr | outer lr | outer momentum | s/step | time to target (s) | "
+            "× DDP bf16 | × fastest per-step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     return head + "\n" + "\n".join(lines)
 
 
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
                    "none: only the table of the recorded runs")
     p.add_argument("--seeds", default="0")
     p.add_argument("--compression", default="int4")
+    p.add_argument("--inner-lr", type=float, default=None,
+                   help="the inner AdamW's lr (default: the recorded runs', DDP + AdamW's best)")
     p.add_argument("--output", default=str(OUT))
     args = p.parse_args(argv)
     out = Path(args.output)
@@ -180,9 +185,9 @@ def main(argv=None) -> int:
     rows = []
     for i, point in enumerate(args.points):
         for seed in seeds:
-            name = name_of(point, seed, args.compression)
+            name = name_of(point, seed, args.compression, args.inner_lr)
             print(f"[{time.strftime('%H:%M:%S')}] ({i + 1}/{len(args.points)}) {name}", flush=True)
-            rec = run(settings_of(base, point, seed, args.compression), out / "runs" / f"{name}.json")
+            rec = run(settings_of(base, point, seed, args.compression, args.inner_lr), out / "runs" / f"{name}.json")
             print(f"    final val {rec['evals'][-1][2]:.4f}", flush=True)
             rows.append((args.compression, point, seed, rec))
     # every point recorded in the folder, this call's or an earlier one's, in one table
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
                  float(fields.get("diloco_outer_momentum", PAPER[1])), int(fields.get("diloco_fragments", 1)),
                  int(fields.get("diloco_delay", 0)))
         kept.append((fields["diloco_compression"], point, rec["settings"]["seed"], rec))
-    kept.sort(key=lambda r: (r[0], r[1][0], r[1][3], -r[1][1], r[1][2], r[2]))
+    kept.sort(key=lambda r: (r[0], r[1][0], r[1][3], r[3]["settings"]["lr"], -r[1][1], r[1][2], r[2]))
     # DDP + AdamW of every seed in the table, whichever seeds this call ran
     reference = {s: json.loads(f.read_text()) for s in sorted({r[2] for r in kept})
                  if (f := REFERENCE / f"ddp_adamw_lr{base['lr']:g}_seed{s}.json").exists()}

@@ -23,3 +23,10 @@ def test_points_name_the_streaming_form_and_reach_the_config():
     for bad in ("10:0.7", "10:0.7:0.5:2", "x:0.7:0.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="H:outer_lr:outer_momentum"):
             sweep.parse_point(bad)
+
+
+def test_the_inner_lr_reaches_the_settings_and_the_name():
+    point = sweep.parse_point("10:0.7:0.5")
+    assert sweep.settings_of({"lr": 0.00075}, point, 0, "int4", 0.0005)["lr"] == 0.0005
+    assert sweep.settings_of({"lr": 0.00075}, point, 0, "int4")["lr"] == 0.00075
+    assert sweep.name_of(point, 0, "int4", 0.0005) == "int4_h10_olr0.7_om0.5_ilr0.0005_seed0"
