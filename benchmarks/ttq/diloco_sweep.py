@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     # DDP + AdamW of every seed in the table, whichever seeds this call ran
     reference = {s: json.loads(f.read_text()) for s in sorted({r[2] for r in kept})
                  if (f := REFERENCE / f"ddp_adamw_lr{base['lr']:g}_seed{s}.json").exists()}
-    command = "python -m benchmarks.ttq.diloco_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python -m benchmarks.ttq.diloco_sweep", *(argv if argv is not None else sys.argv[1:])])
     text = (f"# DiLoCo's outer optimizer swept with H\n\n`{command}` (every point recorded in "
             f"`{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/runs`), "
             f"{time.strftime('%Y-%m-%d %H:%M')} UTC.\n\n"
