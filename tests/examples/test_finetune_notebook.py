@@ -25,7 +25,10 @@ def test_committed_notebook_holds_the_builders_cells():
 
 def _run(tmp_path, append_path=None, **env) -> list[nbformat.NotebookNode]:
     nb = build()
-    execute(nb, timeout=600, env={"LOWBIT_NOTEBOOK_QUICK": "1", "LOWBIT_NOTEBOOK_LOGS": str(tmp_path / "logs"), **env},
+    # a 1 Mbit/s link for Lion Cub's auto plan: its 8-bit lanes win decisively (on 1 Gbit/s, the
+    # tests' default, a model this small ties 8-bit codes against bf16's cast, and the plan is noise)
+    execute(nb, timeout=600, env={"LOWBIT_NOTEBOOK_QUICK": "1", "LOWBIT_NOTEBOOK_LOGS": str(tmp_path / "logs"),
+                                  "LOWBIT_LINK_ASSUME": "0.001,50", **env},
             append_path=append_path)
     return [c for c in nb.cells if c.cell_type == "code"]
 
