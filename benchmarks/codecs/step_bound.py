@@ -16,9 +16,12 @@ its own network namespace (:mod:`benchmarks.harness.netem`), a 3-block MLP of ``
 Per configuration: the median step (forward, backward, ``step()``) over the steps after
 ``--warm``; "of bound" = the bound of its optimizer over it (1.00: communication and
 compression cost nothing); "× DDP bf16" = DDP bf16's step with the same optimizer over it.
-Configurations run one after another in the same namespaces.
+Configurations run one after another in the same namespaces, ``--rounds`` times over
+(every configuration once per round, so a machine's drift hits all alike); the table gives
+each figure's median over the rounds, every round's in brackets: single runs of one
+configuration differ by up to a third on a 2-core machine.
 
-    python -m benchmarks.codecs.step_bound [--link 1gbit] [--steps 60] [--warm 20]
+    python -m benchmarks.codecs.step_bound [--link 1gbit] [--steps 60] [--warm 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3, help="every configuration once per round (default 3)")
     parser.add_argument("--rank", help=argparse.SUPPRESS)  # (internal: one rank's run)
     args = parser.parse_args(argv)
     if args.rank is not None:
@@ -101,28 +105,39 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.harness.netem import Link, Network
 
-    got: dict[str, dict] = {}
+    configs = args.configs.split(",")
+    rounds: list[dict[str, dict]] = []
     with Network(2, Link(args.link)) as net:
-        for config in args.configs.split(","):
-            print(f"  {config} at {args.link} ...", flush=True)
-            cmd = [sys.executable, "-m", "benchmarks.codecs.step_bound", "--rank", config, "--steps", str(args.steps),
-                   "--warm", str(args.warm), "--width", str(args.width)]
-            result = net.run(cmd, timeout=600, echo=(), env={"OMP_NUM_THREADS": "1",
-                                                             "PYTHONPATH": os.getcwd()}).check()
-            line = next(ln for ln in result.ranks[0].output.splitlines() if ln.startswith("STEPBOUND "))
-            got[config] = json.loads(line[len("STEPBOUND "):])
-    print(f"\n2 ranks, {args.link}, MLP of {next(iter(got.values()))['params']:,} parameters, "
-          f"median step over steps {args.warm + 1}-{args.steps}\n")
+        for r in range(args.rounds):  # every configuration once per round: drift hits all alike
+            got: dict[str, dict] = {}
+            for config in configs:
+                print(f"  round {r + 1}/{args.rounds}: {config} at {args.link} ...", flush=True)
+                cmd = [sys.executable, "-m", "benchmarks.codecs.step_bound", "--rank", config, "--steps",
+                       str(args.steps), "--warm", str(args.warm), "--width", str(args.width)]
+                result = net.run(cmd, timeout=600, echo=(), env={"OMP_NUM_THREADS": "1",
+                                                                 "PYTHONPATH": os.getcwd()}).check()
+                line = next(ln for ln in result.ranks[0].output.splitlines() if ln.startswith("STEPBOUND "))
+                got[config] = json.loads(line[len("STEPBOUND "):])
+            rounds.append(got)
+    params = next(iter(rounds[0].values()))["params"]
+    print(f"\n2 ranks, {args.link}, MLP of {params:,} parameters, median step over steps "
+          f"{args.warm + 1}-{args.steps}, {args.rounds} round(s) (the median of the rounds; per round in brackets)\n")
     print("| configuration | step ms | × DDP bf16 | of bound |\n|---|---:|---:|---:|")
-    for config, r in got.items():
-        bound, bf16 = (got.get(c) for c in OF[config])
-        frac = f"{bound['step_s'] / r['step_s']:.2f}" if bound else "–"
-        speed = f"{bf16['step_s'] / r['step_s']:.2f}×" if bf16 else "–"
-        print(f"| {config} | {1e3 * r['step_s']:.1f} | {speed} | {frac} |")
-    if all(c in got for c in CONFIGS):
-        ratio = (got["adamw_local"]["step_s"] / got["onebit_adam"]["step_s"]) / (
-            got["lion_local"]["step_s"] / got["lion_1bit"]["step_s"])
-        print(f"\n1-bit Adam's fraction of its bound / Lion Cub 1-bit's: {ratio:.2f}")
+    for config in configs:
+        steps = [got[config]["step_s"] for got in rounds]
+        row = [f"| {config} | {1e3 * statistics.median(steps):.1f} ({', '.join(f'{1e3 * s:.1f}' for s in steps)})"]
+        for other, fmt in zip(OF[config][::-1], ("{:.2f}×", "{:.2f}")):  # × DDP bf16, then of bound
+            if other in configs:
+                each = [got[other]["step_s"] / got[config]["step_s"] for got in rounds]
+                row.append(fmt.format(statistics.median(each)) + " (" + ", ".join(f"{e:.2f}" for e in each) + ")")
+            else:
+                row.append("–")
+        print(" | ".join(row) + " |")
+    if all(c in configs for c in CONFIGS):
+        each = [(got["adamw_local"]["step_s"] / got["onebit_adam"]["step_s"])
+                / (got["lion_local"]["step_s"] / got["lion_1bit"]["step_s"]) for got in rounds]
+        print(f"\n1-bit Adam's fraction of its bound / Lion Cub 1-bit's: {statistics.median(each):.2f} "
+              f"(per round: {', '.join(f'{e:.2f}' for e in each)})")
     return 0
 
 

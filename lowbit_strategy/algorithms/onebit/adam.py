@@ -50,9 +50,9 @@ class OneBitAdam(OneBitOptimizer):
         line 12, with the choices of :mod:`.optimizer`): ``m`` ← the mean momentum (0 where the
         frozen variance is), then the direction ``d = m / (sqrt(v̂) + eps)``, clamped to
         ``± update_clip · (1 - β1^t)`` (so ``|m̂ / (sqrt(v̂) + eps)| ≤ update_clip``), and
-        ``p -= lr / (1 - β1^t) · d``. ``d`` is formed once and serves the clamp (scalar
-        bounds, in place), the update and the guard's norm: four passes over the parameter
-        with the denominator kept (:meth:`_frozen`)."""
+        ``p -= lr / (1 - β1^t) · d``. ``d`` is formed once, into the mean's buffer once ``m``
+        holds it, and serves the clamp (scalar bounds, in place), the update and the guard's
+        norm: four passes over the parameter with the denominator kept (:meth:`_frozen`)."""
         state = self._state(p)
         beta1, beta2 = group["betas"]
         m = state["exp_avg"]
@@ -66,7 +66,9 @@ class OneBitAdam(OneBitOptimizer):
         if group["weight_decay"]:  # (a multiplication by 1 changes no float: skipped)
             p.mul_(1 - group["lr"] * group["weight_decay"])
         bias1 = 1 - beta1**step
-        d = torch.div(m, denom)
+        # the mean is read: its buffer (the communicator's, or the exact path's new tensor)
+        # takes the direction, with no parameter-sized allocation (page faults on the CPU)
+        d = torch.div(m, denom, out=mean) if mean.dtype == m.dtype and not self.track_variance else torch.div(m, denom)
         if self.update_clip is not None:
             d.clamp_(-self.update_clip * bias1, self.update_clip * bias1)
         p.add_(d, alpha=-(group["lr"] / bias1))

@@ -334,6 +334,10 @@ class OneBitLamb(OneBitOptimizer):
         # scaled before the compressed allreduce (Sec. 4.3), unscaled in _compressed
         return super()._local_momentum(group, p, grad).mul_(self.state[p]["scaling_coeff"].to(p.dtype))
 
+    def _local_momentum_into(self, group, p, grad, a, b, out):
+        super()._local_momentum_into(group, p, grad, a, b, out)
+        out.mul_(self.state[p]["scaling_coeff"].to(p.dtype))
+
     def _compressed(self, group, p, mean, step):
         state = self._state(p)
         beta1, beta2 = group["betas"]

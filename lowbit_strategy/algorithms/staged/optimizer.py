@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.staged import adam
-from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
+from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Formed
 from lowbit_strategy.layout import Key, Layout, is_dtensor, local_step
 from lowbit_strategy.validation import check_int, check_number
 
@@ -169,21 +169,48 @@ class StagedOptimizer(Optimizer):
             self._launched.add(key)
             comm.launch(key, self._momenta(key, params))
 
-    def _momenta(self, key: Key, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """This rank's momenta of bucket ``key``. ``params``: the step's ``param_groups``
-        parameters (inside a ``local_step`` the local tensors that stand for ``DTensor`` ones,
-        keys of the step's state); None: the layout's own (the DDP hook's path)."""
-        out = []
+    def _momenta(self, key: Key, params: list[torch.Tensor] | None = None) -> Formed:
+        """This rank's momenta of bucket ``key``, formed where the communicator wants them
+        (:class:`~.communicator.Formed`). ``params``: the step's ``param_groups`` parameters
+        (inside a ``local_step`` the local tensors that stand for ``DTensor`` ones, keys of the
+        step's state); None: the layout's own (the DDP hook's path)."""
+        items = []
         slots = cast(Layout, self.param_layout).slots
         for i in key:
             p, group = (params[i] if params is not None else slots[i].param), slots[i].group
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: a zero gradient
-            out.append(self._local_momentum(group, p, grad))
-        return out
+            items.append((group, p, grad))
+        return Formed([p for _, p, _ in items], lambda lo, hi, out: self._momenta_into(items, lo, hi, out))
+
+    def _momenta_into(self, items: list, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of the momenta of ``items`` (``(group, param, grad)``) laid end
+        to end, into float32 ``out``: a float32 parameter's straight into its slice of ``out``
+        (:meth:`_local_momentum_into`), any other formed in its dtype and converted, as
+        :func:`~lowbit_strategy.buckets.flatten_range` converts it. The same floats either way."""
+        start = at = 0
+        for group, p, grad in items:
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                piece = out[at : at + b - a]
+                if p.dtype == out.dtype:
+                    self._local_momentum_into(group, p, grad, a - start, b - start, piece)
+                else:
+                    piece.copy_(self._local_momentum(group, p, grad).reshape(-1)[a - start : b - start])
+                at += b - a
+            start += p.numel()
 
     def _local_momentum(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """β1·m + (1-β1)·g_i for this rank's gradient, in a new tensor."""
         return self._state(p)["exp_avg"].lerp(grad.view_as(p), 1 - group["betas"][0])
+
+    def _local_momentum_into(
+        self, group: dict, p: torch.Tensor, grad: torch.Tensor, a: int, b: int, out: torch.Tensor
+    ) -> None:
+        """Elements ``[a, b)`` (of the flattened parameter) of :meth:`_local_momentum`, into
+        ``out`` (``b - a`` elements of the parameter's dtype): the same elementwise lerp, so the
+        same floats, with no parameter-sized temporary."""
+        m = self._state(p)["exp_avg"].reshape(-1)[a:b]
+        torch.lerp(m, grad.reshape(-1)[a:b], 1 - group["betas"][0], out=out)
 
     # ---- step ------------------------------------------------------------------------
     @torch.no_grad()
