@@ -58,7 +58,7 @@ import torch
 from lowbit_strategy.codecs import compiled
 from lowbit_strategy.codecs.bits import pack_bools, pack_bytes_into_lanes
 from lowbit_strategy.codecs.scaled_signs_decode import check_scale_block, scaled_sign_decode, scaled_sign_mean
-from lowbit_strategy.codecs.signs import compare_bytes
+from lowbit_strategy.codecs.signs import compare_bytes, fused_kernels
 from lowbit_strategy.codecs.streaming import SLICE, sliced, slices
 from lowbit_strategy.validation import is_int
 
@@ -179,6 +179,9 @@ def scaled_sign_compress(
     v = error.view(-1)
     v.add_(x.reshape(-1).float() if x.dtype == torch.float64 else x.reshape(-1))  # v = float32(x) + error
     scale, grid, pieces = _compress_scales(v, n, nbytes, block, chunk)
+    fused = fused_kernels(v)
+    if fused is not None:  # CUDA: signs, packing and the new error in one kernel (the same bits)
+        return fused.compress(v, grid, nbytes, block, chunk), scale
     if block is None and compiled.compiled_enabled():  # opt-in: the same bits, compiled (compiled.py)
         bits = compiled.signs_and_error(v, scale, nbytes)
         if bits is not None:

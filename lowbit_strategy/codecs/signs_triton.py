@@ -1,6 +1,6 @@
-"""Fused Triton kernels for the packed 1-bit payloads on CUDA: decode, the server's mean and
-the majority vote, one pass each; and BitDP's decode-and-reduce of 1- and 2-bit channel
-codes (:func:`channel_reduce`).
+"""Fused Triton kernels for the packed 1-bit payloads on CUDA: decode, the server's mean, the
+majority vote and the compress (signs, packing and error feedback), one pass each; and
+BitDP's decode-and-reduce of 1- and 2-bit channel codes (:func:`channel_reduce`).
 
 Why: on an H100 (the one-GPU check, part 2, 2^26 elements) the torch forms ran at 1-4 % of a
 device-to-device copy. The decodes and the mean gather rows of small ``(256, 8)`` tables by
@@ -58,6 +58,8 @@ INTERPRETED = interpret_mode()
 MAX_ROWS = 256
 #: elements per program of the decode
 _DECODE_TILE = 1024
+#: bytes (8 elements each) per program of the compress
+_COMPRESS_BYTES = 128
 #: a program's tile of the mean and the majority: rows x columns at most this
 _ROW_TILE = 4096
 #: output dtype codes of the decode kernel
@@ -180,6 +182,26 @@ if AVAILABLE:
         tl.store(out_ptr + e, y, mask=e < n)
 
     @triton.jit
+    def _compress_kernel(
+        v_ptr, scale_ptr, bits_ptr, n, nbytes, row_len, nb, block_bytes,
+        TB: tl.constexpr, BLOCKED: tl.constexpr,
+    ):  # fmt: skip
+        j = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)  # the program's bytes
+        e = j[:, None] * 8 + tl.arange(0, 8)[None, :]  # their elements, (TB, 8)
+        mask = e < n
+        v = tl.load(v_ptr + e, mask=mask, other=0.0)
+        positive = (v >= 0) & mask  # zeros (either sign) count as +1; NaN and padding as 0
+        shifts = tl.arange(0, 8)[None, :]
+        tl.store(bits_ptr + j, tl.sum(positive.to(tl.int32) << shifts, axis=1).to(tl.uint8), mask=j < nbytes)
+        if BLOCKED:
+            index = (e // row_len) * nb + ((e % row_len) >> 3) // block_bytes
+        else:
+            index = e * 0
+        s = tl.load(scale_ptr + index, mask=mask, other=0.0)
+        # v − s·sign(v), one rounding; ±s by XOR, not a select of −s (:func:`_signed`)
+        tl.store(v_ptr + e, v - _signed(s, positive.to(tl.int32)), mask=mask)
+
+    @triton.jit
     def _majority_kernel(words_ptr, out_ptr, p, c, row_stride, threshold, PP: tl.constexpr, TB: tl.constexpr):
         j = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         r = tl.arange(0, PP).to(tl.int64)
@@ -209,6 +231,27 @@ def decode(
             rows.contiguous(), scales.contiguous(), out.view(torch.int16) if dtype == torch.bfloat16 else out,
             n, 8 * c, nb, (block or 8) // 8,
             TILE=_DECODE_TILE, BLOCKED=block is not None, OUT=_OUT[dtype], **LAUNCH,
+        )  # fmt: skip
+    return out
+
+
+def compress(v: torch.Tensor, scales: torch.Tensor, nbytes: int, block: int | None, chunk: int | None) -> torch.Tensor:
+    """The bits and the error of :func:`.scaled_signs.scaled_sign_compress`, one pass: ``v``
+    (float32, contiguous, ``x + error`` already) becomes ``v − s·sign(v)`` in place, and the
+    packed signs (``nbytes``, bits past ``v``'s end 0) are returned. ``scales``: the 0-d scale,
+    or with ``block`` the ``(rows, blocks per row)`` grid, rows of ``chunk`` elements (one row
+    without ``chunk``). The torch code's values: a bit is ``v >= 0`` (zeros of either sign
+    +1), and ``v + (−1·sign)·s`` is ``v ∓ s`` rounded once (the product is exact)."""
+    n = v.numel()
+    out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
+    if nbytes == 0:
+        return out
+    row_len = chunk if chunk is not None else 8 * nbytes
+    nb = scales.shape[-1] if block is not None else 1
+    with on_device(v):
+        _compress_kernel[(triton.cdiv(nbytes, _COMPRESS_BYTES),)](
+            v, scales, out, n, nbytes, row_len, nb, (block or 8) // 8,
+            TB=_COMPRESS_BYTES, BLOCKED=block is not None, **LAUNCH,
         )  # fmt: skip
     return out
 

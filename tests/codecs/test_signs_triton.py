@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from lowbit_strategy.codecs import scaled_signs as ss
 from lowbit_strategy.codecs import scaled_signs_decode as ssd
 from lowbit_strategy.codecs import signs, votes
 from lowbit_strategy.codecs.reduce import rank_sum
@@ -37,6 +38,7 @@ def fused(monkeypatch):
     hook = lambda t: st if st.serves(t) else None  # noqa: E731
     monkeypatch.setattr(ssd, "fused_kernels", hook)
     monkeypatch.setattr(signs, "fused_kernels", hook)
+    monkeypatch.setattr(ss, "fused_kernels", hook)
     calls = []
 
     def counted(*args):
@@ -61,12 +63,12 @@ def payload(k: int, c: int, nb: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 def reference(fn, *args, **kw):
     """The torch code's result: the hook off for this call."""
-    saved = ssd.fused_kernels, signs.fused_kernels
-    ssd.fused_kernels = signs.fused_kernels = lambda t: None
+    saved = ssd.fused_kernels, signs.fused_kernels, ss.fused_kernels
+    ssd.fused_kernels = signs.fused_kernels = ss.fused_kernels = lambda t: None
     try:
         return fn(*args, **kw)
     finally:
-        ssd.fused_kernels, signs.fused_kernels = saved
+        ssd.fused_kernels, signs.fused_kernels, ss.fused_kernels = saved
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -89,6 +91,34 @@ def test_decode_bit_exact(fused, dtype, k, c, block, cut):
     into = torch.full((n,), 7.0, dtype=dtype)
     assert ssd.scaled_sign_decode(bits, scales, n, dtype, block, out=into) is into
     assert same_bits(into, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "n, pad, block, chunk",
+    [(1, 0, None, None), (37, 3, None, None), (1000, 0, None, None), (1003, 13, 16, None), (200, 0, 24, None),
+     (999, 1, 64, 8 * 125), (4096, 2048, 512, 2048), (40, 24, 16, 32), (70000, 0, 32768, 8 * 8750)],
+)
+def test_compress_bit_exact(monkeypatch, dtype, n, pad, block, chunk):
+    """1-bit Adam/LAMB's worker and server compress (signs, packing, error feedback) in one
+    kernel: the torch code's bits, scales and new error, signed zeros and exact ties included."""
+    g = torch.Generator().manual_seed(n + pad)
+    x = torch.randn(n, generator=g).mul_(torch.rand(n, generator=g) * 4).to(dtype)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    error = torch.randn(n, generator=g) * 0.1
+    error[::13] = -x[::13].float()  # v = +0.0 or -0.0 exactly: counted +1
+    nbytes = -(-n // 8) + pad if chunk is None else -(-n // chunk) * chunk // 8
+    want_error = error.clone()
+    want = reference(ss.scaled_sign_compress, x, want_error, nbytes=nbytes, block=block, chunk=chunk)
+    calls = []
+    real = st.compress
+    monkeypatch.setattr(ss, "fused_kernels", lambda t: st)
+    monkeypatch.setattr(st, "compress", lambda *a: calls.append(1) or real(*a))
+    got = ss.scaled_sign_compress(x, error, nbytes=nbytes, block=block, chunk=chunk)
+    assert calls, "the fused compress did not run"
+    assert torch.equal(got[0], want[0]) and same_bits(got[1], want[1])
+    assert same_bits(error, want_error), (n, block, chunk)
 
 
 def test_decode_1d_bits_and_empty(fused):
@@ -239,7 +269,7 @@ def test_cpu_never_dispatches_without_the_hook():
 _CUDA_CHECK = textwrap.dedent(
     """
     import torch
-    from lowbit_strategy.codecs import scaled_signs_decode as ssd, signs
+    from lowbit_strategy.codecs import scaled_signs as ss, scaled_signs_decode as ssd, signs
     from lowbit_strategy.codecs.votes import majority_bits
     from lowbit_strategy.codecs import signs_triton as st
     assert st.serves(torch.zeros(1, device="cuda")) and not st.INTERPRETED
@@ -260,6 +290,18 @@ _CUDA_CHECK = textwrap.dedent(
             assert same(got.cpu(), want), ("decode", k, c, block, dtype)
         want = ssd.scaled_sign_mean(bits, scales, block)
         assert same(ssd.scaled_sign_mean(bits.cuda(), scales.cuda(), block).cpu(), want), ("mean", k, c, block)
+        x = want[: 8 * c - 5].clone()
+        x[::9] = -0.0
+        chunk = None if block is None else 8 * c
+        for where in ("cpu", "cuda"):
+            e = torch.randn(x.numel(), generator=g).mul_(0.01)
+            e[::4] = 0.0
+            e = e.to(where)
+            got = ss.scaled_sign_compress(x.to(where), e, nbytes=c, block=block, chunk=chunk)
+            if where == "cpu":
+                want_c, want_e = got, e
+        assert torch.equal(got[0].cpu(), want_c[0]) and same(got[1].cpu(), want_c[1]), ("compress", k, c, block)
+        assert same(e.cpu(), want_e), ("compress error", k, c, block)
         assert same(signs.signs_from_bits(bits[0].cuda(), 8 * c - 1).cpu(), signs.signs_from_bits(bits[0], 8 * c - 1))
         for step in (1, 2):
             want = majority_bits(bits, step, method="bitsliced")
@@ -310,7 +352,10 @@ _PTX_CHECK = textwrap.dedent(
     chan = {"words_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32", "k": "i32", "n": "i64", "cols": "i64",
             "word_stride": "i64", "w_stride": "i64", "neg_zero": "fp32", "BITS": "constexpr", "KP": "constexpr", "LOGK": "constexpr",
             "TILE": "constexpr", "MEAN": "constexpr"}
+    comp = {"v_ptr": "*fp32", "scale_ptr": "*fp32", "bits_ptr": "*u8", "n": "i64", "nbytes": "i64", "row_len": "i64",
+            "nb": "i32", "block_bytes": "i32", "TB": "constexpr", "BLOCKED": "constexpr"}
     text = (ptx(st._decode_kernel, dec, dict(TILE=1024, BLOCKED=True, OUT=2), **st.LAUNCH)
+            + ptx(st._compress_kernel, comp, dict(TB=128, BLOCKED=True), **st.LAUNCH)
             + ptx(st._mean_kernel, mean, dict(KP=8, LOGK=3, TILE=512, BLOCKED=True), **st.LAUNCH)
             + ptx(st._majority_kernel, maj, dict(PP=8, TB=512), **st.LAUNCH)
             + "".join(ptx(st._channel_kernel, chan, dict(BITS=b, KP=8, LOGK=3, TILE=512, MEAN=m), **st.LAUNCH)

@@ -13,7 +13,8 @@ from lowbit_strategy.buckets import flatten_range
 
 def _items(opt_class):
     gen = torch.Generator().manual_seed(3)
-    shapes_dtypes = [((5, 7), torch.float32), ((13,), torch.bfloat16), ((4, 3, 2), torch.float32), ((9,), torch.float16)]
+    shapes_dtypes = [((5, 7), torch.float32), ((13,), torch.bfloat16), ((4, 3, 2), torch.float32),
+                     ((9,), torch.float16)]
     params = [nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes_dtypes]
     opt = opt_class(params, lr=1e-3, freeze_step=2)
     items = []
