@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 
@@ -112,4 +113,4 @@ class ExactMean:
     def nonfinite(self) -> torch.Tensor:
         if not self._done:
             raise RuntimeError("ExactMean.nonfinite() needs the collective's result: call wait() first")
-        return ~torch.isfinite(self._buf).all()
+        return nonfinite_flag(self._buf)

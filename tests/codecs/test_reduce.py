@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowbit_strategy.codecs.reduce import divide, rank_sum
+from lowbit_strategy.codecs.reduce import divide, nonfinite_flag, rank_sum
 
 
 def f32(x: float) -> float:
@@ -71,3 +71,22 @@ def test_divide_is_the_correctly_rounded_quotient(k):
     got = divide(x, k)
     assert got.dtype == torch.float32
     assert torch.equal(got.view(torch.int32), (x.double() / k).float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_flag_is_isfinite_all(dtype):
+    """The device-side NaN/Inf verdict (one aminmax per tensor) says what ``~isfinite(t).all()``
+    says, for every dtype, with any number of tensors and empty ones among them."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g).mul_(1e4).to(dtype) for n in (1, 1000, 4097)]
+    assert not bool(nonfinite_flag(*xs)) and nonfinite_flag(*xs).dtype == torch.bool
+    huge = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)  # finite, though its sum overflows
+    assert not bool(nonfinite_flag(huge, -huge))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i, at in ((0, 0), (1, 999), (2, 4096)):
+            ys = [x.clone() for x in xs]
+            ys[i][at] = bad
+            want = any(bool(~torch.isfinite(y).all()) for y in ys)
+            assert want and bool(nonfinite_flag(*ys)) == want and bool(nonfinite_flag(ys[i]))
+    assert not bool(nonfinite_flag(torch.zeros(0), torch.zeros(0, 3)))
+    assert bool(nonfinite_flag(torch.zeros(0), torch.tensor([float("nan")], dtype=dtype)))

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp.hook import BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
+from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
@@ -114,7 +115,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     parts: list[torch.Tensor] = []
     f_q = residuals = None
     if mine:
-        nonfinite = ~torch.isfinite(buf).all()
+        nonfinite = nonfinite_flag(buf)
         sub = [rows[k][a:b] for k, a, b in mine]
         sub_plan = BucketSplit(tuple(plan.quantized[k] for k, _, _ in mine), (), plan.param_ids, plan.transposed)
         codes, scales, residuals = _encode(state, plan, rows, mine)

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from lowbit_strategy.algorithms.bitdp.state import BitDPState, BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
+from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.collectives import chain
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
@@ -123,7 +124,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     if not plan.quantized:
         return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic)
     # this rank's NaN/Inf flag: device-side, sent beside the scales (no blocking agreement)
-    nonfinite = ~torch.isfinite(buf).all()
+    nonfinite = nonfinite_flag(buf)
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
     # channel-major views: output features are rows (a Conv1D weight's columns)
     rows = [m.t() if key in plan.transposed else m for (_, _, key), m in zip(plan.quantized, mats)]

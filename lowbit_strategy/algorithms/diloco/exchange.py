@@ -37,7 +37,7 @@ import torch
 
 from lowbit_strategy.codecs import blockwise
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode
-from lowbit_strategy.codecs.reduce import divide, rank_sum
+from lowbit_strategy.codecs.reduce import divide, nonfinite_flag, rank_sum
 from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import exact, gathered
 from lowbit_strategy.collectives import group as g
@@ -112,7 +112,7 @@ class Landing:
         self.advance()
         part = self._pending.wait()
         ex = self._exchange
-        flag = ~torch.isfinite(part).all()
+        flag = nonfinite_flag(part)
         full, bad = ex.spec.restore_async(part, ex.n, ex.traffic, flag, ALIGN).wait()
         assert bad is not None  # (a flag given comes back)
         verdict, norm = torch.stack([bad.to(torch.float32), full.norm().to(torch.float32)]).tolist()

@@ -24,6 +24,7 @@ from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
 from lowbit_strategy.algorithms.lion_cub.config import LionConfig
 from lowbit_strategy.algorithms.lion_cub.optimizer import Lion
 from lowbit_strategy.algorithms.lion_cub.synced_momenta import momentum_sync_params
+from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import dtensor_state_, local_view, parameter_names
 from lowbit_strategy.rank_state import mean_states, to_cpu
@@ -59,7 +60,7 @@ class LionSync(Sync):
         """With overlap, form the update vectors of ``params`` from their gradients and start
         their collective (:meth:`Lion.launch_bucket`)."""
         if self.overlap and self._owner:
-            nonfinite = ~torch.isfinite(flat).all()  # stays on the device: no host sync here
+            nonfinite = nonfinite_flag(flat)  # stays on the device: no host sync here
             for opt in self.optimizers:  # the same order on every rank
                 # local_view: a DTensor's shard (FSDP2); an empty shard has nothing to send
                 mine = [p for p in params if self._owner.get(id(p)) is opt and local_view(p).numel()]

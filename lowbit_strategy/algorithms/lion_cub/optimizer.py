@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from lowbit_strategy import buckets
 from lowbit_strategy.algorithms.lion_cub.communicator import LionCommunicator
+from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.layout import Layout, local_step, local_view
 from lowbit_strategy.validation import check_int, check_number, short
 
@@ -133,7 +134,7 @@ class Lion(Optimizer):
         present = [p.grad for p, h in zip(rest, has_grad) if h]
         # one device-side flag for the whole step (this rank's gradients outside the hook's
         # buckets, and every rank's verdict on those inside), read once: one host sync per step
-        flags = [~torch.isfinite(gr).all() for gr in present] + ([nonfinite] if nonfinite is not None else [])
+        flags = ([nonfinite_flag(*present)] if present else []) + ([nonfinite] if nonfinite is not None else [])
         bad = torch.stack(flags).any() if flags else None
         if comm is not None and rest:
             has_grad, bad_somewhere = comm.agree(has_grad, bad, rest[0].device)
@@ -220,7 +221,11 @@ class Lion(Optimizer):
         if missing:
             updates = torch._foreach_mul([moms[i] for i in missing], beta1)
             torch._foreach_add_(updates, [grads[i] for i in missing], alpha=1 - beta1)
-            computed = torch._foreach_sign(updates) if comm is None else comm.directions(updates, step, audit=audit)
+            if comm is None:  # the update vectors are this step's own: signed in place, no second allocation
+                torch._foreach_sign_(updates)
+                computed = updates
+            else:
+                computed = comm.directions(updates, step, audit=audit)
             for i, d in zip(missing, computed):
                 directions[i] = d
         if wd:
