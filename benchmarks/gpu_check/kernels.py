@@ -6,7 +6,7 @@ without ``TRITON_INTERPRET``:
   ``test_compiled_ptx_rounds_like_torch`` (IEEE division and square root, no flush-to-zero,
   no FMA in the sm_90 PTX);
 * ``tests/codecs/test_signs_triton.py``: ``test_cuda_bit_exact`` (the fused 1-bit decode,
-  server mean and majority vote against the torch codes) and ``test_compiled_ptx_has_no_fma``;
+  server mean, compress and majority vote against the torch codes) and ``test_compiled_ptx_has_no_fma``;
 * ``tests/codecs/test_channel_triton.py``: ``test_cuda_bit_exact`` (BitDP's fused channel encode
   against the torch code on the GPU, GPT-2's shapes) and ``test_compiled_ptx_rounds_like_torch``."""
 

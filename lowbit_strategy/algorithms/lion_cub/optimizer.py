@@ -223,9 +223,7 @@ class Lion(Optimizer):
             torch._foreach_add_(updates, [grads[i] for i in missing], alpha=1 - beta1)
             if comm is None:  # the update vectors are this step's own: signed in place, no second allocation
                 torch._foreach_sign_(updates)
-                computed = updates
-            else:
-                computed = comm.directions(updates, step, audit=audit)
+            computed = updates if comm is None else comm.directions(updates, step, audit=audit)
             for i, d in zip(missing, computed):
                 directions[i] = d
         if wd:
