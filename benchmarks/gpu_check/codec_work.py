@@ -9,7 +9,8 @@ builder mirrors:
 
 * :func:`lion_lp`: Lion Cub's L1 codes in packed lanes
   (:func:`lowbit_strategy.algorithms.lion_cub.mode.measure_codec_seconds`' ``lp`` work split
-  in two); the lanes are summed by the allreduce itself, so there is no server;
+  in two), each of the bucket's update vectors with its own scale as the communicator codes
+  them (``parts``); the lanes are summed by the allreduce itself, so there is no server;
 * :func:`lion_1bit`: the 1-bit majority vote (:mod:`lowbit_strategy.collectives.majority`):
   sign bits packed, the server's vote count on P packed rows, the signs unpacked;
 * :func:`compensated`: 1-bit Adam/LAMB's scaled signs (:mod:`~lowbit_strategy.collectives.
@@ -48,16 +49,20 @@ class Work:
     server: Callable[[], object] | None = None
 
 
-def lion_lp(x: torch.Tensor, p: int, lane: int = 8) -> Work:
+def lion_lp(x: torch.Tensor, p: int, lane: int = 8, parts: Sequence[int] | None = None) -> Work:
+    """``parts``: the sizes of the bucket's update vectors, each quantized with its own scale
+    as Lion Cub's communicator does (:func:`~lowbit_strategy.codecs.lp.lp_quantize_many`);
+    None: ``x`` as one vector."""
     from lowbit_strategy.codecs import bits as lanes
-    from lowbit_strategy.codecs import lp_quantize_levels
+    from lowbit_strategy.codecs import lp_quantize_many
     from lowbit_strategy.collectives.summed import lane_for, max_levels
 
     n, levels = x.numel(), max_levels(p, lane)
     spec = lane_for(p, levels, lane_bits=lane)
+    vectors = list(torch.split(x, list(parts))) if parts else [x]
 
     def encode():
-        codes = lp_quantize_levels(x, levels, 1.0, validate=False)
+        codes = lp_quantize_many(vectors, levels, 1.0)
         if spec.word_dtype == torch.uint8:
             shifted = codes.to(torch.uint8).add_(levels)
         else:

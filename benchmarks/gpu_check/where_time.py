@@ -119,7 +119,8 @@ def _builders(quantized: dict[int, bool], lanes: dict[str, int], cuda: bool):
         mats = [p.grad.detach().float().reshape(p.shape[0], -1) for p in ps if quantized[id(p)]]
         return cw.bitdp(mats, SERVER_P) if mats else cw.Work()
 
-    out = {f"lion_{lane}": (lambda ps, b=int(lane[2:]), p=p: cw.lion_lp(flat(ps), p, b)) for lane, p in lanes.items()}
+    out = {f"lion_{lane}": (lambda ps, b=int(lane[2:]), p=p: cw.lion_lp(flat(ps), p, b, [q.numel() for q in ps]))
+           for lane, p in lanes.items()}
     out.update({
         "lion_1bit": lambda ps: cw.lion_1bit(flat(ps), SERVER_P),
         "compensated": lambda ps: cw.compensated(flat(ps), SERVER_P),

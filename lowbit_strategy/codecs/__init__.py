@@ -6,7 +6,7 @@ importing it touches no CUDA and compiles nothing, so it is safe before a fork.
 
 from lowbit_strategy.codecs.bits import LANE_BITS, Lane, lane, narrowest_lane, pack, unpack
 from lowbit_strategy.codecs.channel import channel_decode, channel_encode, channel_encode_many
-from lowbit_strategy.codecs.lp import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels
+from lowbit_strategy.codecs.lp import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels, lp_quantize_many
 from lowbit_strategy.codecs.signs import (
     sign_alternating,
     sign_bits,
@@ -33,6 +33,7 @@ __all__ = [
     "lp_norm_mean",
     "lp_quantize",
     "lp_quantize_levels",
+    "lp_quantize_many",
     "channel_encode",
     "channel_encode_many",
     "channel_decode",

@@ -6,7 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lowbit_strategy.codecs import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels
+from lowbit_strategy.codecs import levels_for_bits, lp_norm_mean, lp_quantize, lp_quantize_levels, lp_quantize_many
 
 P_VALUES = st.sampled_from([0.0, 1.0, 2.0, math.inf])
 BITS = st.integers(2, 16)
@@ -143,3 +143,23 @@ def test_geometric_mean_is_bitwise_the_plain_formula(n, zeros, seed):
     nonzero = a[a > 0]
     expected = nonzero.log().mean().exp() if nonzero.numel() else torch.zeros((), dtype=torch.float64)
     assert torch.equal(lp_norm_mean(x, 0), expected)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, math.inf])
+@pytest.mark.parametrize("levels", [7, 127, 2000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_batched_is_each_tensor_with_its_own_scale(p, levels, dtype):
+    """A bucket quantized in one chain (the GPU form) gives each tensor's own codes, bit for
+    bit: its own scale, the same product, rounding, clamp and cast."""
+    g = torch.Generator().manual_seed(int(levels + 10 * (p if p < math.inf else 9)))
+    xs = [torch.randn(n, generator=g).mul_(10.0 ** float(torch.randint(-12, 3, (), generator=g))).to(dtype)
+          for n in (1, 300, 4099, 70000)]
+    xs[1][::3] = 0.0
+    xs[2][7] = 1e4  # an outlier that saturates
+    xs.insert(2, torch.zeros(64, dtype=dtype))  # M_p = 0: all-zero codes
+    want = torch.cat([lp_quantize_levels(x.reshape(-1), levels, p, validate=False) for x in xs])
+    got = lp_quantize_many([x.view(-1, 1) if x.numel() % 2 == 0 else x for x in xs], levels, p, batched=True)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(lp_quantize_many(xs, levels, p), want)  # the CPU's per-tensor form
+    # (not vacuous: the outlier saturates, or with p = inf, M = max|x|, it reaches L/2)
+    assert got.abs().max() == (levels if p < math.inf else round(levels / 2))

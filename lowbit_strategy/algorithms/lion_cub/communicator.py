@@ -52,7 +52,7 @@ from lowbit_strategy.algorithms.lion_cub.mode import (
     measure_codec_seconds,
     resolve_mode,
 )
-from lowbit_strategy.codecs import lp_quantize_levels, sign_bits
+from lowbit_strategy.codecs import lp_quantize_many, sign_bits
 from lowbit_strategy.collectives import full_allreduce, wire
 from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.agreement import agree, check_same
@@ -297,7 +297,7 @@ class LionCommunicator:
         group = self.sync_group
         if plan.mode == "lp":
             p = lion_section(self.config).p
-            payload = torch.cat([lp_quantize_levels(c.reshape(-1), plan.levels, p, validate=False) for c in chunk])
+            payload = lp_quantize_many(chunk, plan.levels, p)  # each vector its own scale (Eq. 1)
         else:
             payload = buckets.flatten(chunk)
         n = payload.numel()
