@@ -49,3 +49,27 @@ def ready(t: torch.Tensor) -> torch.Tensor:
     if copied is not None:
         torch.cuda.current_stream(t.device).wait_event(copied)
     return t
+
+
+def made_here(t: torch.Tensor) -> torch.Tensor:
+    """``t``, computed on the device by the current stream, marked so that :func:`ready` makes
+    any other stream that later reads it (from a cache) wait for that computation: an event
+    recorded now, as :func:`to_device` records one after its copy. A no-op off CUDA."""
+    if t.is_cuda:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        t._lowbit_copied = done  # type: ignore[attr-defined]
+    return t
+
+
+def remember(cache: dict, key, make, most: int = 64) -> torch.Tensor:
+    """``cache[key]``, made by ``make()`` (marked by :func:`made_here`) the first time; the
+    oldest entry is dropped past ``most`` (layouts repeat every step: a few entries serve a
+    run). Returned through :func:`ready`."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = made_here(make())  # (make may fill the cache itself)
+        while len(cache) >= most:
+            cache.pop(next(iter(cache)))
+        cache[key] = hit
+    return ready(hit)

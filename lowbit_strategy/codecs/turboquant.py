@@ -80,7 +80,7 @@ import torch
 
 from lowbit_strategy.codecs import turboquant_torch
 from lowbit_strategy.codecs.bits import unpack
-from lowbit_strategy.codecs.device_cache import grown, ready, to_device
+from lowbit_strategy.codecs.device_cache import grown, ready, remember, to_device
 from lowbit_strategy.codecs.hadamard import DEFAULT_BLOCK, check_rotation_block, check_seed, hadamard_signs
 from lowbit_strategy.codecs.lloyd_max import check_bits, lloyd_max_codebook
 
@@ -184,6 +184,8 @@ class TurboQuantCodec:
         #: the signs of n elements are its first n (see :meth:`signs`)
         self._signs: dict[torch.device, torch.Tensor] = {}
         self._sign_bits: dict[torch.device, torch.Tensor] = {}
+        #: per (device, n, m): the float signs of a call's tail; per (device, m, rows, "rows"): a row call's bits
+        self._sign_tails: dict[tuple, torch.Tensor] = {}
         if backend == "triton":
             triton_module()._require()  # fail at construction, naming the fix
 
@@ -253,8 +255,22 @@ class TurboQuantCodec:
             self._sign_bits, device, n, lambda length: triton_module().sign_bits(hadamard_signs(length, self.seed))
         )
         lo = m // 8
-        tail = unpack(bits[lo : -(-n // 8)], 1, n - 8 * lo)[m - 8 * lo :]
-        return bits, tail.to(torch.float32).mul_(-2.0).add_(1.0)  # bit 1: negative
+
+        def tail() -> torch.Tensor:  # bit 1: negative
+            return unpack(bits[lo : -(-n // 8)], 1, n - 8 * lo)[m - 8 * lo :].to(torch.float32).mul_(-2.0).add_(1.0)
+
+        # the same signs every call for (n, m): kept, not unpacked again (4 launches per codec call)
+        return bits, remember(self._sign_tails, (device, n, m), tail)
+
+    def _row_sign_bits(self, m: int, rows: int, device: torch.device) -> torch.Tensor:
+        """The packed signs of ``rows`` payloads of ``m`` elements laid end to end (each row the
+        stream's first ``m``): what the row kernels read, kept per ``(m, rows)``."""
+        device = torch.device(device)
+        return remember(
+            self._sign_tails,
+            (device, m, rows, "rows"),
+            lambda: self._triton_signs(m, m, device)[0][: m // 8].repeat(rows),
+        )
 
     def _encode_torch(self, v: torch.Tensor, signs, scale, *, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`.turboquant_torch.encode` with this codec's settings."""

@@ -40,7 +40,7 @@ def decode_rows(codec: TurboQuantCodec, codes: torch.Tensor, scales: torch.Tenso
             return torch.stack([codec.decode(_row_payload(codec, codes[r], scales[r], m)) for r in range(rows)])
         tt, q = turboquant.triton_module(), m // b
         out = torch.empty(rows * m, dtype=torch.float32, device=device)
-        bits = codec._triton_signs(m, m, device)[0][: m // 8].repeat(rows) if codec.rotate else None
+        bits = codec._row_sign_bits(m, rows, device) if codec.rotate else None
         tt.decode_blocks(
             codes.contiguous().view(-1),
             rows * q,
@@ -79,7 +79,7 @@ def encode_rows(codec: TurboQuantCodec, x: torch.Tensor, scale=None) -> tuple[to
         tt = turboquant.triton_module()
         codes = torch.empty(rows * k, dtype=torch.uint8, device=device)
         scales = torch.empty(rows * g, dtype=torch.float32, device=device)
-        bits = codec._triton_signs(m, m, device)[0][: m // 8].repeat(rows) if codec.rotate else None
+        bits = codec._row_sign_bits(m, rows, device) if codec.rotate else None
         tt.encode_blocks(
             x.contiguous().view(-1),
             rows * g,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_strategy.codecs import TurboQuantCodec, lloyd_max_codebook, unpack
-from lowbit_strategy.codecs.hadamard import blocked_fwht
+from lowbit_strategy.codecs.hadamard import blocked_fwht, hadamard_signs
 from lowbit_strategy.codecs.turboquant_rows import decode_rows, encode_rows
 from tests.codecs.triton_checks import assert_ok_on_cuda, compiled_figures, import_interpreted, need_triton, same_bits
 
@@ -321,3 +321,20 @@ def test_signed_zeros_decode_as_torch(bits):
     assert (d == 0).any() and torch.signbit(d[d == 0]).any(), "the case must hold negative zeros"
     assert same_bits(fused.decode(p), d)
     assert_same(ref, fused, torch.zeros(128))
+
+
+def test_sign_tails_and_row_bits_are_kept_and_are_the_stream():
+    """The tail signs and the rows' sign bits are made once per layout (not per call: four and
+    one launches saved per codec call on a GPU) and are the seed's rotation signs."""
+    codec = TurboQuantCodec(4, seed=3, block=64, backend="triton")
+    bits, tail = codec._triton_signs(1000, 960, "cpu")
+    again = codec._triton_signs(1000, 960, "cpu")[1]
+    assert again is tail and torch.equal(tail, hadamard_signs(1000, 3)[960:])
+    other = codec._triton_signs(1003, 960, "cpu")[1]  # another layout: its own entry
+    assert torch.equal(other, hadamard_signs(1003, 3)[960:])
+    rows = codec._row_sign_bits(128, 3, "cpu")
+    assert rows is codec._row_sign_bits(128, 3, "cpu") and torch.equal(rows, bits[:16].repeat(3))
+    for _ in range(70):  # bounded: the oldest entries go
+        codec._triton_signs(2048, 1024 + 64 * (_ % 16), "cpu")
+        codec._row_sign_bits(64, 1 + _, "cpu")
+    assert len(codec._sign_tails) <= 64
