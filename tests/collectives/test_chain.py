@@ -47,7 +47,11 @@ SCRIPT = textwrap.dedent(
 
     class SlowRelease:  # what a callback holds: its destructor runs on the worker thread
         def __del__(self):
-            time.sleep(0.3)  # the GIL released: the count is already down, the thread not done
+            if sys.argv[1] == "count-only-release":  # certain: still running when finalization starts
+                while not sys.is_finalizing():
+                    time.sleep(0.001)
+            else:
+                time.sleep(0.3)  # the GIL released: the count is already down, the thread not done
             print("released", flush=True)
 
     if sys.argv[1].endswith("release"):  # the callback runs past the script's end; releasing it takes long
