@@ -186,7 +186,7 @@ class Study:
             return DEMO[config][0]
         if config in FORMS:
             return FORMS[config]
-        wire = f"warmup_wire={getattr(self.args, 'warmup_wire', 'bf16')}" if config in WIRED else ""
+        wire = f"warmup_wire={wire_of(getattr(self.args, 'warmup_wire', 'bf16'), config)}" if config in WIRED else ""
         if config not in LINK_PLANNED:
             return wire
         return with_pin(",".join(filter(None, (
@@ -297,6 +297,30 @@ class Study:
         print(f"    {rec['steps']} steps, {sum(rec['step_s']):.1f} s of training{last}; {wall:.0f} s in all",
               flush=True)
         return rec
+
+
+def parse_wire(text: str) -> str:
+    """``--warmup-wire``: one wire for every :data:`WIRED` configuration (``bf16``, ``fp32``), or a
+    default and per-configuration exceptions, ``fp32,lowbit_adam=bf16`` (a study moving to a new
+    wire one configuration at a time keeps every row's runs consistent with themselves)."""
+    default, *pairs = [t.strip() for t in text.split(",")]
+    wires = {"bf16", "fp32"}
+    if default not in wires:
+        raise argparse.ArgumentTypeError(f"--warmup-wire {text!r}: the first item is the default wire, one of "
+                                         f"{sorted(wires)}, got {default!r}")
+    for pair in pairs:
+        config, _, wire = pair.partition("=")
+        if config not in WIRED or wire not in wires:
+            raise argparse.ArgumentTypeError(
+                f"--warmup-wire {text!r}: {pair!r} is not CONFIG=WIRE with CONFIG one of {sorted(WIRED)} and WIRE "
+                f"one of {sorted(wires)}")
+    return ",".join([default, *pairs])
+
+
+def wire_of(text: str, config: str) -> str:
+    """The warm-up wire ``--warmup-wire`` (:func:`parse_wire`'s form) gives ``config``."""
+    default, *pairs = text.split(",")
+    return dict(p.split("=") for p in pairs).get(config, default)
 
 
 def recorded_wire(settings: dict) -> dict:
@@ -520,9 +544,10 @@ def main(argv=None) -> int:
     parser.add_argument("--powersgd-start", default=None, help="PowerSGD fp32 warm-up: N or P%% (default torch's)")
     parser.add_argument("--model", default="", metavar="KEY=VALUE,...",
                         help=f"model/data changes to the preset's {MODEL} (e.g. d_model=64,layers=2)")
-    parser.add_argument("--warmup-wire", default="bf16", choices=("bf16", "fp32"),
-                        help="LowBitConfig.warmup_wire of the configurations with an uncompressed phase (fp32: the "
-                             "runs made before the field, 2026-11-29)")
+    parser.add_argument("--warmup-wire", default="bf16", type=parse_wire, metavar="WIRE[,CONFIG=WIRE...]",
+                        help="LowBitConfig.warmup_wire (bf16 or fp32) of the configurations with an uncompressed "
+                             "phase, and per-configuration exceptions (fp32,lowbit_adam=bf16); fp32: the runs made "
+                             "before the field, 2026-11-29")
     parser.add_argument("--no-bound", action="store_true",
                         help="no comm-free timing runs (the bound each method is a fraction of)")
     parser.add_argument("--skip-existing", action="store_true", help="keep runs whose JSON has the same settings")
@@ -581,10 +606,14 @@ def main(argv=None) -> int:
                 "warmup_wire": args.warmup_wire}
     if args.report_only:
         study.load_only = True
-        if (out / "ttq.json").exists():  # the date and duration of the run that made it
-            before = json.loads((out / "ttq.json").read_text())
+        before = json.loads((out / "ttq.json").read_text()) if (out / "ttq.json").exists() else None
+        same = before is not None and all(before["settings"].get(k) == settings[k]
+                                          for k in ("configs", "links", "warmup_wire", "seeds"))
+        if same:  # the same study again: the date and duration of the run that made it
             settings.update({k: before["settings"][k] for k in ("date", "total_seconds") if k in before["settings"]})
             command = before["command"]
+        else:  # another selection of the recorded runs: this command makes it, the runs say when they ran
+            settings["report_only"] = True
         ttq_report.write(out, settings, command, machine(), execute(study, configs, seeds, factors, swept, validate))
         return 0
     n_quality = 0 if args.timing_only else sum(len(factors) - 1 + len(seeds) if c in swept else len(seeds)

@@ -168,10 +168,19 @@ def validation(full: dict, link: dict, runs: dict, settings: dict) -> dict:
            "projected_seconds_to_target": proj.get("seconds_to_target"), "full_final_val": full["evals"][-1][2],
            "quality_final_val": proj.get("final_val"), "plan_full": full["plan"], "plan_quality": proj.get("plan"),
            "other_load": full.get("other_load"), "timing_other_load": row.get("timing_other_load")}
+    # a projection from step times that other code (or another machine, since: a retime) measured says
+    # nothing about this run's: shown, not compared
+    out["same_code"] = full.get("code") == row.get("timing_code")
     for what in ("seconds", "seconds_to_target"):
         m, p = out[f"measured_{what}"], out[f"projected_{what}"]
-        out[f"error_{what}"] = (p - m) / m if m and p is not None else None
+        out[f"error_{what}"] = (p - m) / m if m and p is not None and out["same_code"] else None
     return out
+
+
+def err(v: dict, what: str) -> str:
+    """A validation row's projection error, or why there is none: the full run and the timing run
+    it is projected from were made by other code (:func:`benchmarks.ttq.driver.code_fingerprint`)."""
+    return _f(v[f"error_{what}"], "{:+.1%}") if v.get("same_code", True) else "timed by other code"
 
 
 def _f(x, fmt="{:.1f}") -> str:
@@ -348,8 +357,10 @@ def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict
 def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
     m, mod = machine, settings["model"]
     params = next((r["params"] for r in result.get("_any", [])), None)
+    made = (f"a report of the recorded runs (each run's date and code are in its JSON under `runs/`)"
+            if settings.get("report_only") else f"{settings.get('total_seconds', '?')} s in all")
     out = [f"# Time to quality: 2 emulated nodes x 2 ranks\n\n`{command}` — {settings.get('date', '')}, "
-           f"{settings.get('total_seconds', '?')} s in all.\n\n",
+           f"{made}.\n\n",
            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} (gloo), one torch thread per rank\n",
            f"- model: examples/gpt_lion.py GPT d_model {mod['d_model']}, {mod['layers']} layers, {mod['heads']} heads, "
            f"seq {mod['seq']}{f', {params:,} parameters' if params else ''}; batch {mod['batch']} per rank; "
@@ -364,7 +375,7 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            "- baselines: " + "; ".join(f"{k}: {v}" for k, v in HOOKS.items() if k != "local") +
            f"; PowerSGD {settings['powersgd']}\n",
            f"- compression warm-ups (uncompressed steps): {settings['switch']}; they and every `auto` fallback "
-           f"send `warmup_wire={settings.get('warmup_wire', 'fp32')}`\n",
+           f"send {wires_said(settings.get('warmup_wire', 'fp32'))}\n",
            "- **comm-free bound**: DDP whose hook keeps each rank's gradient (the same computation, nothing on "
            "the wire; not a method), timed on each link; DDP fp32's steps to a target at its step time are the "
            "bound, and **of bound** is the bound's time over a method's (1.00: as fast as no communication)\n",
@@ -390,8 +401,8 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
                "other load (timing / full run) |\n|---|---|---:|---:|---:|---:|---:|---:|---|---|---|\n")
     for v in result["validation"]:
         out.append(f"| {v['config']} | {v['link']} | {_f(v['measured_seconds'])} | {_f(v['projected_seconds'])} | "
-                   f"{_f(v['error_seconds'], '{:+.1%}')} | {_f(v['measured_seconds_to_target'])} | "
-                   f"{_f(v['projected_seconds_to_target'])} | {_f(v['error_seconds_to_target'], '{:+.1%}')} | "
+                   f"{err(v, 'seconds')} | {_f(v['measured_seconds_to_target'])} | "
+                   f"{_f(v['projected_seconds_to_target'])} | {err(v, 'seconds_to_target')} | "
                    f"{_f(v['full_final_val'], '{:.4f}')} / {_f(v['quality_final_val'], '{:.4f}')} | "
                    f"{plan_check(v['config'], v['plan_full'], [v['plan_quality'] or []])} | "
                    f"{_f(v['timing_other_load'], '{:.0%}')} / {_f(v['other_load'], '{:.0%}')} |\n")
@@ -469,6 +480,14 @@ def plot(result: dict, runs: dict, settings: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def wires_said(text: str) -> str:
+    """``--warmup-wire``'s value in words: ``fp32,lowbit_adam=bf16`` -> "`warmup_wire=fp32`, except
+    lowbit_adam: `bf16`"."""
+    default, *pairs = text.split(",")
+    said = f"`warmup_wire={default}`"
+    return said + (", except " + ", ".join(f"{c}: `{w}`" for c, w in (p.split("=") for p in pairs)) if pairs else "")
 
 
 def write(out: Path, settings: dict, command: str, machine: dict, runs: dict) -> dict:

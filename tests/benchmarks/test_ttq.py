@@ -5,8 +5,10 @@ report's tables from run records. No training here (the slow tier runs the worke
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -167,6 +169,32 @@ def test_report_projects_loopback_losses_onto_link_step_times(tmp_path):
     md = (tmp_path / "ttq.md").read_text()
     assert "not reached" in md and "DDP bf16 + AdamW" in md and (tmp_path / "ttq_loss.png").exists()
     assert "fastest to the target: DDP bf16 + AdamW" in md
+    assert "? s in all" in md  # the header: how long the study took (unknown here)
+    ttq_report.write(tmp_path, {**settings, "report_only": True}, "test --report-only", {"cpu": "x", "cores": 2,
+                                                                                       "torch": "t"}, runs)
+    header = (tmp_path / "ttq.md").read_text().splitlines()[2]
+    assert header.startswith("`test --report-only`") and "a report of the recorded runs" in header, header
+
+
+def test_a_full_run_is_compared_only_with_a_projection_its_own_code_timed(tmp_path):
+    """A full run on the link checks the projection of its timing run; after a retime by other code
+    (or on another machine) the error columns say so instead of a number."""
+    configs = ["ddp_adamw", "ddp_bf16_adamw"]
+    settings, runs = _one_link_study(configs, {"ddp_adamw": 2.0, "ddp_bf16_adamw": 2.0},
+                                     {"ddp_adamw": 0.2, "ddp_bf16_adamw": 0.1})
+    full = {**_quality("ddp_bf16_adamw", 1e-3, 0, 2.0), "link": "1gbit", "step_s": [0.11] * 100}
+    for code, same in (("abc", True), ("old", False)):
+        runs["timing"][("ddp_bf16_adamw", "1gbit")]["code"] = "abc"
+        runs["full"] = [{**full, "code": code}]
+        result = ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
+        v = result["validation"][0]
+        line = next(ln for ln in (tmp_path / "ttq.md").read_text().splitlines() if ln.startswith("| ddp_bf16_adamw"))
+        if same:
+            assert v["error_seconds"] == pytest.approx((v["projected_seconds"] - 11.0) / 11.0)
+            assert "timed by other code" not in line
+        else:
+            assert v["error_seconds"] is None and v["error_seconds_to_target"] is None
+            assert line.count("timed by other code") == 2, line
 
 
 def _one_link_study(configs, slopes, step_s, bound=None):
@@ -405,6 +433,26 @@ def test_runs_recorded_before_warmup_wire_are_its_fp32_runs(tmp_path):
             kept = study.load(path, wanted) is not None
             assert kept == (config == "ddp_adamw" or wire == "fp32"), (config, wire)
     assert study.quality_settings("lowbit_adam", gbit, 1e-3, 0)["lowbit"] == "warmup_wire=bf16"
+
+
+def test_warmup_wire_per_configuration():
+    """``--warmup-wire fp32,lowbit_adam=bf16``: the exception's runs ask for bf16, every other wired
+    configuration for the default; a bad item names itself and the choices; the report says it."""
+    base = dict(links="1gbit", model=[("d_model", 32)], max_minutes=1, val_batches=2, lr_warmup=0, steps=100,
+                timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10)
+    gbit = parse_link("1gbit")
+    wire = ttq.parse_wire("fp32, lowbit_adam=bf16")
+    study = ttq.Study(SimpleNamespace(**base, warmup_wire=wire), Path("/nonexistent"))
+    assert study.quality_settings("lowbit_adam", gbit, 1e-3, 0)["lowbit"] == "warmup_wire=bf16"
+    assert study.quality_settings("lowbit_lamb", gbit, 1e-3, 0)["lowbit"] == "warmup_wire=fp32"
+    assert study.timing_settings("ddp_adamw", gbit)["lowbit"] == ""
+    assert ttq.wire_of("bf16", "lowbit_lamb") == "bf16"
+    for bad, named in (("int8", "'int8'"), ("fp32,ddp_adamw=bf16", "'ddp_adamw=bf16'"),
+                       ("fp32,lowbit_adam=fp16", "'lowbit_adam=fp16'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            ttq.parse_wire(bad)
+    assert ttq_report.wires_said(wire) == "`warmup_wire=fp32`, except lowbit_adam: `bf16`"
+    assert ttq_report.wires_said("bf16") == "`warmup_wire=bf16`"
 
 
 def test_the_timing_run_that_chose_a_plan_is_kept_when_its_plan_is_pinned():
