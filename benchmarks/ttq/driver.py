@@ -317,6 +317,24 @@ def parse_wire(text: str) -> str:
     return ",".join([default, *pairs])
 
 
+def parse_lrs(text: str) -> dict[str, float]:
+    """``--lr lowbit_lamb=0.006,...``: configurations run at that learning rate, not swept (an
+    earlier sweep's choice, kept where a configuration is run again with other settings, e.g. a
+    new warm-up wire, rather than swept again at 4 runs of 15 minutes)."""
+    out: dict[str, float] = {}
+    for pair in filter(None, (t.strip() for t in text.split(","))):
+        config, _, value = pair.partition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = -1.0
+        if config not in CONFIGS or not lr > 0:
+            raise argparse.ArgumentTypeError(f"--lr {text!r}: {pair!r} is not CONFIG=LR with CONFIG a configuration "
+                                             f"and LR > 0, e.g. lowbit_lamb=0.006")
+        out[config] = lr
+    return out
+
+
 def wire_of(text: str, config: str) -> str:
     """The warm-up wire ``--warmup-wire`` (:func:`parse_wire`'s form) gives ``config``."""
     default, *pairs = text.split(",")
@@ -483,8 +501,9 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
         order = sorted(dict.fromkeys(keys.values()), key=lambda kv: kv[0].split("@")[0] not in REFERENCE.values())
         for key, plan_link in order:
             config = key.split("@")[0]
-            centre = runs["centre"][key] = centre_lr(config, runs["chosen"])
-            lrs = lrs_of(centre, factors) if config in swept else lrs_of(centre, [1.0])
+            fixed = getattr(study.args, "lr", None) or {}
+            centre = runs["centre"][key] = fixed.get(config) or centre_lr(config, runs["chosen"])
+            lrs = lrs_of(centre, factors) if config in swept and config not in fixed else lrs_of(centre, [1.0])
             final, runs["quality"][key] = {}, {}
             for lr in lrs:
                 rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
@@ -492,7 +511,7 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                 if rec and rec["evals"]:
                     final[lr] = rec["evals"][-1][2]
                     runs["quality"][key][(lr, seeds[0])] = rec
-            for _ in range(study.args.sweep_extend if config in swept else 0):
+            for _ in range(study.args.sweep_extend if config in swept and config not in fixed else 0):
                 lr = beyond_edge(final, centre)
                 if lr is None:
                     break
@@ -537,6 +556,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lr-factors", default=None, help="the sweep: centre lr (centre_lr) x these (seed 0)")
     parser.add_argument("--sweep", default=None,
                         help="configs swept ('all' or comma-separated); others: their centre lr")
+    parser.add_argument("--lr", type=parse_lrs, default={}, metavar="CONFIG=LR,...",
+                        help="these configurations at this lr, not swept (an earlier sweep's choice)")
     parser.add_argument("--sweep-extend", type=int, default=None,
                         help="while a swept config's best lr is the lowest or highest tried, try half or twice it, "
                              "at most this many times (full study 4, --quick 0)")
@@ -603,7 +624,7 @@ def main(argv=None) -> int:
                                                                         args.powersgd_start)},
                 "switch": switch,
                 "latency_us_for_plans": LATENCY_US, "default_lr": DEFAULT_LR, "code": study.code,
-                "warmup_wire": args.warmup_wire}
+                "warmup_wire": args.warmup_wire, "fixed_lr": args.lr}
     if args.report_only:
         study.load_only = True
         before = json.loads((out / "ttq.json").read_text()) if (out / "ttq.json").exists() else None

@@ -372,6 +372,9 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
            "optimizer's default times the factor its reference (DDP + AdamW, or DDP + Lion for Lion) moved by; "
            f"extended by half or twice the best while it is the lowest or highest tried, up to "
            f"{settings.get('sweep_extend', 0)} times\n",
+           (f"- learning rates fixed, not swept in these runs (an earlier sweep's choice, `--lr`): "
+            f"{', '.join(f'{c} {lr:g}' for c, lr in settings['fixed_lr'].items())}\n"
+            if settings.get("fixed_lr") else ""),
            "- baselines: " + "; ".join(f"{k}: {v}" for k, v in HOOKS.items() if k != "local") +
            f"; PowerSGD {settings['powersgd']}\n",
            f"- compression warm-ups (uncompressed steps): {settings['switch']}; they and every `auto` fallback "
@@ -411,7 +414,9 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
     for key, s in result["sweep"].items():
         vals = ", ".join(f"{lr}: {v:.4f}" for lr, v in s["final_val"].items())
         centre = f"{s['centre']:g}" if s.get("centre") is not None else "–"
-        out.append(f"| {key} | {centre} | {vals} | {s['chosen']:g}{' (at the sweep edge)' if s['at_edge'] else ''} |\n")
+        fixed = key.split("@")[0] in settings.get("fixed_lr", {})
+        note = " (fixed: --lr)" if fixed else " (at the sweep edge)" if s["at_edge"] else ""
+        out.append(f"| {key} | {centre} | {vals} | {s['chosen']:g}{note} |\n")
     out.append("\n## Plans and topology (timing runs)\n\n")
     for link, data in result["links"].items():
         for config, r in data["rows"].items():
@@ -426,7 +431,17 @@ def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
         out.append(f"\n**Timed by other code** than this report's ({settings.get('code')}): {len(stale)} timing "
                    f"run(s), {', '.join(stale)}. Their step times may not be today's; "
                    "`python -m benchmarks.ttq --skip-existing --retime` times them again.\n")
+    loaded = sorted(f"{c}@{link} ({r['timing_other_load']:.0%})" for link, data in result["links"].items()
+                    for c, r in data["rows"].items() if (r.get("timing_other_load") or 0) > LOADED)
+    if loaded:
+        out.append(f"\n**Timed under other load** (over {LOADED:.0%} of the cores busy with other work): "
+                   f"{', '.join(loaded)}. Their step times are slower than an idle machine's; delete those "
+                   "timing runs and run the study again with `--skip-existing` on an idle machine.\n")
     return "".join(out)
+
+
+#: a timing run made while more than this share of the cores did other work is flagged in the report
+LOADED = 0.05
 
 
 def plan_check(config: str, timing_plan: list[str], quality_plans: list[list[str]]) -> str:

@@ -170,10 +170,55 @@ def test_report_projects_loopback_losses_onto_link_step_times(tmp_path):
     assert "not reached" in md and "DDP bf16 + AdamW" in md and (tmp_path / "ttq_loss.png").exists()
     assert "fastest to the target: DDP bf16 + AdamW" in md
     assert "? s in all" in md  # the header: how long the study took (unknown here)
+    assert "Timed under other load" not in md
+    runs["timing"][("lowbit_adam", "1gbit")]["other_load"] = 0.12
+    ttq_report.write(tmp_path, settings, "test", {"cpu": "x", "cores": 2, "torch": "t"}, runs)
+    assert "**Timed under other load** (over 5% of the cores busy with other work): lowbit_adam@1gbit (12%)" in \
+        (tmp_path / "ttq.md").read_text()
     ttq_report.write(tmp_path, {**settings, "report_only": True}, "test --report-only", {"cpu": "x", "cores": 2,
                                                                                        "torch": "t"}, runs)
     header = (tmp_path / "ttq.md").read_text().splitlines()[2]
     assert header.startswith("`test --report-only`") and "a report of the recorded runs" in header, header
+
+
+def test_a_fixed_lr_is_parsed_run_and_said():
+    """``--lr lowbit_lamb=0.006``: that configuration's only lr (no sweep, no extension); a bad pair
+    names itself."""
+    assert ttq.parse_lrs("lowbit_lamb=0.006, lowbit_adam=7.5e-4") == {"lowbit_lamb": 0.006, "lowbit_adam": 7.5e-4}
+    assert ttq.parse_lrs("") == {}
+    for bad in ("nope=0.1", "lowbit_lamb=x", "lowbit_lamb=0", "lowbit_lamb"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad.strip())):
+            ttq.parse_lrs(bad)
+    settings, runs = _one_link_study(["ddp_adamw", "lowbit_adam"], {"ddp_adamw": 2.0, "lowbit_adam": 2.0},
+                                     {"ddp_adamw": 0.2, "lowbit_adam": 0.1})
+    settings["fixed_lr"] = {"lowbit_adam": 1e-3}
+    md = ttq_report.markdown(ttq_report.analyse(settings, runs), settings, "test", {"cpu": "x", "cores": 2, "torch": "t"})
+    assert "learning rates fixed, not swept in these runs (an earlier sweep's choice, `--lr`): lowbit_adam 0.001" in md
+    assert "| lowbit_adam | – | 0.001: 3.0000 | 0.001 (fixed: --lr) |" in md
+
+
+def test_a_fixed_lr_is_the_only_lr_its_configuration_runs(tmp_path):
+    """``execute`` with ``--lr lowbit_lamb=0.006``: lowbit_lamb runs 0.006 for every seed, nothing
+    swept or extended; a swept configuration beside it still runs its sweep."""
+    args = SimpleNamespace(links="1gbit", model=[("d_model", 32)], max_minutes=1, val_batches=2, lr_warmup=0,
+                           steps=100, timing_warm=5, timing_main=5, powersgd_start=None, eval_every=10,
+                           warmup_wire="bf16", sweep_extend=2, lr={"lowbit_lamb": 0.006}, no_bound=True)
+    study = ttq.Study(args, tmp_path)
+    study.load_only = True
+    asked = []
+
+    def run(kind, name, settings, link=None, net=None):
+        asked.append(name)
+        final = 3.0 - settings["lr"] if kind == "quality" else 0.0  # the highest lr best: an edge every time
+        return {"config": settings["config"], "plan": [], "evals": [(1, 0.0, final)], "lr": settings["lr"]}
+
+    study.run = run
+    runs = ttq.execute(study, ["ddp_adamw", "lowbit_lamb"], [0, 1], [0.5, 1.0, 2.0], ["ddp_adamw", "lowbit_lamb"], [])
+    lamb = [n for n in asked if n.startswith("lowbit_lamb_")]
+    assert lamb == ["lowbit_lamb_lr0.006_seed0", "lowbit_lamb_lr0.006_seed1"], lamb
+    assert runs["chosen"]["lowbit_lamb"] == 0.006
+    adamw = [n for n in asked if n.startswith("ddp_adamw_") and n.endswith("seed0")]
+    assert len(adamw) == 3 + 2  # the sweep and its two extensions
 
 
 def test_a_full_run_is_compared_only_with_a_projection_its_own_code_timed(tmp_path):
