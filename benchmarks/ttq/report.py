@@ -357,7 +357,7 @@ def _own_fact(link: str, fam: str, own: float | None, rows: dict, settings: dict
 def markdown(result: dict, settings: dict, command: str, machine: dict) -> str:
     m, mod = machine, settings["model"]
     params = next((r["params"] for r in result.get("_any", [])), None)
-    made = (f"a report of the recorded runs (each run's date and code are in its JSON under `runs/`)"
+    made = ("a report of the recorded runs (each run's date and code are in its JSON under `runs/`)"
             if settings.get("report_only") else f"{settings.get('total_seconds', '?')} s in all")
     out = [f"# Time to quality: 2 emulated nodes x 2 ranks\n\n`{command}` — {settings.get('date', '')}, "
            f"{made}.\n\n",

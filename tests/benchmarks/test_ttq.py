@@ -192,7 +192,8 @@ def test_a_fixed_lr_is_parsed_run_and_said():
     settings, runs = _one_link_study(["ddp_adamw", "lowbit_adam"], {"ddp_adamw": 2.0, "lowbit_adam": 2.0},
                                      {"ddp_adamw": 0.2, "lowbit_adam": 0.1})
     settings["fixed_lr"] = {"lowbit_adam": 1e-3}
-    md = ttq_report.markdown(ttq_report.analyse(settings, runs), settings, "test", {"cpu": "x", "cores": 2, "torch": "t"})
+    machine = {"cpu": "x", "cores": 2, "torch": "t"}
+    md = ttq_report.markdown(ttq_report.analyse(settings, runs), settings, "test", machine)
     assert "learning rates fixed, not swept in these runs (an earlier sweep's choice, `--lr`): lowbit_adam 0.001" in md
     assert "| lowbit_adam | – | 0.001: 3.0000 | 0.001 (fixed: --lr) |" in md
 
