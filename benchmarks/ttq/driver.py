@@ -299,22 +299,28 @@ class Study:
         return rec
 
 
+def split_wire(text: str) -> tuple[str, dict[str, str]]:
+    """``--warmup-wire``'s form, ``fp32,lowbit_adam=bf16``: (the default wire, the exceptions by
+    configuration)."""
+    default, *pairs = [t.strip() for t in text.split(",")]
+    return default, dict(pair.partition("=")[::2] for pair in pairs)
+
+
 def parse_wire(text: str) -> str:
     """``--warmup-wire``: one wire for every :data:`WIRED` configuration (``bf16``, ``fp32``), or a
     default and per-configuration exceptions, ``fp32,lowbit_adam=bf16`` (a study moving to a new
     wire one configuration at a time keeps every row's runs consistent with themselves)."""
-    default, *pairs = [t.strip() for t in text.split(",")]
+    default, exceptions = split_wire(text)
     wires = {"bf16", "fp32"}
     if default not in wires:
         raise argparse.ArgumentTypeError(f"--warmup-wire {text!r}: the first item is the default wire, one of "
                                          f"{sorted(wires)}, got {default!r}")
-    for pair in pairs:
-        config, _, wire = pair.partition("=")
+    for config, wire in exceptions.items():
         if config not in WIRED or wire not in wires:
             raise argparse.ArgumentTypeError(
-                f"--warmup-wire {text!r}: {pair!r} is not CONFIG=WIRE with CONFIG one of {sorted(WIRED)} and WIRE "
-                f"one of {sorted(wires)}")
-    return ",".join([default, *pairs])
+                f"--warmup-wire {text!r}: '{config}={wire}' is not CONFIG=WIRE with CONFIG one of {sorted(WIRED)} "
+                f"and WIRE one of {sorted(wires)}")
+    return ",".join([default, *(f"{c}={w}" for c, w in exceptions.items())])
 
 
 def parse_lrs(text: str) -> dict[str, float]:
@@ -337,8 +343,8 @@ def parse_lrs(text: str) -> dict[str, float]:
 
 def wire_of(text: str, config: str) -> str:
     """The warm-up wire ``--warmup-wire`` (:func:`parse_wire`'s form) gives ``config``."""
-    default, *pairs = text.split(",")
-    return dict(p.split("=") for p in pairs).get(config, default)
+    default, exceptions = split_wire(text)
+    return exceptions.get(config, default)
 
 
 def recorded_wire(settings: dict) -> dict:
@@ -499,11 +505,12 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
         runs["keys"] = {k: v[0] for k, v in keys.items()}
         # the references first (their chosen lr centres the others' sweeps), then in the given order
         order = sorted(dict.fromkeys(keys.values()), key=lambda kv: kv[0].split("@")[0] not in REFERENCE.values())
+        fixed = getattr(study.args, "lr", None) or {}
         for key, plan_link in order:
             config = key.split("@")[0]
-            fixed = getattr(study.args, "lr", None) or {}
+            sweeping = config in swept and config not in fixed
             centre = runs["centre"][key] = fixed.get(config) or centre_lr(config, runs["chosen"])
-            lrs = lrs_of(centre, factors) if config in swept and config not in fixed else lrs_of(centre, [1.0])
+            lrs = lrs_of(centre, factors if sweeping else [1.0])
             final, runs["quality"][key] = {}, {}
             for lr in lrs:
                 rec = study.run("quality", f"{key}_lr{lr:g}_seed{seeds[0]}",
@@ -511,7 +518,7 @@ def execute(study: Study, configs: list[str], seeds: list[int], factors: list[fl
                 if rec and rec["evals"]:
                     final[lr] = rec["evals"][-1][2]
                     runs["quality"][key][(lr, seeds[0])] = rec
-            for _ in range(study.args.sweep_extend if config in swept and config not in fixed else 0):
+            for _ in range(study.args.sweep_extend if sweeping else 0):
                 lr = beyond_edge(final, centre)
                 if lr is None:
                     break
@@ -631,7 +638,8 @@ def main(argv=None) -> int:
         same = before is not None and all(before["settings"].get(k) == settings[k]
                                           for k in ("configs", "links", "warmup_wire", "seeds"))
         if same:  # the same study again: the date and duration of the run that made it
-            settings.update({k: before["settings"][k] for k in ("date", "total_seconds") if k in before["settings"]})
+            settings.update({k: before["settings"][k] for k in ("date", "total_seconds", "report_only")
+                             if k in before["settings"]})
             command = before["command"]
         else:  # another selection of the recorded runs: this command makes it, the runs say when they ran
             settings["report_only"] = True

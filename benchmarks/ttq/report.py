@@ -500,9 +500,11 @@ def plot(result: dict, runs: dict, settings: dict, path: Path) -> None:
 def wires_said(text: str) -> str:
     """``--warmup-wire``'s value in words: ``fp32,lowbit_adam=bf16`` -> "`warmup_wire=fp32`, except
     lowbit_adam: `bf16`"."""
-    default, *pairs = text.split(",")
+    from benchmarks.ttq.driver import split_wire
+
+    default, exceptions = split_wire(text)
     said = f"`warmup_wire={default}`"
-    return said + (", except " + ", ".join(f"{c}: `{w}`" for c, w in (p.split("=") for p in pairs)) if pairs else "")
+    return said + (", except " + ", ".join(f"{c}: `{w}`" for c, w in exceptions.items()) if exceptions else "")
 
 
 def write(out: Path, settings: dict, command: str, machine: dict, runs: dict) -> dict:

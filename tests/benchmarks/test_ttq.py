@@ -546,3 +546,15 @@ def test_diloco_forms_carry_their_config_and_time_two_rounds(tmp_path):
         assert timing["lowbit"] == overrides == study.quality_settings(config, link, 1e-3, 0)["lowbit"]
         assert timing["steps"] == ta.STARTUP + max(5, 2 * h) and timing["switch"] == 0  # both syncs inside the main phase
     assert ttq.diloco_h("ddp_adamw") == 0 and study.timing_settings("ddp_adamw", link)["steps"] == ta.STARTUP + 5
+
+
+def test_a_report_of_recorded_runs_says_so_when_made_again(tmp_path):
+    """``--report-only`` over a selection no study ran says it is a report of recorded runs, and
+    says so again when the same selection is reported again (it then keeps the first's date)."""
+    argv = ["--configs", "ddp_adamw", "--links", "1gbit", "--validate", "", "--report-only", "--output", str(tmp_path)]
+    headers = []
+    for _ in range(2):
+        assert ttq.main(argv) == 0
+        headers.append((tmp_path / "ttq.md").read_text().splitlines()[2])
+    assert all("a report of the recorded runs" in h for h in headers), headers
+    assert headers[0] == headers[1]
