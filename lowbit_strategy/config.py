@@ -27,7 +27,7 @@ from typing import Any
 from lowbit_strategy import config_yaml
 from lowbit_strategy.algorithms import REGISTRY, Algorithm
 from lowbit_strategy.collectives import emulation
-from lowbit_strategy.collectives.exact import WARMUP_WIRES
+from lowbit_strategy.collectives.exact import WARMUP_WIRES, exact_wire
 from lowbit_strategy.pricing import link_probe
 from lowbit_strategy.section import SHARED_FIELDS, Section
 from lowbit_strategy.validation import (
@@ -70,7 +70,11 @@ class LowBitConfig:
             it (each gradient cast to bf16, divided by the workers, summed in bf16), half of
             DDP fp32's bytes and never more than DDP with bf16 communication sends; inside a
             node the reduction stays exact. ``fp32``: DDP's own exact mean, as the papers'
-            warm-ups run.
+            warm-ups run. ``int2`` (1-bit Adam/LAMB and TurboQuant-Adam only): their warm-ups
+            send BitDP's 2-bit channel codes with error feedback across nodes (an eighth of
+            bf16's bytes for the linear weights; the first two steps, and every gradient
+            BitDP does not code, in bf16: :mod:`~lowbit_strategy.algorithms.staged.warmup_codes`),
+            their fallbacks bf16. :attr:`exact_wire` is what uncompressed exchanges send.
         link_bandwidth_gbps, link_latency_us: the network the ``auto`` plans are made for
             (Gbit/s and µs per message), or ``"measure"`` (the default): at attach, every rank
             probes the link for well under 2 s and the slowest figure is used
@@ -176,6 +180,14 @@ class LowBitConfig:
         set_("fsdp_shard", as_choice("fsdp_shard", fsdp_shard, FSDP_SHARDS))
         set_("fsdp_reduce_scatter", as_choice("fsdp_reduce_scatter", fsdp_reduce_scatter, FSDP_REDUCE_SCATTERS))
         set_("fsdp_error_feedback", as_bool("fsdp_error_feedback", fsdp_error_feedback))
+        if self.warmup_wire == "int2" and not registry[self.algorithm].coded_warmup:
+            coded = ", ".join(n for n, a in registry.items() if a.coded_warmup)
+            raise ConfigError(
+                "warmup_wire",
+                warmup_wire,
+                f"int2 codes the warm-ups of {coded}; algorithm {self.algorithm!r} has none to code: "
+                "use 'bf16' (the default) or 'fp32'",
+            )
         values = self._route(sections, registry)
         set_("_sections", {name: algo.section.from_dict(values[name]) for name, algo in registry.items()})
 
@@ -221,6 +233,12 @@ class LowBitConfig:
     def section(self) -> Section:
         """The active algorithm's section."""
         return self._sections[self.algorithm]
+
+    @property
+    def exact_wire(self) -> str:
+        """What an uncompressed exchange sends (a fallback, Lion Cub's and BitDP's first steps):
+        :attr:`warmup_wire`, or ``bf16`` where that is ``int2``."""
+        return exact_wire(self.warmup_wire)
 
     @property
     def link(self) -> tuple[float, float]:

@@ -16,6 +16,19 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
     assert cfg.warmup_wire == "bf16"  # no fp32 phase unless asked
 
 
+def test_int2_warmup_wire_codes_the_staged_warmups_and_is_refused_elsewhere():
+    for algorithm in ("onebit_adam", "onebit_lamb", "turboquant"):
+        cfg = LowBitConfig(algorithm=algorithm, warmup_wire="int2")
+        assert (cfg.warmup_wire, cfg.exact_wire) == ("int2", "bf16")  # fallbacks and first steps: bf16
+    assert LowBitConfig(warmup_wire="fp32").exact_wire == "fp32"
+    for algorithm in ("lion", "bitdp"):
+        with pytest.raises(ConfigError) as err:
+            LowBitConfig(algorithm=algorithm, warmup_wire="int2")
+        msg = str(err.value)
+        assert "LowBitConfig.warmup_wire" in msg and "'int2'" in msg and "use 'bf16'" in msg, msg
+        assert "onebit_adam, onebit_lamb, turboquant" in msg and algorithm in msg
+
+
 @pytest.mark.parametrize(
     "field,value,allowed",
     [
@@ -25,7 +38,7 @@ def test_defaults_are_valid_and_every_registered_algorithm_has_a_section():
         ("bucket_size_mb", "big", "> 0"),
         ("bucket_size_mb", float("nan"), "finite"),
         ("warmup_steps", -3, "integer >= 0"),
-        ("warmup_wire", "int8", "allowed: bf16, fp32"),
+        ("warmup_wire", "int8", "allowed: bf16, fp32, int2"),
         ("link_bandwidth_gbps", -1, "> 0"),
         ("link_latency_us", -1, ">= 0"),
         ("debug", "maybe", "boolean"),

@@ -106,3 +106,22 @@ def ddp_adamw(
         loss(ddp, rank, step).backward()
         ref.step()
     return ddp
+
+
+def ddp_bitdp_adamw(rank: int, steps: int, *, lr: float, betas, eps: float, weight_decay: float):
+    """``(model, bytes sent)``: DDP with BitDP's own hook (2 bits, error feedback, bf16 for its
+    first two steps and for what it does not code) + ``torch.optim.AdamW`` for ``steps`` steps:
+    what the staged optimizers' warm-up with ``LowBitConfig(warmup_wire="int2")`` must equal."""
+    from lowbit_strategy import BitDPState, bitdp_hook
+    from lowbit_strategy.collectives.wire import TrafficLog
+
+    ddp = nn.parallel.DistributedDataParallel(model())
+    state = BitDPState(bits=2, error_feedback=True, warmup_wire="bf16", full_wire="bf16", model=ddp.module,
+                       traffic=TrafficLog())
+    ddp.register_comm_hook(state, bitdp_hook)
+    ref = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    for step in range(1, steps + 1):
+        ref.zero_grad()
+        loss(ddp, rank, step).backward()
+        ref.step()
+    return ddp, state.traffic.bytes_sent

@@ -114,6 +114,8 @@ BOUND = {"ddp_adamw": "calib_adamw", "ddp_lion": "calib_lion"}
 #: BitDP's two first iterations, an ``auto`` fallback): their runs carry it in their overrides
 WIRED = {"lowbit_lion", "lowbit_bitdp_adamw", "lowbit_bitdp_1bit_adamw", "lowbit_adam", "lowbit_lamb",
          "lowbit_turboquant"}
+#: the :data:`WIRED` configurations whose warm-up ``warmup_wire="int2"`` codes (the staged optimizers')
+CODED = {"lowbit_adam", "lowbit_lamb", "lowbit_turboquant"}
 #: configurations whose plan reads the link (Lion Cub's mode and TurboQuant's form ``auto``)
 LINK_PLANNED = {"lowbit_lion", "lowbit_turboquant"}
 LATENCY_US = 50
@@ -316,10 +318,10 @@ def parse_wire(text: str) -> str:
         raise argparse.ArgumentTypeError(f"--warmup-wire {text!r}: the first item is the default wire, one of "
                                          f"{sorted(wires)}, got {default!r}")
     for config, wire in exceptions.items():
-        if config not in WIRED or wire not in wires:
+        if config not in WIRED or wire not in wires | ({"int2"} if config in CODED else set()):
             raise argparse.ArgumentTypeError(
                 f"--warmup-wire {text!r}: '{config}={wire}' is not CONFIG=WIRE with CONFIG one of {sorted(WIRED)} "
-                f"and WIRE one of {sorted(wires)}")
+                f"and WIRE one of {sorted(wires)} (or int2 for {', '.join(sorted(CODED))})")
     return ",".join([default, *(f"{c}={w}" for c, w in exceptions.items())])
 
 

@@ -239,6 +239,9 @@ class Algorithm:
         it, ``topology='auto'`` stays flat and ``'hierarchical'`` is refused at setup.
     sharded: whether it runs on a model ``fully_shard``-ed inside each node
         (:func:`lowbit_strategy.attach_sharded`: its state per shard, its exchange across nodes).
+    coded_warmup: whether ``LowBitConfig(warmup_wire="int2")`` codes its warm-up (the staged
+        optimizers': :mod:`lowbit_strategy.algorithms.staged.warmup_codes`); the config refuses
+        ``int2`` for the others, which have no warm-up of their own to code.
     """
 
     name: str
@@ -252,3 +255,4 @@ class Algorithm:
     warmup_argument: str | None = None
     hierarchical: bool = False
     sharded: bool = False
+    coded_warmup: bool = False

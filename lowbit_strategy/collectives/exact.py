@@ -19,8 +19,12 @@ from lowbit_strategy.collectives import group as g
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: each wire dtype's name in configs and traffic records
 WIRE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-#: the wires an uncompressed phase may send (``LowBitConfig.warmup_wire``)
-WARMUP_WIRES = ("bf16", "fp32")
+#: the wires an uncompressed exchange may send (a fallback, BitDP's and Lion Cub's first steps)
+EXACT_WIRES = ("bf16", "fp32")
+#: what ``LowBitConfig.warmup_wire`` may name: an exact wire, or ``int2`` (the staged
+#: optimizers' warm-ups in BitDP's 2-bit codes with error feedback, every other uncompressed
+#: exchange in bf16: :func:`exact_wire`)
+WARMUP_WIRES = ("bf16", "fp32", "int2")
 
 
 def full_allreduce(
@@ -81,6 +85,12 @@ def mean_allreduce_async(
         return chain.then(g.all_reduce_sum_async(buf, group, op, traffic), lambda _: buf)
     wire = buf.to(wire_dtype).div_(g.world_size(group))
     return chain.then(g.all_reduce_sum_async(wire, group, op, traffic), lambda _: buf.copy_(wire))
+
+
+def exact_wire(warmup_wire: str) -> str:
+    """The exact wire an uncompressed exchange sends under ``LowBitConfig.warmup_wire``:
+    itself, or ``bf16`` for ``int2`` (a fallback or a first step is not coded)."""
+    return warmup_wire if warmup_wire in EXACT_WIRES else "bf16"
 
 
 def wire_dtype_of(name: str) -> torch.dtype:

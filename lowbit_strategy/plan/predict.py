@@ -41,6 +41,7 @@ from functools import lru_cache
 
 from lowbit_strategy import buckets
 from lowbit_strategy.collectives import wire
+from lowbit_strategy.collectives.exact import exact_wire
 from lowbit_strategy.collectives.gathered import PayloadLayout
 from lowbit_strategy.plan.inputs import Compute, Model
 from lowbit_strategy.plan.predict_demo import demo_rows
@@ -169,7 +170,9 @@ class Predictor:
         config = f"algorithm='turboquant', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
         return self.row(f"turboquant_{form}", "TurboQuant-Adam 4-bit", form, config, per, codec, memory)
 
-    def bitdp(self, form: str) -> Row:
+    def bitdp(self, form: str, full_itemsize: int = 4) -> Row:
+        """BitDP 2-bit's row; ``full_itemsize``: bytes per element of what it does not code
+        (4: its fp32 allreduce; 2: bf16, as the staged optimizers' ``int2`` warm-up sends it)."""
         per, lat, bw = [], self.c.inter_latency_us * 1e-6, self.c.inter_gbps * 1e9
         model = self.s.model
         for ids in self.bucket_ids:
@@ -180,9 +183,9 @@ class Predictor:
             ranks = self.p if form == "flat" else self.nodes
             how = bitdp_form("auto", PayloadLayout.of(mats, 2), ranks, lat, bw) if mats and ranks > 1 else "allgather"
             if form == "flat":
-                sends: Sends | NodeSends = bitdp_sends(how, mats, full, self.p)
+                sends: Sends | NodeSends = bitdp_sends(how, mats, full, self.p, itemsize=full_itemsize)
             else:
-                sends = bitdp_hierarchical_sends(how, mats, full, self.nodes, self.per_node)
+                sends = bitdp_hierarchical_sends(how, mats, full, self.nodes, self.per_node, itemsize=full_itemsize)
             per.append((bucket_seconds(sends, self.c), self._link(sends)))
         share = self.n / (self.per_node if form == "hierarchical" else 1)
         config = f"algorithm='bitdp', topology='{'flat' if form == 'flat' else 'hierarchical'}'"
@@ -299,11 +302,15 @@ def predict(setup: Setup) -> list[Row]:
     if setup.run is None:
         return rows
     wire = setup.run.warmup_wire
+    exact = exact_wire(wire)
     step = {r.key: r.step_s for r in rows}
     # PowerSGD's warm-up is torch's fp32; this package's in warmup_wire, in the row's own form
-    warm = {"powersgd": step["ddp_fp32"], "flat": step[f"ddp_{wire}"]}
+    # (int2: BitDP 2-bit's step, bf16 for what it does not code)
+    coded = wire == "int2"
+    warm = {"powersgd": step["ddp_fp32"], "flat": pr.bitdp("flat", 2).step_s if coded else step[f"ddp_{wire}"]}
     if "hierarchical" in forms:  # exact inside each node, the wire across
-        warm["hierarchical"] = pr.simple(wire, wire, "hierarchical", "", wire, None, 0.0).step_s
-    if setup.sharded:
-        warm["sharded"] = hsdp_warmup_step(pr, wire)
+        hier = pr.bitdp("hierarchical", 2) if coded else pr.simple(wire, wire, "hierarchical", "", wire, None, 0.0)
+        warm["hierarchical"] = hier.step_s
+    if setup.sharded:  # (int2 priced as HSDP bf16's, an upper bound: no sharded BitDP row here)
+        warm["sharded"] = hsdp_warmup_step(pr, exact)
     return whole_run(rows, setup.run, warm)

@@ -15,7 +15,9 @@ PowerSGD ``t_warm`` is DDP fp32's step (torch's hook sends fp32). For this packa
 the step of the uncompressed exchange in the row's own form, in ``LowBitConfig.warmup_wire``
 (``bf16`` by default, ``--warmup-wire``): DDP with that wire for the flat rows, the exact mean
 inside each node and that wire across for the hierarchical rows, HSDP in that wire for the
-sharded rows. The warm-up's update is priced as
+sharded rows. With ``int2`` the flat and hierarchical rows' warm-ups are BitDP 2-bit's step in
+that form (what it does not code in bf16), the sharded rows' HSDP bf16's (an upper bound),
+and PowerSGD's stays fp32. The warm-up's update is priced as
 AdamW's (1-bit LAMB's warm-up runs LAMB, whose layerwise ratios cost about 1 % more of the run
 on a 1B model; not added). In this package's time-to-quality
 benchmark (4M parameters, 1,500 steps, 2 × 2 CPU ranks) the steady state alone made PowerSGD
@@ -61,7 +63,7 @@ class Run:
         # the optimizers' own bounds: torch's PowerSGDState wants start_powerSGD_iter > 1 with its
         # error feedback and warm start; OneBitAdam/OneBitLamb a freeze_step >= 1
         if self.warmup_wire not in WARMUP_WIRES:
-            raise PlanError("--warmup-wire", self.warmup_wire, "pass bf16 or fp32 (LowBitConfig.warmup_wire)")
+            raise PlanError("--warmup-wire", self.warmup_wire, "pass bf16, fp32 or int2 (LowBitConfig.warmup_wire)")
         for option, value, least in (
             ("--powersgd-start", self.powersgd_start, 2),
             ("--freeze-step", self.freeze_step, 1),

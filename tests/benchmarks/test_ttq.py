@@ -493,8 +493,11 @@ def test_warmup_wire_per_configuration():
     assert study.quality_settings("lowbit_lamb", gbit, 1e-3, 0)["lowbit"] == "warmup_wire=fp32"
     assert study.timing_settings("ddp_adamw", gbit)["lowbit"] == ""
     assert ttq.wire_of("bf16", "lowbit_lamb") == "bf16"
+    coded = ttq.parse_wire("bf16,lowbit_adam=int2")  # the staged optimizers' warm-ups in BitDP's codes
+    assert ttq.wire_of(coded, "lowbit_adam") == "int2" and ttq.wire_of(coded, "lowbit_lion") == "bf16"
     for bad, named in (("int8", "'int8'"), ("fp32,ddp_adamw=bf16", "'ddp_adamw=bf16'"),
-                       ("fp32,lowbit_adam=fp16", "'lowbit_adam=fp16'")):
+                       ("fp32,lowbit_adam=fp16", "'lowbit_adam=fp16'"), ("int2", "'int2'"),
+                       ("bf16,lowbit_lion=int2", "'lowbit_lion=int2'")):
         with pytest.raises(argparse.ArgumentTypeError, match=named):
             ttq.parse_wire(bad)
     assert ttq_report.wires_said(wire) == "`warmup_wire=fp32`, except lowbit_adam: `bf16`"

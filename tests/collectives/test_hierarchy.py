@@ -192,6 +192,19 @@ def _check_staged(rank):
         hier_bytes, flat_bytes = _per_node(_network_bytes(sync, prefix)), _per_node(_network_bytes(flat_sync, prefix))
         assert 0 < hier_bytes <= flat_bytes / PER_NODE, (prefix, hier_bytes, flat_bytes)
 
+    # warmup_wire="int2": the warm-up in BitDP's codes on the node means equals the flat form's
+    # of N workers fed their node's mean, bit for bit; its cross-node bytes <= 1/L of flat's;
+    # a checkpoint in the middle of it (step 4 of 5) resumes bit for bit
+    coded = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.001, scale_block=64, warmup_wire="int2")
+    adam5 = lambda params: lowbit_strategy.OneBitAdam(params, lr=0.01, freeze_step=5)  # noqa: E731
+    hier, sync = _staged(rank, coded, adam5)
+    oracle, _ = _staged(rank, coded.replace(topology="flat"), adam5, group=mine, node_mean=True)
+    assert all(torch.equal(a, b) for a, b in zip(hier, oracle)), "int2 warm-up"
+    _, flat_sync = _staged(rank, coded.replace(topology="flat"), adam5)
+    hier_bytes, flat_bytes = _per_node(_network_bytes(sync, "gathered")), _per_node(_network_bytes(flat_sync, "gathered"))
+    assert 0 < hier_bytes <= flat_bytes / PER_NODE, ("int2 warm-up", hier_bytes, flat_bytes)
+    _resume(rank, coded, adam5, os.path.join(os.environ["HIERARCHY_TEST_TMP"], "resume-int2"))
+
     # BitDP (gradient level, any optimizer): each channel row is coded on its own, so the
     # hierarchical form equals the flat one of N workers fed their node's mean, bit for bit,
     # in both forms, error feedback included; the warm-up is DDP's mean of the node means

@@ -461,17 +461,24 @@ def _check_bitdp(rank, world_size):
     mesh = lowbit_strategy.node_mesh("cpu", LowBitConfig(ranks_per_node=PER_NODE))
     intra, inter = mesh["shard"].get_group(), mesh["replicate"].get_group()
     local = rank % PER_NODE
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)  # noqa: E731
-    for form, feedback in (("allgather", False), ("two_stage", True)):
-        cfg = dict(algorithm="bitdp", bitdp_bits=2, form=form, error_feedback=feedback)
-        net, _, sync = _sharded(rank, cfg, adamw, STEPS, mesh)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False)  # noqa: E731
+    # 1-bit Adam's warm-up in BitDP's codes (warmup_wire="int2") is this oracle with bf16 for
+    # what BitDP does not code, and AdamW
+    adam = lambda ps: lowbit_strategy.OneBitAdam(ps, lr=1e-2, weight_decay=0.01, freeze_step=STEPS)  # noqa: E731
+    coded = dict(algorithm="onebit_adam", warmup_wire="int2")
+    for form, feedback, cfg, make, full_wire in (
+        ("allgather", False, dict(algorithm="bitdp", bitdp_bits=2, form="allgather"), adamw, "fp32"),
+        ("two_stage", True, dict(algorithm="bitdp", bitdp_bits=2, form="two_stage", error_feedback=True), adamw, "fp32"),
+        ("allgather", True, coded, adam, "bf16"),
+    ):
+        net, _, sync = _sharded(rank, cfg, make, STEPS, mesh)
         # the oracle: BitDP's DDP hook over the N = 2 workers of this local rank, on the rows
         replica, shard_model = model(), model()
         for p in shard_model.parameters():
             p.data = p.data[slice(*_rows(p.shape[0], local))].clone()
         shards = list(shard_model.parameters())
         state = BitDPState(bits=2, process_group=inter, start_iter=2, form=form, error_feedback=feedback,
-                           model=shard_model, warmup_wire="bf16")  # LowBitConfig.warmup_wire's default
+                           model=shard_model, warmup_wire="bf16", full_wire=full_wire)  # (warmup_wire's default)
         opt = adamw(shards)
         for step in range(1, STEPS + 1):
             replica.zero_grad()
@@ -488,7 +495,7 @@ def _check_bitdp(rank, world_size):
             opt.step()
             _rows_back(replica, shards, intra)
         got = _full(net)
-        assert all(torch.equal(a, b.detach()) for a, b in zip(got, replica.parameters())), f"bitdp {form} rank {rank}"
+        assert all(torch.equal(a, b.detach()) for a, b in zip(got, replica.parameters())), f"{cfg} rank {rank}"
         assert sum(log.bytes_sent for log in sync.traffic_logs()) > 0
         if feedback:  # its rank-local state round-trips in local shapes
             sync.load_state_dict(sync.state_dict())

@@ -74,6 +74,22 @@ def test_the_run_prices_warmups_at_the_uncompressed_step_of_the_rows_form():
     assert hier < hier32 < fp32.step_s
 
 
+def test_int2_warmups_are_priced_at_bitdp_2bit_sending_bf16_for_the_rest():
+    bf16, int2 = _rows("100mbit", "--steps", "1500"), _rows("100mbit", "--steps", "1500", "--warmup-wire", "int2")
+    args = cli.parser().parse_args([*TTQ, "--link", "100mbit"])
+    pr = predict.Predictor(cli.setup_from(args))
+    for form in ("flat", "hierarchical"):
+        coded = pr.bitdp(form, full_itemsize=2)
+        assert coded.step_s < pr.bitdp(form).step_s  # its bf16 rest: fewer bytes than BitDP's fp32 rest
+        for key in (f"onebit_{form}", f"turboquant_{form}"):
+            r, warm = int2[key], int2[key].warmup_steps
+            assert r.run_s == pytest.approx(warm * coded.step_s + (1500 - warm) * r.step_s), key
+            assert r.run_s < bf16[key].run_s and r.step_s == bf16[key].step_s, key
+    assert int2["powersgd"].run_s == pytest.approx(bf16["powersgd"].run_s)  # torch's fp32 warm-up
+    with pytest.raises(inputs.PlanError, match="--warmup-wire: got 'int4'.*int2"):
+        Run(10, warmup_wire="int4")
+
+
 def test_sharded_rows_warm_up_at_hsdp_in_the_warmup_wire():
     whole = _rows("100mbit", "--steps", "1000", "--sharded")
     one, hsdp = whole["onebit_sharded"], whole["hsdp_bf16"]

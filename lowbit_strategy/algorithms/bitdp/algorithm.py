@@ -38,7 +38,7 @@ class BitDPSync(Sync):
             traffic=TrafficLog(),
             form=section.form,
             link=config.link,
-            warmup_wire=config.warmup_wire,
+            warmup_wire=config.exact_wire,
         ).attach(module)
         self._module = module
         #: the sharded path's units (by their parameters) and those seen in this backward pass

@@ -40,7 +40,7 @@ from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_o
 from lowbit_strategy.collectives.gathered import PayloadLayout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
 
-__all__ = ["hierarchical_hook", "row_range"]
+__all__ = ["across_nodes", "hierarchical_hook", "row_range"]
 
 
 def row_range(rows: int, ranks_per_node: int, local_rank: int) -> tuple[int, int]:
@@ -85,12 +85,20 @@ def _full_runs(buf: torch.Tensor, runs) -> list[torch.Tensor]:
 def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of BitDP across nodes (module docstring); ``sync`` is the
     :class:`~.algorithm.BitDPSync`, whose ``state.process_group`` is the cross-node group."""
+    sync.topology.node_mean_(bucket.buffer(), sync.node_traffic)
+    return across_nodes(sync, bucket)
+
+
+def across_nodes(sync, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Steps 2-3 of the module docstring on a bucket that holds the node's mean already:
+    :func:`hierarchical_hook` after its node mean, and the staged optimizers' coded warm-up
+    (:mod:`lowbit_strategy.algorithms.staged.warmup_codes`), whose DDP adapter averaged the
+    node itself. ``bucket``: what of ``dist.GradBucket`` :meth:`.BitDPState.plan` reads."""
     state, topo, traffic = sync.state, sync.topology, sync.state.traffic
     buf = bucket.buffer()
     plan = state.plan(bucket)
     warmup = state.iter < state.start_iter
     state.maybe_increase_iter(bucket)
-    topo.node_mean_(buf, sync.node_traffic)
     per_node, j, inter = topo.ranks_per_node, topo.local_rank, topo.inter
     if g.world_size(inter) == 1:  # one node: the node mean is DDP's mean, every rank holds it whole
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -132,7 +140,7 @@ def hierarchical_hook(sync, bucket: dist.GradBucket) -> torch.futures.Future[tor
     if hi > lo:
         fp = torch.cat(_full_runs(buf, runs))[lo:hi]
         # DDP's mean across nodes; the warm-up's in its wire (bf16: torch's bf16_compress_hook's)
-        wire = wire_dtype_of(state.warmup_wire) if warmup else torch.float32
+        wire = wire_dtype_of(state.warmup_wire if warmup else state.full_wire)
         f_full = mean_allreduce_async(fp, inter, "bitdp.full.allreduce", traffic, wire)
     if f_q is not None:
         q, raised = f_q.wait()

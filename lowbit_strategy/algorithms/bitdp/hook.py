@@ -12,7 +12,8 @@ For each DDP bucket the hook returns the mean gradient over ranks, in the bucket
   channel-quantized to 1 or 2 bits (Sec. 3.1.2, Eq. 5-9) and synchronized by the low-bit
   all-gather of :mod:`.collectives.gathered` (Sec. 3.2);
 * every other gradient in the bucket (biases, norms, embeddings, ...) is averaged by one
-  full-precision allreduce, launched at the same time — Algorithm 1's "AllReduce(g)/P".
+  full-precision allreduce, launched at the same time — Algorithm 1's "AllReduce(g)/P" —
+  in ``full_wire`` (``fp32`` by default; ``bf16`` as torch's ``bf16_compress_hook`` sends it).
 
 **Splitting a bucket.** DDP flattens a bucket's gradients into one buffer, contiguously in
 the order of ``bucket.parameters()``; ``bucket.gradients()`` are views into it (there is no
@@ -122,7 +123,7 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
     if warmup:
         return mean_allreduce_async(buf, group, "bitdp.warmup.allreduce", traffic, wire_dtype_of(state.warmup_wire))
     if not plan.quantized:
-        return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic)
+        return mean_allreduce_async(buf, group, "bitdp.full.allreduce", traffic, wire_dtype_of(state.full_wire))
     # this rank's NaN/Inf flag: device-side, sent beside the scales (no blocking agreement)
     nonfinite = nonfinite_flag(buf)
     mats = [buf[o : o + math.prod(s)].view(s) for o, s, _ in plan.quantized]
@@ -144,7 +145,10 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
         kw = dict(reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
         f_q = gathered_mean_async(words, scl, layout, group, **kw)
     full = None
-    if plan.full:
+    if plan.full and state.full_wire == "bf16":  # torch's bf16_compress_hook's mean
+        fp = torch.cat([buf[o : o + n] for o, n in plan.full])
+        full = (plan.full, fp, mean_allreduce_async(fp, group, "bitdp.full.allreduce", traffic, torch.bfloat16))
+    elif plan.full:  # Algorithm 1's AllReduce(g)/P, in the bucket's dtype
         fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / g.world_size(group))
         full = (plan.full, fp, g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
     if two_stage:  # waits for stage 1, runs this rank's server step, launches stage 2 (last)

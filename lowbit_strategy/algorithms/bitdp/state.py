@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lowbit_strategy.algorithms.bitdp import local_state
 from lowbit_strategy.algorithms.bitdp.quantized_params import ParamInfo, classify
 from lowbit_strategy.collectives import group as g
-from lowbit_strategy.collectives.exact import WARMUP_WIRES
+from lowbit_strategy.collectives.exact import EXACT_WIRES
 from lowbit_strategy.collectives.gathered import DEFAULT_CHUNK_ROWS, REDUCTIONS, PayloadLayout
 from lowbit_strategy.collectives.gathered_two_stage import chunking
 from lowbit_strategy.pricing.flat import BITDP_FORMS, bitdp_form
@@ -54,6 +54,8 @@ class BitDPState:
         start_iter: iterations of plain mean allreduce before compression starts (>= 2).
         warmup_wire: what those iterations send: ``"fp32"`` (DDP's own mean) or ``"bf16"``
             (torch's ``bf16_compress_hook``'s).
+        full_wire: what the gradients BitDP does not quantize send afterwards, as
+            ``warmup_wire`` names it (``"fp32"``: Algorithm 1's full-precision allreduce).
         reduction: ``"mean"`` (exact mean of dequantized gradients) or ``"paper"`` (Eq. 10).
         chunk_rows: rows decoded at a time (bounds decode memory); None: whole matrices.
         error_feedback: keep a rank-local residual per quantized parameter (off in BitDP).
@@ -70,6 +72,7 @@ class BitDPState:
         "exclude",
         "start_iter",
         "warmup_wire",
+        "full_wire",
         "reduction",
         "chunk_rows",
         "error_feedback",
@@ -102,6 +105,7 @@ class BitDPState:
         form: str = "auto",
         link: tuple[float, float] = (50e-6, 1e9),
         warmup_wire: str = "fp32",
+        full_wire: str = "fp32",
     ):
         if isinstance(bits, bool) or bits not in (1, 2):
             raise _bad("bits", bits, "BitDP quantizes gradients to 1 or 2 bits (Sec. 3.1.2); pass bits=1 or bits=2")
@@ -114,8 +118,10 @@ class BitDPState:
                 "pass an int >= 2: as with PowerSGD's start_powerSGD_iter, at least the first two "
                 "iterations (DDP's provisional buckets, then their rebuild) run as a plain allreduce",
             )
-        if warmup_wire not in WARMUP_WIRES:
+        if warmup_wire not in EXACT_WIRES:
             raise _bad("warmup_wire", warmup_wire, "use 'fp32' (DDP's mean) or 'bf16' (torch's bf16_compress_hook's)")
+        if full_wire not in EXACT_WIRES:
+            raise _bad("full_wire", full_wire, "use 'fp32' (DDP's mean) or 'bf16' (torch's bf16_compress_hook's)")
         if reduction not in REDUCTIONS:
             raise _bad("reduction", reduction, "use 'mean' (exact mean of dequantized gradients) or 'paper' (Eq. 10)")
         if chunk_rows is not None and not is_int(chunk_rows, 1):
@@ -132,7 +138,7 @@ class BitDPState:
         self.quantize = check_patterns("BitDPState.quantize", quantize)
         self.exclude = check_patterns("BitDPState.exclude", exclude)
         self.start_iter, self.reduction, self.chunk_rows = start_iter, reduction, chunk_rows
-        self.warmup_wire = warmup_wire
+        self.warmup_wire, self.full_wire = warmup_wire, full_wire
         self.error_feedback, self.traffic = error_feedback, traffic
         self.form, self.link = form, (float(link[0]), float(link[1]))
         self.iter = 0

@@ -221,7 +221,7 @@ class LionCommunicator:
             logger.info(
                 "lowbit: Lion Cub synchronizes with %s (codec seconds per bucket: %s)", self.plan, self.codec_seconds
             )
-        return self.plan if step > self.config.warmup_steps else EXACT_MODES[self.config.warmup_wire]
+        return self.plan if step > self.config.warmup_steps else EXACT_MODES[self.config.exact_wire]
 
     # ---- the update direction, at step time --------------------------------------------
     def directions(self, updates: Sequence[torch.Tensor], step: int, audit: bool = False) -> list[torch.Tensor]:

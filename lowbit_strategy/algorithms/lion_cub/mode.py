@@ -57,7 +57,7 @@ def auto_candidates(config: LowBitConfig, world_size: int, momentum_sync_every: 
     """
     every = lion_section(config).momentum_sync_every if momentum_sync_every is None else momentum_sync_every
     lane = next((b for b in (8, 16, 32) if max_levels(world_size, b) >= AUTO_MIN_LEVELS), 32)
-    return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + (config.warmup_wire,)
+    return (f"lp{lane}",) + (("sign", "1bit") if every else ()) + (config.exact_wire,)
 
 
 def resolve_mode(

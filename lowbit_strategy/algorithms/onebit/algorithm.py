@@ -64,6 +64,7 @@ def _entry(name: str, section, sync, strategy: str, summary: str, sharded: bool)
         hierarchical=True,
         sharded=sharded,
         warmup_argument="freeze_step",
+        coded_warmup=True,
     )
 
 

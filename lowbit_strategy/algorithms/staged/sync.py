@@ -13,6 +13,7 @@ import torch
 from lowbit_strategy.algorithms.base import LowBitSetupError, Sync, local_gradients_precision
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator
 from lowbit_strategy.algorithms.staged.optimizer import StagedOptimizer
+from lowbit_strategy.algorithms.staged.warmup_codes import CodedWarmup
 from lowbit_strategy.collectives import chain, wire
 from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.shards import Whole, take
@@ -48,6 +49,10 @@ class StagedSync(Sync):
         self._hook_traffic = wire.TrafficLog()
         #: parameter names, for checkpoints keyed by name
         self._names = parameter_names(module)
+        #: the warm-up's BitDP codes (``warmup_wire="int2"``), else None
+        self._coded = (
+            CodedWarmup(config, module, self._hook_traffic, self.node_traffic) if config.warmup_wire == "int2" else None
+        )
 
     def make_communicator(self, optimizer: StagedOptimizer) -> BucketCommunicator:
         raise NotImplementedError
@@ -58,6 +63,11 @@ class StagedSync(Sync):
         of its layout that are now complete."""
         owners = self._owners(params)
         wire = self._averaged_in(owners)
+        if wire == "int2":
+            assert self._coded is not None
+            return self._coded.mean(self.spec, self.topology, params, flat, owners[0].global_step)
+        if self._coded is not None and self._coded.state.residuals:
+            self._coded.end()
         if wire is not None:
             return self._warmup_mean(flat, wire)
         if not self.launch_after_assignment:
@@ -78,9 +88,12 @@ class StagedSync(Sync):
     def _averaged_in(self, owners: list[StagedOptimizer]) -> str | None:
         """The wire the launch site averages these gradients in, or None (they stay local):
         during warm-up (or with no owner) the config's ``warmup_wire`` (torch's
-        ``bf16_compress_hook``'s mean by default); for a communicator whose every bucket is
-        the exact mean, DDP's mean in that communicator's wire."""
-        if not owners or any(opt.stage == "warmup" for opt in owners):
+        ``bf16_compress_hook``'s mean by default; ``int2``: :class:`.CodedWarmup`'s, with no
+        owner the exact wire); for a communicator whose every bucket is the exact mean, DDP's
+        mean in that communicator's wire."""
+        if not owners:
+            return self.config.exact_wire
+        if any(opt.stage == "warmup" for opt in owners):
             return self.config.warmup_wire
         exact = [opt.communicator for opt in owners if opt.communicator is not None and opt.communicator.exact]
         return exact[0].exact_wire if exact else None
@@ -143,7 +156,7 @@ class StagedSync(Sync):
         ]
 
     def algorithm_state_dict(self) -> dict:
-        return {
+        state: dict = {
             "optimizers": [
                 {
                     "state": to_cpu(opt.state_dict()["state"]),
@@ -152,6 +165,9 @@ class StagedSync(Sync):
                 for opt in self.optimizers
             ]
         }
+        if self._coded is not None:
+            state["warmup_codes"] = self._coded.state_dict()
+        return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", [])
@@ -166,6 +182,8 @@ class StagedSync(Sync):
             if opt.communicator is not None:
                 device = next((p.device for grp in opt.param_groups for p in grp["params"]), "cpu")
                 opt.communicator.load_state_dict(own.get("errors") or {}, device)
+        if self._coded is not None:  # (absent: another world size, or saved with another warmup_wire)
+            self._coded.load_state_dict(state.get("warmup_codes") or {"iter": 0})
 
 
 #: ``16-mixed`` refused: in the compression stage gradients stay local

@@ -46,7 +46,7 @@ class TurboQuantSync(StagedSync):
             link=cfg.link,
             topology=self.topology,
             spec=self.spec,
-            fallback=cfg.warmup_wire,
+            fallback=cfg.exact_wire,
         )
 
     def attach(self, optimizers, who: str = "") -> None:
@@ -79,4 +79,5 @@ ALGORITHM = Algorithm(
     hierarchical=True,
     sharded=True,
     warmup_argument="warmup_steps",
+    coded_warmup=True,
 )

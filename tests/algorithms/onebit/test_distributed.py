@@ -18,7 +18,7 @@ from lowbit_strategy import LowBitConfig, LowBitSetupError, OneBitAdam, OneBitLa
 from lowbit_strategy.collectives.compensated import server_chunk_length
 from lowbit_strategy.collectives.reference import compensated_allreduce_reference
 from tests.distributed import run_ranks
-from tests.training import ddp_adamw, loss as _loss, model as _model, same_on_every_rank as _same_on_every_rank, train
+from tests.training import ddp_adamw, ddp_bitdp_adamw, loss as _loss, model as _model, same_on_every_rank as _same_on_every_rank, train
 
 LR, BETAS, EPS, WD, FREEZE, STEPS = 1e-2, (0.9, 0.999), 1e-8, 0.01, 3, 7
 
@@ -175,6 +175,40 @@ def _check_resume(rank, world_size, cls):
         assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters())), f"resume at {at}"
 
 
+def _check_coded_warmup(rank, world_size, resume):
+    """``warmup_wire="int2"``: the warm-up is DDP + BitDP's 2-bit hook (error feedback) + AdamW
+    bit for bit, its bytes that hook's, its coded steps fewer than a bf16 step's; a checkpoint in
+    the middle of it resumes bit for bit (its residuals travel with the rank states); its
+    residuals go when it ends."""
+    freeze = 5
+    cfg = LowBitConfig(algorithm="onebit_adam", bucket_size_mb=0.0005, warmup_wire="int2")
+
+    def make(params):
+        return OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=freeze)
+
+    def sent(sync):
+        return sum(log.bytes_sent for log in sync.traffic_logs())
+
+    ours, opt, sync = train(rank, make, cfg, freeze)
+    ddp, ddp_sent = ddp_bitdp_adamw(rank, freeze, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters()))
+    assert opt.stage == "compression" and sync._coded.state.residuals  # kept until a compressed step
+    assert sent(sync) == ddp_sent
+    bf16 = sent(train(rank, make, cfg, 2)[2]) / 2  # steps 1 and 2 in bf16, 3..5 coded
+    coded = (sent(sync) - 2 * bf16) / (freeze - 2)
+    assert 0 < coded < bf16, (coded, bf16)  # (this model's embedding, 1/4 of it, goes in bf16)
+    ours, _, sync = train(rank, make, cfg, freeze + 1)
+    assert not sync._coded.state.residuals
+    if resume:
+        straight, _, _ = train(rank, make, cfg, freeze + 2)
+        half, half_opt, half_sync = train(rank, make, cfg, 3)
+        saved = [lowbit_strategy.save_rank_states(half_sync), half_opt.state_dict()]
+        dist.broadcast_object_list(saved, src=0)
+        resumed, _, _ = train(rank, make, cfg, freeze + 2, start=4,
+                              resume=(copy.deepcopy(half.module.state_dict()), saved[1], saved[0]))
+        assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters()))
+
+
 def _check_lamb(rank, world_size, **form):
     cfg = LowBitConfig(algorithm="onebit_lamb", bucket_size_mb=0.0005, onebit_lamb_overlap=False)
     switch = []
@@ -207,6 +241,7 @@ def _check_all(rank, world_size):
         # across a restart there, whatever the optimizer)
         _check_resume(rank, world_size, OneBitAdam)
         _check_resume(rank, world_size, OneBitLamb)
+    _check_coded_warmup(rank, world_size, resume=world_size == 2)
 
 
 @pytest.mark.slow

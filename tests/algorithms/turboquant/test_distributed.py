@@ -23,7 +23,7 @@ from lowbit_strategy.codecs.turboquant import TurboQuantCodec
 from lowbit_strategy.collectives import turboquant_scale_groups, turboquant_server_chunk_length
 from lowbit_strategy.collectives.reference import turboquant_mean_reference
 from tests.distributed import run_ranks
-from tests.training import ddp_adamw, every_rank as _every_rank, flat as _flat, loss as _loss, model as _model
+from tests.training import ddp_adamw, ddp_bitdp_adamw, every_rank as _every_rank, flat as _flat, loss as _loss, model as _model
 from tests.training import same_on_every_rank as _same_on_every_rank, train
 
 LR, BETAS, EPS, WD, WARMUP, STEPS, BLOCK, DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01, 3, 8, 16, 0.9
@@ -262,6 +262,16 @@ def _check_exact_forms(rank, world_size):
     # counted: half the bytes (up to the ring's rounding of each allreduce to P equal parts)
     (bf16, records), (fp32, _) = sizes["bf16"], sizes["fp32"]
     assert 0 <= 2 * bf16 - fp32 <= 4 * (world_size - 1) * records, sizes
+
+    # warmup_wire="int2": the warm-up is DDP + BitDP's 2-bit hook + AdamW (steps 1-2 in bf16, step 3
+    # coded) with its bytes; on a link too fast to pay, auto falls back to bf16 (the exact wire)
+    cfg = _config("auto", link_bandwidth_gbps=1e4, link_latency_us=0, warmup_wire="int2")
+    model, opt, sync = _train(rank, cfg, WARMUP)
+    ddp, sent = ddp_bitdp_adamw(rank, WARMUP, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    assert torch.equal(_flat(model), _flat(ddp))
+    hook = sum(r.bytes_sent for log in sync.traffic_logs() for r in log.records if not r.op.startswith("turboquant."))
+    assert hook == sent > 0  # (beside auto's calibration)
+    assert opt.communicator.exact and opt.communicator.exact_wire == "bf16"
 
     fast, slow = (1e4, "bf16", {"bf16"}), (1e-4, "bf16", {"allgather", "two_stage"})
     for gbps, wire, expect in (fast, (1e4, "fp32", {"fp32"}), slow):
