@@ -24,12 +24,16 @@ Shared here, one module each:
   of the fused momentum buffers, the overlap entry from the DDP hook
   (:meth:`~StagedOptimizer.grads_ready`), the NaN/Inf rule (a step non-finite on any rank
   is skipped on every rank, state untouched);
+* :mod:`.agreement` — what the ranks agree on (the NaN/Inf test, the verdict levels, through
+  the shard spec) and the statistics of whole parameters under FSDP2 (the node's reductions
+  of the shards'), the optimizer's :class:`~.agreement.RankAgreement` base;
 * :mod:`.communicator` — :class:`BucketCommunicator`: one compressed collective per bucket,
   started from the hook or at ``step()``, the defer-one rule, and rank-local per-bucket
   state (error buffers, scales) committed only when the step is applied;
 * :mod:`.sync` — :class:`StagedSync`: the algorithm-interface side (the hook: mean
   allreduce during warm-up, local gradients + overlap afterwards; attach; per-rank
   checkpoints);
+* :mod:`.warmup_codes` — the warm-up in BitDP's 2-bit codes (``warmup_wire="int2"``);
 * :mod:`.adam` — Adam's per-parameter arithmetic (``torch.optim.AdamW`` bit for bit, and
   the update with a given variance), which both families use.
 

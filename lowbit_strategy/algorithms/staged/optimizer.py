@@ -12,49 +12,13 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_strategy.algorithms.staged import adam
+from lowbit_strategy.algorithms.staged.agreement import ALARM, SKIP, RankAgreement, any_nonfinite, verdict_level
 from lowbit_strategy.algorithms.staged.communicator import BucketCommunicator, Formed
 from lowbit_strategy.layout import Key, Layout, is_dtensor, local_step
 from lowbit_strategy.validation import check_int, check_number
 
 
-def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Whether an entry of ``tensors`` is NaN or ±Inf: one host read when none is.
-
-    A finite sum proves every entry of a tensor finite (an infinity or a NaN makes every
-    partial sum that holds it, hence the total, non-finite), so one streaming reduction per
-    tensor decides the common case; only when a sum is not finite (a real NaN/Inf, or
-    finite values whose sum overflows) are the max and min of every tensor read, which
-    propagate NaN and are ±Inf exactly when an infinity is present (a second host read, on
-    a step that is about to be skipped). ``isfinite(g).all()`` per tensor, the same answer,
-    cost ~2.2 ms a step on the e2e GPT (0.83 M parameters, one CPU thread), ~10x this."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return False
-    half = (torch.float16, torch.bfloat16)
-    sums = torch.stack([(t.sum(dtype=torch.float32) if t.dtype in half else t.sum()).float() for t in tensors])
-    if bool(torch.isfinite(sums).all()):
-        return False
-    extremes = torch.stack([x.float() for t in tensors for x in (t.amax(), t.amin())])
-    return not bool(torch.isfinite(extremes).all())
-
-
-#: verdict levels of a compressed step, the larger winning across ranks: skip it (a non-finite
-#: momentum somewhere), or raise the alarm a subclass set at the last update
-SKIP, ALARM = 2, 1
-
-
-def _level(verdicts: list[torch.Tensor], alarm: torch.Tensor | None) -> int:
-    """The step's verdict level from this rank's device-side flags: one host read (none
-    without flags)."""
-    parts = []
-    if verdicts:
-        parts.append(torch.stack(verdicts).any().to(torch.int32) * SKIP)
-    if alarm is not None:
-        parts.append(alarm.to(torch.int32).reshape(()) * ALARM)
-    return int(torch.stack(parts).max()) if parts else 0
-
-
-class StagedOptimizer(Optimizer):
+class StagedOptimizer(RankAgreement, Optimizer):
     """Warm-up, then compressed momenta: the stage switch, the communicator wiring and the
     safety rules. Subclasses supply :meth:`_warmup` and :meth:`_compressed` (per-parameter
     arithmetic) and may override :meth:`_local_momentum` and :meth:`_end_warmup`.
@@ -230,42 +194,6 @@ class StagedOptimizer(Optimizer):
         self._global_of = {}
         return loss
 
-    # ---- statistics of whole parameters (sharded: a parameter's shards span the node) ---------
-    @property
-    def _sharded(self) -> bool:
-        """Whether this rank holds shards of the parameters whose other rows are on the node's
-        other ranks (FSDP2 under :func:`lowbit_strategy.attach_sharded`)."""
-        return getattr(self._spec, "node", None) is not None
-
-    def _whole_norms(self, norms: torch.Tensor) -> torch.Tensor:
-        """Per-parameter L2 norms of this rank's shards -> the whole parameters' (the node's
-        squares summed); the norms themselves when parameters are whole."""
-        if not self._sharded:
-            return norms
-        return self._spec.node_sum_(norms.square()).sqrt_()
-
-    def _whole_max(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-parameter maxima over this rank's shards -> over the whole parameters."""
-        if not self._sharded:
-            return values
-        return self._spec.node_max_(values)
-
-    def _global_numel(self, p: torch.Tensor) -> int:
-        """Elements of the whole parameter ``p`` (a local shard inside :func:`local_step`)."""
-        return self._global_of.get(id(p), p).numel()
-
-    def _agreed(self, bad: bool) -> bool:
-        """This rank's verdict on the step -> the one every rank acts on (the shard spec's
-        :meth:`~lowbit_strategy.collectives.shards.ShardSpec.agree`: free where the
-        collectives already carried it, one small OR when ranks hold different shards)."""
-        spec = self._spec
-        return spec.agree(bad) if spec is not None else bad
-
-    @property
-    def _spec(self):
-        """The communicator's shard spec, or None (no communicator, or one of one's own without a spec)."""
-        return getattr(self.communicator, "spec", None)
-
     def _skip(self) -> bool:
         self.skipped_steps += 1
         warnings.warn(
@@ -319,7 +247,7 @@ class StagedOptimizer(Optimizer):
             verdicts = [v for v in (bad, bad_rest) if v is not None]
             alarm, self._alarm = self._alarm, None
             # the step's one host read (and, for ranks holding different shards, one small MAX)
-            level = self._agreed_level(_level(verdicts, alarm))
+            level = self._agreed_level(verdict_level(verdicts, alarm))
             if level == SKIP:
                 self._alarm = alarm  # read again with the next step's verdict
                 comm.discard()
@@ -346,12 +274,6 @@ class StagedOptimizer(Optimizer):
     def _raise_alarm(self) -> None:
         """Every rank agreed that the last update raised the alarm: raise (subclass)."""
         raise RuntimeError(f"{type(self).__name__}: the last compressed update raised an alarm")
-
-    def _agreed_level(self, level: int) -> int:
-        """:meth:`_agreed` for a verdict level (:data:`SKIP` over :data:`ALARM` over 0): the
-        largest over the ranks that must act alike."""
-        spec = self._spec
-        return spec.agree_level(level) if spec is not None else level
 
     # ---- per-parameter arithmetic (subclasses) ---------------------------------------------
     def _state(self, p: torch.Tensor) -> dict:
