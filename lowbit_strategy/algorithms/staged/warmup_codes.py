@@ -91,6 +91,10 @@ class CodedWarmup:
     ) -> torch.futures.Future[torch.Tensor]:
         """The mean of ``flat`` (a DDP bucket, or a unit's gradient shard under a
         :class:`LocalShard`) across the spec's workers, in place, in step ``steps_done + 1``."""
+        if spec.world_size == 1:  # one worker: nothing crosses, so nothing is coded (the node's mean)
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(flat)
+            return done
         state = self.state
         state.iter = steps_done  # BitDP's warm-up: steps_done < start_iter
         key = tuple(id(p) for p in params)
