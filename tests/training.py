@@ -100,7 +100,12 @@ def ddp_adamw(
     ddp = nn.parallel.DistributedDataParallel(model())
     if wire == "bf16":
         ddp.register_comm_hook(None, bf16_hook)
-    ref = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    return _adamw_steps(ddp, rank, steps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _adamw_steps(ddp: nn.Module, rank: int, steps: int, **adamw) -> nn.Module:
+    """``steps`` steps of ``torch.optim.AdamW(**adamw)`` (per-tensor form) on ``ddp``."""
+    ref = torch.optim.AdamW(ddp.parameters(), foreach=False, **adamw)
     for step in range(1, steps + 1):
         ref.zero_grad()
         loss(ddp, rank, step).backward()
@@ -119,9 +124,4 @@ def ddp_bitdp_adamw(rank: int, steps: int, *, lr: float, betas, eps: float, weig
     state = BitDPState(bits=2, error_feedback=True, warmup_wire="bf16", full_wire="bf16", model=ddp.module,
                        traffic=TrafficLog())
     ddp.register_comm_hook(state, bitdp_hook)
-    ref = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
-    for step in range(1, steps + 1):
-        ref.zero_grad()
-        loss(ddp, rank, step).backward()
-        ref.step()
-    return ddp, state.traffic.bytes_sent
+    return _adamw_steps(ddp, rank, steps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), state.traffic.bytes_sent
