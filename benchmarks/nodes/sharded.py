@@ -65,7 +65,7 @@ BASELINES = ("hsdp_fp32", "hsdp_bf16")
 #: the comm-free bound's row: every row's step time as a fraction of it ("of bound")
 BOUND = "node_only"
 LABELS = {"hsdp_fp32": "HSDP fp32 all-reduce + AdamW", "hsdp_bf16": "HSDP bf16 all-reduce + AdamW",
-          "lion_1bit": "Lion Cub 1-bit", "lion_auto": "Lion Cub auto", "onebit_adam": "1-bit Adam",
+          "lion_1bit": "Lion Cub 1-bit", "lion_auto": "Lion Cub auto", "onebit_adam": "1-bit Adam", "onebit_lamb": "1-bit LAMB",
           "turboquant": "TurboQuant-Adam (auto form)", "lion_1bit_step": "Lion Cub 1-bit, exchange at step()",
           "onebit_adam_step": "1-bit Adam, exchange at step()", "turboquant_step": "TurboQuant-Adam, exchange at step()",
           "node_only": "comm-free bound (FSDP2 in the node only)", "fsdp_fp32": "FSDP world, exact reduce-scatter + AdamW",

@@ -61,6 +61,8 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
     "lion_1bit": ("lion", "lion", {"algorithm": "lion", "mode": "1bit"}),
     "lion_auto": ("lion", "lion", {"algorithm": "lion", "mode": "auto"}),
     "onebit_adam": ("onebit_adam", "onebit_adam", {"algorithm": "onebit_adam"}),
+    # 1-bit LAMB sends what 1-bit Adam sends (the same compensated allreduce): its cost is 1-bit Adam's
+    "onebit_lamb": ("onebit_adam", "onebit_lamb", {"algorithm": "onebit_lamb"}),
     "turboquant": ("turboquant", "turboquant", {"algorithm": "turboquant"}),
     # the same with the exchange in optimizer.step() (the section's overlap off): the form before
     # the exchange started during backward, side by side with it
@@ -170,7 +172,7 @@ def expected(kind: str, opt, cfg: LowBitConfig | None, model: torch.nn.Module, n
         kw["collective"] = sharded_cost.lion_collective(comm.plan)
         kw["overlap"] = cfg is not None and cfg.lion.overlap
     elif kind == "onebit_adam" and cfg is not None:
-        kw["block"] = cfg.onebit_adam.scale_block
+        kw["block"] = cfg.section.scale_block
     elif kind == "turboquant" and comm is not None:
         from lowbit_strategy.algorithms.turboquant.form import choose_form
 
@@ -355,7 +357,7 @@ def main() -> int:
             "plan": (world_plan(cfg) if world_group else
                      f"{plan.mode}{plan.bits if plan.mode in ('lp', 'sign') else ''}" if plan else
                      "/".join(forms) if forms else
-                     f"1-bit, scale block {cfg.onebit_adam.scale_block}" if cfg and kind == "onebit_adam" else None),
+                     f"1-bit, scale block {cfg.section.scale_block}" if cfg and kind == "onebit_adam" else None),
             "per_rank": per_rank,
         }
         Path(args.out).write_text(json.dumps(rec) + "\n")

@@ -48,3 +48,11 @@ def test_projection_models_have_their_published_sizes():
     assert unit_params == len(models["8B (Llama-3 8B shape)"].shapes)
     with pytest.raises(ValueError, match="unknown configuration kind"):
         sharded_cost.step_sends("ddp", models["1.3B (GPT-3 XL shape)"], 8, 8)
+
+
+def test_every_worker_configuration_has_a_label():
+    from benchmarks.nodes import sharded, sharded_worker
+
+    assert set(sharded_worker.CONFIGS) <= set(sharded.LABELS), set(sharded_worker.CONFIGS) - set(sharded.LABELS)
+    kind, optimizer, fields = sharded_worker.CONFIGS["onebit_lamb"]
+    assert (kind, optimizer, fields["algorithm"]) == ("onebit_adam", "onebit_lamb", "onebit_lamb")
