@@ -75,7 +75,7 @@ class LowBitConfig:
             bf16's bytes for the linear weights; the first two steps, and every gradient
             BitDP does not code, in bf16: :mod:`~lowbit_strategy.algorithms.staged.warmup_codes`),
             their fallbacks bf16: faster to a target on slow links, but measured to cost 1-bit
-            Adam 2.3 % of final loss (its frozen variance comes from 2-bit codes), so not the
+            Adam 2.7 % of final loss (its frozen variance comes from 2-bit codes), so not the
             default. :attr:`exact_wire` is what uncompressed exchanges send.
         link_bandwidth_gbps, link_latency_us: the network the ``auto`` plans are made for
             (Gbit/s and µs per message), or ``"measure"`` (the default): at attach, every rank

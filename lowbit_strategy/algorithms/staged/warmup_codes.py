@@ -27,9 +27,9 @@ residuals are kept by parameter name in the staged optimizers' checkpoint and dr
 the warm-up ends (what they hold is a few steps' coding error of gradients the frozen
 variance has already seen).
 
-**Measured** (this project's time-to-quality study, 1-bit Adam, seeds 0 and 1): the warm-up
+**Measured** (this project's time-to-quality study, 1-bit Adam, seeds 0-2): the warm-up
 step at 100 Mbit/s takes 0.62 s instead of bf16's 1.20 s and the run reaches the target 2.48×
-faster than DDP with bf16 communication (bf16 warm-up: 2.10×), but its final loss is 2.3 %
+faster than DDP with bf16 communication (bf16 warm-up: 2.10×), but its final loss is 2.7 %
 higher, likely because the variance frozen after the warm-up averages squared 2-bit codes. Hence an
 option (slow links, where the warm-up dominates), not the default.
 """
