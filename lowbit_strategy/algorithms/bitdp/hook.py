@@ -78,7 +78,6 @@ from lowbit_strategy.algorithms.bitdp.state import BitDPState, BucketSplit
 from lowbit_strategy.codecs.channel import channel_encode_many
 from lowbit_strategy.codecs.reduce import nonfinite_flag
 from lowbit_strategy.collectives import chain
-from lowbit_strategy.collectives import group as g
 from lowbit_strategy.collectives.exact import mean_allreduce_async, wire_dtype_of
 from lowbit_strategy.collectives.gathered import PayloadLayout, gathered_mean_async, matrix_shape, pack_payload
 from lowbit_strategy.collectives.gathered_two_stage import gathered_two_stage_start
@@ -145,12 +144,10 @@ def bitdp_hook(state: BitDPState, bucket: dist.GradBucket) -> torch.futures.Futu
         kw = dict(reduction=state.reduction, chunk_rows=state.chunk_rows, out=out, traffic=traffic, flag=nonfinite)
         f_q = gathered_mean_async(words, scl, layout, group, **kw)
     full = None
-    if plan.full and state.full_wire == "bf16":  # torch's bf16_compress_hook's mean
+    if plan.full:  # Algorithm 1's AllReduce(g)/P in the bucket's dtype, or as torch's bf16_compress_hook
         fp = torch.cat([buf[o : o + n] for o, n in plan.full])
-        full = (plan.full, fp, mean_allreduce_async(fp, group, "bitdp.full.allreduce", traffic, torch.bfloat16))
-    elif plan.full:  # Algorithm 1's AllReduce(g)/P, in the bucket's dtype
-        fp = torch.cat([buf[o : o + n] for o, n in plan.full]).mul_(1.0 / g.world_size(group))
-        full = (plan.full, fp, g.all_reduce_sum_async(fp, group, "bitdp.full.allreduce", traffic))
+        wire = torch.bfloat16 if state.full_wire == "bf16" else fp.dtype
+        full = (plan.full, fp, mean_allreduce_async(fp, group, "bitdp.full.allreduce", traffic, wire))
     if two_stage:  # waits for stage 1, runs this rank's server step, launches stage 2 (last)
         f_q = handle.gather()
     last = f_q if two_stage or full is None else full[2]  # the future of the last launch

@@ -32,7 +32,7 @@ import torch
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, BucketSplit, bitdp_hook
 from lowbit_strategy.layout import local_view
 
-__all__ = ["UnitBucket", "sharded_ready", "unit_plan"]
+__all__ = ["UnitBucket", "sharded_ready", "unit_mean", "unit_plan"]
 
 
 class UnitBucket:
@@ -102,13 +102,19 @@ def sharded_ready(
 ) -> torch.futures.Future[torch.Tensor]:
     """One unit's shard through BitDP (module docstring); ``units``: the units' indices by their
     parameters, ``seen``: the units whose hook ran in this backward pass (updated here)."""
-    key = tuple(id(p) for p in params)
-    index = units.setdefault(key, len(units))
+    index = units.setdefault(tuple(id(p) for p in params), len(units))
     if index in seen:  # a new backward pass
         seen.clear()
         state.iter += 1
     seen.add(index)
-    cache = (index, flat.numel())
+    return unit_mean(state, index, params, flat, ranks_per_node)
+
+
+def unit_mean(
+    state: BitDPState, index: int, params: Sequence[torch.Tensor], flat: torch.Tensor, ranks_per_node: int
+) -> torch.futures.Future[torch.Tensor]:
+    """Unit ``index``'s shard through BitDP's hook at ``state.iter`` (its split cached per unit)."""
+    key, cache = tuple(id(p) for p in params), (index, flat.numel())
     cached = state.plans.get(cache)
     if cached is None or cached.param_ids != key:
         state.plans[cache] = unit_plan(state, params, flat.numel(), ranks_per_node)

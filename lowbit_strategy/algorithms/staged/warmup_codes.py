@@ -19,7 +19,7 @@ It *is* BitDP's hook (:mod:`lowbit_strategy.algorithms.bitdp`), not a copy: a
 the sharded path's per-unit hook) hands over: the flat form
 (:func:`~lowbit_strategy.algorithms.bitdp.hook.bitdp_hook`), across nodes on the node's mean
 (:func:`~lowbit_strategy.algorithms.bitdp.hierarchical.across_nodes`), or on a unit's
-gradient shard (:func:`~lowbit_strategy.algorithms.bitdp.sharded.unit_plan`). So the warm-up
+gradient shard (:func:`~lowbit_strategy.algorithms.bitdp.sharded.unit_mean`). So the warm-up
 equals DDP with BitDP's hook plus AdamW, bit for bit, and depends on each parameter's own
 rows only, never on DDP's bucket layout. Its iteration count is the optimizer's step count
 (the first two steps in bf16), so a resume continues as the uninterrupted run did; its
@@ -43,7 +43,7 @@ import torch
 
 from lowbit_strategy.algorithms.bitdp.hierarchical import across_nodes
 from lowbit_strategy.algorithms.bitdp.hook import BitDPState, bitdp_hook
-from lowbit_strategy.algorithms.bitdp.sharded import UnitBucket, unit_plan
+from lowbit_strategy.algorithms.bitdp.sharded import UnitBucket, unit_mean
 from lowbit_strategy.collectives.shards import LocalShard, NodeShard, ShardSpec
 from lowbit_strategy.collectives.wire import TrafficLog
 from lowbit_strategy.layout import local_view
@@ -103,15 +103,11 @@ class CodedWarmup:
             return done
         state = self.state
         state.iter = steps_done  # BitDP's warm-up: steps_done < start_iter
-        key = tuple(id(p) for p in params)
-        index = self._units.setdefault(key, len(self._units))
+        index = self._units.setdefault(tuple(id(p) for p in params), len(self._units))
         if isinstance(spec, LocalShard):
             state.process_group = spec.group
-            cached = state.plans.get((index, flat.numel()))
-            if cached is None or cached.param_ids != key:
-                per_node = cast(Any, params[0]).device_mesh.size() if params else 1
-                state.plans[(index, flat.numel())] = unit_plan(state, params, flat.numel(), per_node)
-            return bitdp_hook(state, UnitBucket(index, flat, params))  # type: ignore[arg-type]
+            per_node = cast(Any, params[0]).device_mesh.size() if params else 1
+            return unit_mean(state, index, params, flat, per_node)
         bucket = _Bucket(index, flat, params)
         if isinstance(spec, NodeShard):
             state.process_group, self.topology = topology.inter, topology
